@@ -1,0 +1,251 @@
+"""Read a Hugging Face hybrid checkpoint into canonical float32 numpy weights.
+
+Reads ``*.safetensors`` itself (one file or sharded with ``model.safetensors.index.json``), memory-mapped,
+in F32, F16 or BF16; bfloat16 is widened to float32 exactly (its bits are the top half of a float32).
+Weights are renamed to one canonical layout (see :func:`canonical_names`) so the rest of the project
+knows a single form:
+
+* Qwen3-Next's grouped ``in_proj_qkvz`` / ``in_proj_ba`` are split into the flat Qwen3.5 form
+  ``in_proj_qkv [C,H]``, ``in_proj_z [nv*dv,H]``, ``in_proj_b [nv,H]``, ``in_proj_a [nv,H]``;
+* per-expert MoE tensors (as ``save_pretrained`` writes them) or transformers' fused in-memory form
+  (``experts.gate_up_proj [E,2I,H]``, ``experts.down_proj [E,H,I]``) become stacked
+  ``experts.gate_proj [E,I,H]``, ``experts.up_proj [E,I,H]``, ``experts.down_proj [E,H,I]``;
+* ``conv1d.weight [C,1,K]`` becomes ``conv1d [C,K]``; ``lm_head`` is ``embed_tokens`` when tied.
+
+Vision (``model.visual.*``) and multi-token-prediction (``mtp.*``) tensors are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_runtime.config import DENSE, FULL, LINEAR, MOE, ConfigError, ModelConfig
+
+from .hf_config import CheckpointLayout, load_hf_config
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
+_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file that is missing, malformed or does not match its config."""
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Exact bfloat16 -> float32 (``bits`` is the raw uint16 storage)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class SafetensorsFile:
+    """A memory-mapped ``.safetensors`` file; tensors are read lazily."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                raise CheckpointError(f"{path}: implausible safetensors header length {n}")
+            header = json.loads(f.read(n))
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._base = 8 + n
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict] = header
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 (floating types) or its own integer type."""
+        info = self.header[name]
+        dtype = info["dtype"]
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
+        start, end = info["data_offsets"]
+        arr = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=(end - start) // np.dtype(_DTYPES[dtype]).itemsize,
+                            offset=self._base + start).reshape(info["shape"])
+        if dtype == "BF16":
+            return bf16_to_f32(arr)
+        if arr.dtype.kind == "f":
+            return arr.astype(np.float32)
+        return arr.copy()
+
+
+class Checkpoint:
+    """A checkpoint folder: config, layout and a lazy name -> tensor lookup across shards."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        self.config, self.layout = load_hf_config(self.dir)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            for name, fname in weight_map.items():
+                self._where[name] = fname
+        else:
+            shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"no *.safetensors in {self.dir}")
+            for fname in shards:
+                for name in self._file(fname).keys():
+                    self._where[name] = fname
+        # Released multimodal checkpoints keep the text model under model.language_model.
+        if self.layout.prefix == "model." and "model.language_model.embed_tokens.weight" in self._where:
+            self.layout = CheckpointLayout("model.language_model.", self.layout.fused_gdn,
+                                           self.layout.torch_dtype)
+
+    def _file(self, fname: str) -> SafetensorsFile:
+        if fname not in self._files:
+            path = self.dir / fname
+            if not path.is_file():
+                raise CheckpointError(f"shard {fname} listed in the index is missing from {self.dir}")
+            self._files[fname] = SafetensorsFile(path)
+        return self._files[fname]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        return self._file(self._where[name]).get(name)
+
+    def names(self) -> list[str]:
+        return [n for n in self._where if not n.startswith(_IGNORED_PREFIXES)]
+
+    def stored_dtypes(self) -> set[str]:
+        return {self._file(f).header[n]["dtype"] for n, f in self._where.items()
+                if not n.startswith(_IGNORED_PREFIXES)}
+
+
+def _expect(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(arr.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name}: shape {tuple(arr.shape)} does not match the config "
+                              f"(expected {tuple(shape)})")
+    return arr
+
+
+def _split_qkvz(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3-Next grouped projections -> flat ``[q | k | v]``, z, b, a (rows are output channels)."""
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // nk
+    h = qkvz.shape[1]
+    g = qkvz.reshape(nk, 2 * dk + 2 * r * dv, h)
+    q, k = g[:, :dk], g[:, dk:2 * dk]
+    v, z = g[:, 2 * dk:2 * dk + r * dv], g[:, 2 * dk + r * dv:]
+    gba = ba.reshape(nk, 2 * r, h)
+    flat = lambda t: t.reshape(-1, h)  # noqa: E731
+    return {
+        "in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], axis=0),
+        "in_proj_z": flat(z),
+        "in_proj_b": flat(gba[:, :r]),
+        "in_proj_a": flat(gba[:, r:]),
+    }
+
+
+def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
+    cfg, p = ck.config, f"{ck.layout.prefix}layers.{i}."
+    h = cfg.hidden_size
+    get = ck.get
+    yield f"layers.{i}.input_layernorm", _expect("input_layernorm", get(p + "input_layernorm.weight"), (h,))
+    yield f"layers.{i}.post_attention_layernorm", get(p + "post_attention_layernorm.weight")
+    if cfg.layer_types[i] == LINEAR:
+        la = p + "linear_attn."
+        nv, C, vd = cfg.linear_num_value_heads, cfg.conv_dim, cfg.value_dim
+        if ck.has(la + "in_proj_qkvz.weight"):
+            parts = _split_qkvz(cfg, get(la + "in_proj_qkvz.weight"), get(la + "in_proj_ba.weight"))
+        else:
+            parts = {n: get(la + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+        shapes = {"in_proj_qkv": (C, h), "in_proj_z": (vd, h), "in_proj_b": (nv, h), "in_proj_a": (nv, h)}
+        for n, arr in parts.items():
+            yield f"layers.{i}.linear_attn.{n}", _expect(la + n, arr, shapes[n])
+        conv = _expect(la + "conv1d.weight", get(la + "conv1d.weight"), (C, 1, cfg.conv_kernel))
+        yield f"layers.{i}.linear_attn.conv1d", conv[:, 0, :]
+        if ck.has(la + "conv1d.bias"):
+            raise CheckpointError(f"{la}conv1d.bias: a biased conv is not part of this model family")
+        yield f"layers.{i}.linear_attn.A_log", _expect(la + "A_log", get(la + "A_log"), (nv,))
+        yield f"layers.{i}.linear_attn.dt_bias", _expect(la + "dt_bias", get(la + "dt_bias"), (nv,))
+        yield f"layers.{i}.linear_attn.norm", _expect(la + "norm.weight", get(la + "norm.weight"),
+                                                      (cfg.linear_value_head_dim,))
+        yield f"layers.{i}.linear_attn.out_proj", _expect(la + "out_proj", get(la + "out_proj.weight"), (h, vd))
+    else:
+        sa = p + "self_attn."
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (2 * qd, h), "k_proj": (kvd, h), "v_proj": (kvd, h), "o_proj": (h, qd)}
+        for n, shp in shapes.items():
+            yield f"layers.{i}.self_attn.{n}", _expect(sa + n, get(sa + n + ".weight"), shp)
+            if cfg.attention_bias:
+                yield f"layers.{i}.self_attn.{n}_bias", get(sa + n + ".bias")
+        for n in ("q_norm", "k_norm"):
+            yield f"layers.{i}.self_attn.{n}", _expect(sa + n, get(sa + n + ".weight"), (cfg.head_dim,))
+    m = p + "mlp."
+    if cfg.ffn_types[i] == DENSE:
+        inter = cfg.intermediate_size
+        yield f"layers.{i}.mlp.gate_proj", _expect(m + "gate_proj", get(m + "gate_proj.weight"), (inter, h))
+        yield f"layers.{i}.mlp.up_proj", _expect(m + "up_proj", get(m + "up_proj.weight"), (inter, h))
+        yield f"layers.{i}.mlp.down_proj", _expect(m + "down_proj", get(m + "down_proj.weight"), (h, inter))
+        return
+    E, inter = cfg.num_experts, cfg.moe_intermediate_size
+    yield f"layers.{i}.mlp.gate", _expect(m + "gate", get(m + "gate.weight"), (E, h))
+    if ck.has(m + "experts.gate_up_proj"):  # transformers' fused in-memory form
+        gu = _expect(m + "experts.gate_up_proj", get(m + "experts.gate_up_proj"), (E, 2 * inter, h))
+        yield f"layers.{i}.mlp.experts.gate_proj", np.ascontiguousarray(gu[:, :inter])
+        yield f"layers.{i}.mlp.experts.up_proj", np.ascontiguousarray(gu[:, inter:])
+        yield f"layers.{i}.mlp.experts.down_proj", _expect(m + "experts.down_proj",
+                                                           get(m + "experts.down_proj"), (E, h, inter))
+    else:
+        for n, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            yield f"layers.{i}.mlp.experts.{n}", np.stack(
+                [_expect(f"{m}experts.{e}.{n}", get(f"{m}experts.{e}.{n}.weight"), shp) for e in range(E)])
+    si = cfg.shared_expert_intermediate_size
+    if si > 0:
+        s = m + "shared_expert."
+        yield f"layers.{i}.mlp.shared_expert.gate_proj", _expect(s + "gate_proj", get(s + "gate_proj.weight"), (si, h))
+        yield f"layers.{i}.mlp.shared_expert.up_proj", _expect(s + "up_proj", get(s + "up_proj.weight"), (si, h))
+        yield f"layers.{i}.mlp.shared_expert.down_proj", _expect(s + "down_proj", get(s + "down_proj.weight"), (h, si))
+        yield f"layers.{i}.mlp.shared_expert_gate", _expect(m + "shared_expert_gate",
+                                                            get(m + "shared_expert_gate.weight"), (1, h))
+
+
+def load_weights(ck: Checkpoint, progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
+    """All text-model weights in canonical names, float32 (see module docstring)."""
+    cfg, p = ck.config, ck.layout.prefix
+    w: dict[str, np.ndarray] = {}
+    w["embed_tokens"] = _expect("embed_tokens", ck.get(p + "embed_tokens.weight"), (cfg.vocab_size, cfg.hidden_size))
+    w["norm"] = ck.get(p + "norm.weight")
+    if cfg.tie_word_embeddings:
+        w["lm_head"] = w["embed_tokens"]
+    else:
+        w["lm_head"] = _expect("lm_head", ck.get("lm_head.weight"), (cfg.vocab_size, cfg.hidden_size))
+    for i in range(cfg.num_layers):
+        if progress:
+            progress(f"loading layer {i + 1}/{cfg.num_layers} ({cfg.layer_types[i]}, {cfg.ffn_types[i]})")
+        w.update(_layer_weights(ck, i))
+    return w
+
+
+def canonical_names(cfg: ModelConfig) -> list[str]:
+    """The canonical weight names a config implies (used by tests and the bundle writer)."""
+    names = ["embed_tokens", "norm", "lm_head"]
+    for i in range(cfg.num_layers):
+        names += [f"layers.{i}.input_layernorm", f"layers.{i}.post_attention_layernorm"]
+        if cfg.layer_types[i] == FULL:
+            names += [f"layers.{i}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                             "k_norm")]
+        else:
+            names += [f"layers.{i}.linear_attn.{n}" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                               "conv1d", "A_log", "dt_bias", "norm", "out_proj")]
+        if cfg.ffn_types[i] == MOE:
+            names += [f"layers.{i}.mlp.gate"] + [f"layers.{i}.mlp.experts.{n}" for n in
+                                                 ("gate_proj", "up_proj", "down_proj")]
+    return names
