@@ -18,63 +18,21 @@ Vision (``model.visual.*``) and multi-token-prediction (``mtp.*``) tensors are i
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from hybrid_runtime.config import DENSE, FULL, LINEAR, MOE, ConfigError, ModelConfig
+from hybrid_runtime.weights_io import SafetensorsFile, WeightsFormatError
 
 from .hf_config import CheckpointLayout, load_hf_config
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-           "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 
 
 class CheckpointError(ConfigError):
     """A checkpoint file that is missing, malformed or does not match its config."""
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Exact bfloat16 -> float32 (``bits`` is the raw uint16 storage)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-class SafetensorsFile:
-    """A memory-mapped ``.safetensors`` file; tensors are read lazily."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                raise CheckpointError(f"{path}: implausible safetensors header length {n}")
-            header = json.loads(f.read(n))
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._base = 8 + n
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict] = header
-
-    def keys(self) -> list[str]:
-        return list(self.header)
-
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 (floating types) or its own integer type."""
-        info = self.header[name]
-        dtype = info["dtype"]
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
-        start, end = info["data_offsets"]
-        arr = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=(end - start) // np.dtype(_DTYPES[dtype]).itemsize,
-                            offset=self._base + start).reshape(info["shape"])
-        if dtype == "BF16":
-            return bf16_to_f32(arr)
-        if arr.dtype.kind == "f":
-            return arr.astype(np.float32)
-        return arr.copy()
 
 
 class Checkpoint:
@@ -97,7 +55,7 @@ class Checkpoint:
             if not shards:
                 raise CheckpointError(f"no *.safetensors in {self.dir}")
             for fname in shards:
-                for name in self._file(fname).keys():
+                for name in self._file(fname).keys():  # noqa: SIM118 (not a dict)
                     self._where[name] = fname
         # Released multimodal checkpoints keep the text model under model.language_model.
         if self.layout.prefix == "model." and "model.language_model.embed_tokens.weight" in self._where:
@@ -109,7 +67,10 @@ class Checkpoint:
             path = self.dir / fname
             if not path.is_file():
                 raise CheckpointError(f"shard {fname} listed in the index is missing from {self.dir}")
-            self._files[fname] = SafetensorsFile(path)
+            try:
+                self._files[fname] = SafetensorsFile(path)
+            except WeightsFormatError as e:
+                raise CheckpointError(str(e)) from e
         return self._files[fname]
 
     def has(self, name: str) -> bool:

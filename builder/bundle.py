@@ -1,0 +1,162 @@
+"""Write an engine bundle: ONNX segments, state weights, tokenizer files and ``manifest.json``.
+
+The bundle is written to a temporary sibling folder and renamed into place at the end, so an
+interrupted build never leaves a half-written bundle that a server could pick up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime
+
+from hybrid_runtime.config import MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
+from hybrid_runtime.pipeline import plan_segments, state_weight_names
+from hybrid_runtime.weights_io import save_safetensors
+
+from . import workarounds
+from .checkpoint import Checkpoint, load_weights
+from .segments import build_segment
+
+BACKENDS = ("onnxruntime", "tensorrt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+STATE_WEIGHTS = "state_weights.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """Command-line options of ``python -m builder build`` (0 / None = derive a default)."""
+
+    backend: str = "onnxruntime"
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 0
+    page_size: int = 16
+    num_kv_pages: int = 0
+    num_state_slots: int = 0
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_batch_size=self.max_batch_size,
+            max_input_len=self.max_input_len,
+            max_seq_len=self.max_seq_len,
+            max_num_tokens=self.max_num_tokens or max(512, self.max_batch_size),
+            page_size=self.page_size,
+            # Default pool: every slot can hold a full-length sequence at once.
+            num_kv_pages=self.num_kv_pages or (self.num_state_slots or self.max_batch_size)
+            * math.ceil(self.max_seq_len / self.page_size),
+            num_state_slots=self.num_state_slots or self.max_batch_size,
+        )
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tokenizer_info(ckpt_dir: Path, eos_from_config: tuple[int, ...]) -> dict:
+    files = [n for n in TOKENIZER_FILES if (ckpt_dir / n).is_file()]
+    if "tokenizer.json" not in files:
+        raise ConfigError(f"no tokenizer.json in {ckpt_dir}: a bundle needs the tokenizer to serve text")
+    return {"files": files, "eos_token_ids": list(eos_from_config)}
+
+
+def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
+                 progress: Callable[[str], None] = print) -> Manifest:
+    """Build the bundle for ``checkpoint`` into ``output`` (replaced if it exists)."""
+    if opts.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if opts.backend == "tensorrt":
+        raise ConfigError("--backend tensorrt is not available yet: TensorRT plans are built by a later "
+                          "release of this builder; use --backend onnxruntime")
+    if opts.dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError(f"unknown dtype {opts.dtype!r}: choose float32, float16 or bfloat16")
+    t0 = time.perf_counter()
+    limits = opts.limits()
+    ckpt = Checkpoint(checkpoint)
+    cfg = ckpt.config
+    if limits.max_seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}")
+    toolkit = {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "opset": "17"}
+    target = {"device": "cpu", "arch": "cpu"}
+    applied = workarounds.select("onnxruntime", onnxruntime.__version__, "cpu")
+    for wa in applied:
+        progress(f"workaround {wa.id}: {wa.action}")
+    dtype = "float32"  # ort-cpu-fp32-activations: see the workaround table
+    progress(f"model: {cfg.model_type}, {cfg.num_layers} layers ({len(cfg.linear_layers)} linear, "
+             f"{len(cfg.attention_layers)} full attention), {cfg.num_parameters() / 1e6:.1f}M parameters")
+    weights = load_weights(ckpt, progress)
+
+    out = Path(output)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "segments").mkdir(parents=True)
+    plans = plan_segments(cfg)
+    specs: list[SegmentSpec] = []
+    for n, plan in enumerate(plans, 1):
+        progress(f"segment {n}/{len(plans)}: {plan.name}")
+        model = build_segment(cfg, weights, plan, limits.max_seq_len)
+        rel = f"segments/{plan.name}.onnx"
+        onnx.save_model(model, str(tmp / rel), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{plan.name}.onnx.data", size_threshold=0)
+        onnx.checker.check_model(str(tmp / rel))
+        (tmp / "segments" / f"{plan.name}.onnx.data").chmod(0o644)
+        specs.append(SegmentSpec(plan.name, rel, plan.inputs, plan.outputs))
+    progress("writing state weights")
+    save_safetensors(tmp / STATE_WEIGHTS, {n: weights[n] for n in state_weight_names(cfg)})
+    ckpt_dir = Path(checkpoint)
+    tok = _tokenizer_info(ckpt_dir, cfg.eos_token_ids)
+    for name in tok["files"]:
+        shutil.copyfile(ckpt_dir / name, tmp / name)
+    shutil.copyfile(ckpt_dir / "config.json", tmp / "hf_config.json")
+    checksums = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = Manifest(
+        version=MANIFEST_VERSION, model=cfg, limits=limits, backend=opts.backend, dtype=dtype,
+        segments=tuple(specs), state_weights=STATE_WEIGHTS, toolkit=toolkit, target=target,
+        workarounds=tuple(w.record() for w in applied), checksums=checksums, tokenizer=tok,
+    )
+    manifest.save(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    progress(f"engine built: {out} ({len(specs)} segments, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
+    return manifest
+
+
+def verify_checksums(bundle_dir: str | Path, manifest: Manifest) -> list[str]:
+    """Files whose sha256 differs from the manifest (or are missing)."""
+    d = Path(bundle_dir)
+    bad = []
+    for rel, digest in manifest.checksums.items():
+        p = d / rel
+        if not p.is_file() or sha256(p) != digest:
+            bad.append(rel)
+    return bad
+
+
+def describe(bundle_dir: str | Path) -> str:
+    """A human summary of a bundle's manifest (``python -m builder inspect``)."""
+    m = Manifest.load(bundle_dir)
+    lines = [f"bundle {bundle_dir}: {m.backend} {m.dtype}, model {m.model.model_type} "
+             f"({m.model.num_layers} layers, {m.model.num_parameters() / 1e6:.1f}M parameters)",
+             f"limits: {json.dumps(m.to_dict()['limits'])}"]
+    lines += [f"profile {p.name}: tokens {p.min_tokens}..{p.max_tokens} (opt {p.opt_tokens})" for p in m.profiles]
+    lines += [f"segment {s.name}: in {[i[0] for i in s.inputs]} -> out {[o[0] for o in s.outputs]}"
+              for s in m.segments]
+    lines += [f"workaround {w['id']}: {w['action']} ({w['reason']})" for w in m.workarounds]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Minimal safetensors reader/writer over numpy (no torch): memory-mapped reads, exact bfloat16.
+
+The format: an 8-byte little-endian header length, a JSON header mapping names to
+``{dtype, shape, data_offsets}``, then the raw little-endian data.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+_READ = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+         "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_WRITE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.float64): "F64",
+          np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+          np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+
+
+class WeightsFormatError(ValueError):
+    """A weights file that is not valid safetensors or holds an unsupported dtype."""
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Exact bfloat16 -> float32 (``bits`` is the raw uint16 storage)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round-to-nearest-even (as torch does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + 0x7FFF
+    return ((u + rounding) >> 16).astype(np.uint16)
+
+
+class SafetensorsFile:
+    """A memory-mapped ``.safetensors`` file; tensors are read lazily."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise WeightsFormatError(f"{self.path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100_000_000:
+                raise WeightsFormatError(f"{self.path}: implausible safetensors header length {n}")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise WeightsFormatError(f"{self.path}: malformed safetensors header: {e}") from e
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._base = 8 + n
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.header: dict[str, dict] = header
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored array without conversion (bfloat16 as uint16 bits), read-only, zero-copy."""
+        info = self.header[name]
+        if info["dtype"] not in _READ:
+            raise WeightsFormatError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dt = np.dtype(_READ[info["dtype"]])
+        start, end = info["data_offsets"]
+        return np.frombuffer(self._mm, dtype=dt, count=(end - start) // dt.itemsize,
+                             offset=self._base + start).reshape(info["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 for floating types (bf16/f16 widened exactly), else its own type."""
+        arr = self.raw(name)
+        if self.header[name]["dtype"] == "BF16":
+            return bf16_to_f32(arr)
+        if arr.dtype.kind == "f":
+            return arr.astype(np.float32)
+        return arr.copy()
+
+
+def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: frozenset[str] = frozenset(),
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``path``; names in ``bf16`` are stored as BF16 (given as float32 arrays)."""
+    header: dict[str, object] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        arr = np.asarray(tensors[name])
+        if name in bf16:
+            data, dtype = f32_to_bf16_bits(arr).tobytes(), "BF16"
+        else:
+            if arr.dtype not in _WRITE:
+                raise WeightsFormatError(f"cannot store {name} of dtype {arr.dtype}")
+            data, dtype = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes(), _WRITE[arr.dtype]
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for b in blobs:
+            f.write(b)
