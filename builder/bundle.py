@@ -112,9 +112,11 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         model = build_segment(cfg, weights, plan, limits.max_seq_len)
         rel = f"segments/{plan.name}.onnx"
         onnx.save_model(model, str(tmp / rel), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{plan.name}.onnx.data", size_threshold=0)
+                        location=f"{plan.name}.onnx.data", size_threshold=1024)
         onnx.checker.check_model(str(tmp / rel))
-        (tmp / "segments" / f"{plan.name}.onnx.data").chmod(0o644)
+        data = tmp / "segments" / f"{plan.name}.onnx.data"
+        if data.exists():  # onnx writes external data owner-only; a server may run as another user
+            data.chmod(0o644)
         specs.append(SegmentSpec(plan.name, rel, plan.inputs, plan.outputs))
     progress("writing state weights")
     save_safetensors(tmp / STATE_WEIGHTS, {n: weights[n] for n in state_weight_names(cfg)})

@@ -80,7 +80,7 @@ class SafetensorsFile:
         if self.header[name]["dtype"] == "BF16":
             return bf16_to_f32(arr)
         if arr.dtype.kind == "f":
-            return arr.astype(np.float32)
+            return arr.astype(np.float32, copy=False)  # float32 stays a zero-copy read-only view
         return arr.copy()
 
 

@@ -1,0 +1,147 @@
+"""Model runner: executes one batch (PREFILL or DECODE) through the segment pipeline.
+
+It owns the device state (engine contexts, state cache, KV cache) and makes no policy decisions: the
+scheduler decides which sequences, slots and pages; the runner computes logits. Only the engine thread
+calls it (invariant 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import LINEAR, BundleError, Manifest
+from .engine import Engine, Phase, load_engine
+from .kv_cache import KVCache, KVLayout
+from .ops.attention import prefill_attention
+from .ops.dispatcher import DecodeAttentionDispatcher
+from .ops.gdn import gdn_decode, gdn_prefill
+from .ops.moe import MoE
+from .pipeline import plan_segments, state_weight_names
+from .state_cache import StateCache
+from .weights_io import SafetensorsFile
+
+log = logging.getLogger("hybrid_runtime.runner")
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's part of a batch: ``token_ids`` go to positions ``start_pos..``; its state lives in
+    ``slot`` and its KV in ``page_table`` (which already covers ``start_pos + len(token_ids)`` tokens)."""
+
+    slot: int
+    page_table: list[int]
+    start_pos: int
+    token_ids: list[int]
+    need_logits: bool = True
+
+
+class ModelRunner:
+    """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run`."""
+
+    def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
+                 multi_block_mode: str = "auto", num_kv_pages: int | None = None,
+                 intra_op_threads: int = 0, engine: Engine | None = None) -> None:
+        self.manifest = manifest
+        cfg = self.cfg = manifest.model
+        lim = manifest.limits
+        self.engine = engine or load_engine(bundle_dir, manifest, pinning, intra_op_threads)
+        self.plans = plan_segments(cfg)
+        if [p.name for p in self.plans] != [s.name for s in manifest.segments]:
+            raise BundleError("bundle segments do not match this runtime's pipeline for the model config; "
+                              "rebuild the bundle with this version of the builder")
+        sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
+        self.conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
+        state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}
+        self.moe = {i: MoE(cfg, state_w, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
+        self.state = StateCache(cfg, lim.num_state_slots)
+        pages = num_kv_pages or lim.num_kv_pages
+        self.kv_layout = KVLayout(pages, lim.page_size, cfg.num_kv_heads, cfg.head_dim, np.float32,
+                                  len(cfg.attention_layers))
+        self.kv = KVCache(self.kv_layout, cfg.attention_layers)
+        self.dispatcher = DecodeAttentionDispatcher(mode=multi_block_mode)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, phase: Phase, steps: list[SeqStep]) -> np.ndarray:
+        """Logits ``[n, vocab]`` float32 for the steps with ``need_logits`` (in order; n may be 0).
+
+        PREFILL: each step is a chunk of one prompt. DECODE: each step is exactly one token.
+        """
+        lens = [len(s.token_ids) for s in steps]
+        if phase == Phase.DECODE and any(n != 1 for n in lens):
+            raise ValueError("a DECODE batch carries exactly one token per sequence")
+        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        ids = np.fromiter((t for s in steps for t in s.token_ids), np.int64, count=int(bounds[-1]))
+        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(steps, lens)])
+        pages, offsets = self._slot_mapping(steps, positions, bounds)
+        env: dict[str, np.ndarray] = {"input_ids": ids, "positions": positions}
+        for si, plan in enumerate(self.plans[:-1]):
+            out = self.engine.run(si, phase, {n: env[n] for n, _, _ in plan.inputs})
+            env["x"] = out["x_next"]
+            kind, layer = plan.exit
+            if kind == "mixer" and self.cfg.layer_types[layer] == LINEAR:
+                env["mix_core"] = self._gdn(layer, phase, steps, bounds, out)
+                env["mix_z"] = out["z"]
+            elif kind == "mixer":
+                env["mix_attn"] = self._attention(layer, phase, steps, bounds, positions, pages, offsets, out)
+                env["mix_gate"] = out["gate"]
+            elif kind == "moe":
+                env["ffn_out"] = self.moe[layer](out["h"])
+        rows = [int(bounds[i + 1]) - 1 for i, s in enumerate(steps) if s.need_logits]
+        if not rows:
+            return np.zeros((0, self.cfg.vocab_size), np.float32)
+        logits = self.engine.run(len(self.plans) - 1, phase, {"x": np.ascontiguousarray(env["x"][rows])})["logits"]
+        return logits.copy()
+
+    def _slot_mapping(self, steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(page, offset) of every token of the batch, computed once per step for all attention layers."""
+        ps = self.kv_layout.page_size
+        pages = np.empty(len(positions), np.int64)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            need = -(-(s.start_pos + b - a) // ps)
+            if need > len(s.page_table):
+                raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} tokens")
+            pages[a:b] = np.asarray(s.page_table, np.int64)[positions[a:b] // ps]
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.kv_layout.num_pages):
+            raise IndexError(f"page index outside the pool of {self.kv_layout.num_pages} pages")
+        return pages, positions % ps
+
+    def _gdn(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray,
+             out: dict[str, np.ndarray]) -> np.ndarray:
+        cfg = self.cfg
+        dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                cfg.linear_value_head_dim)
+        conv, rec, w = self.state.conv[layer], self.state.recurrent[layer], self.conv_w[layer]
+        u, g, beta = out["u"], out["g"], out["beta"]
+        if phase == Phase.DECODE:
+            slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
+            return gdn_decode(conv, rec, slots, u, g, beta, w, *dims)
+        core = np.empty((len(u), cfg.value_dim), np.float32)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            core[a:b] = gdn_prefill(conv, rec, s.slot, u[a:b], g[a:b], beta[a:b], w, *dims)
+        return core
+
+    def _attention(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, positions: np.ndarray,
+                   pages: np.ndarray, offsets: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
+        cfg = self.cfg
+        T, H, Hkv, hd = len(positions), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_buf, v_buf = self.kv.buffers(layer)
+        k_buf[pages, offsets] = out["k"].reshape(T, Hkv, hd)
+        v_buf[pages, offsets] = out["v"].reshape(T, Hkv, hd)
+        q = out["q"].reshape(T, H, hd)
+        if phase == Phase.DECODE:
+            tables = [np.asarray(s.page_table, np.int64) for s in steps]
+            lens = np.fromiter((s.start_pos + 1 for s in steps), np.int64, count=len(steps))
+            return self.dispatcher.run(q, k_buf, v_buf, tables, lens).reshape(T, H * hd)
+        attn = np.empty((T, H, hd), np.float32)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            attn[a:b] = prefill_attention(q[a:b], k_buf, v_buf, s.page_table, s.start_pos)
+        return attn.reshape(T, H * hd)
+
