@@ -1,0 +1,337 @@
+"""The serving loop: one engine thread per model instance owns every context, cache and buffer.
+
+Callers (Triton's ``execute``, the offline CLI, tests) use the thread-safe :meth:`ServingEngine.submit`
+and :meth:`ServingEngine.cancel`; both only validate and enqueue (invariant 1). Each request's events are
+delivered by calling its ``sink`` from the engine thread: zero or more token events, then exactly one
+final event — finished with a reason, an error, or cancelled (invariant 7). A sink that raises is taken
+as a client that went away: the request is cancelled and its slot and pages are freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import BundleError, ConfigError, Manifest
+from .engine.base import PINNING_MODES
+from .kv_cache import KVLayout
+from .metrics import Metrics
+from .runner import ModelRunner
+from .sampler import make_rng, sample
+from .sampling import RequestValidationError, SamplingParams
+from .scheduler import Batch, Scheduler, Sequence
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger("hybrid_runtime.serving")
+
+MULTI_BLOCK_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """Deployment options (the model parameters of config.pbtxt map onto these)."""
+
+    max_batch_size: int = 0  # 0 = the bundle's
+    multi_block_mode: str = "auto"
+    profile_pinning: str = "per_context"
+    default_max_tokens: int = 16
+    kv_cache_bytes: int = 0  # 0 = the bundle's page count
+    intra_op_threads: int = 0  # 0 = onnxruntime's default (all cores)
+    seed: int = 0  # seeds the generators of unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        if self.multi_block_mode not in MULTI_BLOCK_MODES:
+            raise ConfigError(f"multi_block_mode={self.multi_block_mode!r}: choose one of {', '.join(MULTI_BLOCK_MODES)}")
+        if self.profile_pinning not in PINNING_MODES:
+            raise ConfigError(f"profile_pinning={self.profile_pinning!r}: choose one of {', '.join(PINNING_MODES)}")
+        if self.max_batch_size < 0 or self.default_max_tokens < 1 or self.kv_cache_bytes < 0:
+            raise ConfigError(f"invalid runtime options {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One client request: text ``prompt`` or token ``prompt_ids`` (exactly one of them)."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A token event (``final`` False) or the one final event of a request."""
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    final: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    output_ids: tuple[int, ...] = ()  # all generated ids (final event only)
+    num_prompt_tokens: int = 0
+
+
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False, slots=True)
+class _Live:
+    """Per-request serving state beside the scheduler's :class:`Sequence`."""
+
+    seq: Sequence
+    sink: Sink
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    rng: np.random.Generator
+    eos: frozenset[int]
+    t_submit: float
+    t_last: float = 0.0
+    text: list[str] = field(default_factory=list)
+
+
+class ServingEngine:
+    """Loads a bundle and serves requests from its own engine thread."""
+
+    def __init__(self, bundle_dir: str | Path, options: RuntimeOptions | None = None) -> None:
+        self.options = opts = options or RuntimeOptions()
+        self.bundle_dir = Path(bundle_dir)
+        self.manifest = m = Manifest.load(self.bundle_dir)
+        lim = m.limits
+        if opts.max_batch_size > lim.max_batch_size:
+            raise BundleError(f"max_batch_size={opts.max_batch_size} exceeds the bundle's {lim.max_batch_size} "
+                              f"({self.bundle_dir}); lower it or rebuild with --max-batch-size {opts.max_batch_size}")
+        self.max_batch_size = opts.max_batch_size or lim.max_batch_size
+        for wa in m.workarounds:
+            log.info("bundle workaround %s: %s", wa["id"], wa["action"])
+        num_pages = lim.num_kv_pages
+        if opts.kv_cache_bytes:
+            cfg = m.model
+            num_pages = KVLayout.pages_for_budget(opts.kv_cache_bytes, len(cfg.attention_layers), lim.page_size,
+                                                  cfg.num_kv_heads, cfg.head_dim).num_pages
+        self.tokenizer = Tokenizer.from_dir(self.bundle_dir, eos_token_ids=m.model.eos_token_ids)
+        self.runner = ModelRunner(self.bundle_dir, m, pinning=opts.profile_pinning,
+                                  multi_block_mode=opts.multi_block_mode, num_kv_pages=num_pages,
+                                  intra_op_threads=opts.intra_op_threads)
+        self.scheduler = Scheduler(lim, self.max_batch_size, num_pages, self.runner.state.reset)
+        self.metrics = Metrics()
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._seeds = np.random.SeedSequence(opts.seed)
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+
+    # ---- public, thread-safe ---------------------------------------------------------------------
+    def start(self) -> ServingEngine:
+        self._thread = threading.Thread(target=self._loop, name="hybrid-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, req: GenerationRequest, sink: Sink) -> int:
+        """Validate and enqueue; returns the prompt length. Raises RequestValidationError (nothing queued)."""
+        if self._stop.is_set() or self.fatal is not None:
+            raise RequestValidationError("the model is shutting down", code="unavailable")
+        ids = self._prompt_ids(req)
+        lim = self.manifest.limits
+        if len(ids) > lim.max_input_len:
+            raise RequestValidationError(f"prompt is {len(ids)} tokens, over max_input_len={lim.max_input_len}",
+                                         field="text_input")
+        room = lim.max_seq_len - len(ids)
+        if req.params.max_tokens > room:
+            raise RequestValidationError(f"max_tokens={req.params.max_tokens} with a {len(ids)}-token prompt exceeds "
+                                         f"max_seq_len={lim.max_seq_len} (at most {room})", field="max_tokens")
+        self._inbox.put(("add", (req, ids, sink, time.perf_counter())))
+        return len(ids)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; every in-flight request gets a final "cancelled" event."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict:
+        return self.metrics.snapshot()
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    # ---- validation ----------------------------------------------------------------------------
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if (req.prompt is None) == (req.prompt_ids is None):
+            raise RequestValidationError("give exactly one of a text prompt or prompt token ids", field="text_input")
+        if req.prompt is not None:
+            if not req.prompt:
+                raise RequestValidationError("the prompt is empty", field="text_input")
+            ids = self.tokenizer.encode(req.prompt)
+            if not ids:
+                raise RequestValidationError("the prompt encodes to no tokens", field="text_input")
+            return ids
+        ids = [int(t) for t in req.prompt_ids or ()]
+        if not ids:
+            raise RequestValidationError("input_ids is empty", field="input_ids")
+        vocab = self.manifest.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestValidationError(f"input_ids out of range 0..{vocab - 1}: {bad[:5]}", field="input_ids")
+        return ids
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.scheduler.running and not self.scheduler.waiting)
+                batch = self.scheduler.schedule()
+                self._update_gauges()
+                if batch is not None:
+                    self._step(batch)
+        except BaseException as e:  # a bug: fail every request loudly rather than hang them
+            log.exception("engine thread died")
+            self.fatal = e
+        finally:
+            self._drain(block=False)
+            for live in list(self._live.values()):
+                self._final(live, "cancelled" if self.fatal is None else "error",
+                            None if self.fatal is None else f"engine failure: {self.fatal!r}")
+            self._update_gauges()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self._admit(*item)  # type: ignore[misc]
+            elif kind == "cancel":
+                live = self._live.get(item)  # type: ignore[arg-type]
+                if live is not None:
+                    self._final(live, "cancelled")
+
+    def _admit(self, req: GenerationRequest, ids: list[int], sink: Sink, t0: float) -> None:
+        if req.request_id in self._live:
+            self._send(sink, Event(req.request_id, final=True, finish_reason="error",
+                                   error=f"request id {req.request_id!r} is already in flight"))
+            return
+        seq = Sequence(req.request_id, ids, req.params, max_len=len(ids) + req.params.max_tokens)
+        eos = frozenset() if req.params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(req.params.stop),
+                     make_rng(req.params.seed, self._seeds), eos, t0)
+        self._live[req.request_id] = live
+        self.scheduler.add(seq)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(ids)
+
+    def _step(self, batch: Batch) -> None:
+        try:
+            logits = self.runner.run(batch.phase, batch.steps)
+        except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
+            log.error("%s step failed for %d sequences: %s", batch.phase.name, len(batch.seqs), e)
+            for seq in batch.seqs:
+                self._final(self._live[seq.request_id], "error", f"{type(e).__name__}: {e}")
+            return
+        self.scheduler.advance(batch)
+        with self.metrics.lock:
+            self.metrics.steps[batch.phase.name.lower()] += 1
+        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
+        if not need:
+            return
+        lives = [self._live[s.request_id] for s in need]
+        tokens = sample(logits, [lv.seq.params for lv in lives], [lv.rng for lv in lives])
+        now = time.perf_counter()
+        for live, tok in zip(lives, tokens.tolist()):
+            self._on_token(live, int(tok), now)
+
+    def _on_token(self, live: _Live, tok: int, now: float) -> None:
+        seq, p = live.seq, live.seq.params
+        seq.output_ids.append(tok)
+        with self.metrics.lock:
+            self.metrics.tokens_generated += 1
+            (self.metrics.itl if live.t_last else self.metrics.ttft).observe(now - (live.t_last or live.t_submit))
+        live.t_last = now
+        n = len(seq.output_ids)
+        stop_tok = n > p.min_tokens and (tok in live.eos or tok in p.stop_token_ids)
+        text, hit = ("", False) if stop_tok else live.stops.feed(live.detok.push(tok))
+        if hit and n <= p.min_tokens:
+            hit = False  # stop strings count only after min_tokens
+        done = stop_tok or hit or n >= p.max_tokens or seq.num_tokens >= self.manifest.limits.max_seq_len
+        if done and not hit:
+            text += live.stops.feed(live.detok.flush())[0] + live.stops.flush()
+        if text or not done:
+            live.text.append(text)
+            if not self._send(live.sink, Event(seq.request_id, text=text, token_ids=(tok,))):
+                self._final(live, "cancelled")
+                return
+        if done:
+            self._final(live, "stop" if stop_tok or hit else "length")
+
+    def _final(self, live: _Live, reason: str, error: str | None = None) -> None:
+        """Send the one final event, then release the slot and pages (we are between steps)."""
+        seq = live.seq
+        if self._live.pop(seq.request_id, None) is None:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.remove_waiting(seq)
+        else:
+            self.scheduler.finish(seq)
+        self._send(live.sink, Event(seq.request_id, text="".join(live.text), final=True, finish_reason=reason,
+                                    error=error, output_ids=tuple(seq.output_ids),
+                                    num_prompt_tokens=len(seq.prompt_ids)))
+        with self.metrics.lock:
+            self.metrics.finished[reason] += 1
+
+    def _send(self, sink: Sink, ev: Event) -> bool:
+        try:
+            sink(ev)
+            return True
+        except Exception as e:  # the client went away: its request is cancelled, the server goes on
+            log.info("sink for %s failed (%s); cancelling it", ev.request_id, e)
+            return False
+
+    def _update_gauges(self) -> None:
+        s, d, m = self.scheduler, self.runner.dispatcher, self.metrics
+        with m.lock:
+            m.requests_running, m.requests_waiting = len(s.running), len(s.waiting)
+            m.slots_in_use, m.kv_pages_in_use = s.slots.num_used, s.pages.num_used
+            m.profile_switches = self.runner.engine.profile_switches
+            m.attention_plans, m.attention_fallbacks = d.plans.copy(), d.fallbacks.copy()
+
+
+def generate(engine: ServingEngine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Event]:
+    """Submit all requests at once to a started engine and wait for their final events (input order).
+
+    A request that fails validation gets a final "error" event instead of raising.
+    """
+    done = threading.Event()
+    finals: dict[str, Event] = {}
+    lock = threading.Lock()
+
+    def sink(ev: Event) -> None:
+        if ev.final:
+            with lock:
+                finals[ev.request_id] = ev
+                if len(finals) == len(requests):
+                    done.set()
+
+    for r in requests:
+        try:
+            engine.submit(r, sink)
+        except RequestValidationError as e:
+            sink(Event(r.request_id, final=True, finish_reason="error", error=str(e)))
+    if requests and not done.wait(timeout):
+        raise TimeoutError(f"{len(requests) - len(finals)} requests did not finish within {timeout} s")
+    return [finals[r.request_id] for r in requests]
