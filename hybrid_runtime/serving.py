@@ -49,7 +49,8 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         if self.multi_block_mode not in MULTI_BLOCK_MODES:
-            raise ConfigError(f"multi_block_mode={self.multi_block_mode!r}: choose one of {', '.join(MULTI_BLOCK_MODES)}")
+            raise ConfigError(f"multi_block_mode={self.multi_block_mode!r}: choose one of "
+                              f"{', '.join(MULTI_BLOCK_MODES)}")
         if self.profile_pinning not in PINNING_MODES:
             raise ConfigError(f"profile_pinning={self.profile_pinning!r}: choose one of {', '.join(PINNING_MODES)}")
         if self.max_batch_size < 0 or self.default_max_tokens < 1 or self.kv_cache_bytes < 0:
