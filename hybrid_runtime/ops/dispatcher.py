@@ -1,0 +1,325 @@
+"""Guarded decode-attention dispatcher (DESIGN.md invariant 6).
+
+Answers the TensorRT-LLM field crash: split-KV ("XQA multi-block") decode attention failing with
+``CUDA_ERROR_INVALID_VALUE`` from ``cuLaunchKernelEx``. Every launch goes plan -> validate against the
+*current* device's limits and the workspace -> fall back (halve blocks, then single-block) -> launch.
+The only call into a kernel sits right after ``validate`` returned no reasons.
+
+Grid layout. Attention kernel: x = blocks_per_seq (chunks), y = num_kv_heads, z = batch; one CTA
+handles the whole GQA group of a kv head, so K/V are read once per group. Reduction kernel
+(multi-block only): x = batch, y = num_q_heads, threads over head_dim.
+
+Supported: head_dim a multiple of 16 in 16..256 (covers 64, 80, 96, 128, 160, 192, 256), dtype
+float32 / float16 / bfloat16, beam width 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+from .attention import decode_attention_multi, decode_attention_single
+
+log = logging.getLogger("hybrid_runtime.dispatcher")
+
+SINGLE, MULTI = "single_block", "multi_block"
+Mode = Literal["auto", "on", "off"]
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MIN_CHUNK_TOKENS = 256  # below this a chunk's fixed cost (partials + merge) outweighs the parallelism
+MAX_BLOCKS_PER_SEQ = 64  # bounds the merge width and the workspace
+KV_TILES = (64, 32, 16)  # tokens of K/V staged in shared memory per step, largest that fits wins
+BLOCK_THREADS = 128  # 4 warps per attention CTA
+# Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
+BLOCK_REASONS = frozenset({"grid_x", "workspace"})
+# Reasons about the batch itself: no plan can cure them, so the dispatcher raises at once.
+BATCH_REASONS = frozenset({"beam_width", "dtype", "head_dim", "gqa", "context_len", "page_table", "page_index"})
+
+
+class DecodeAttentionError(RuntimeError):
+    """No valid launch exists for this batch; ``reasons`` holds the stable reason codes."""
+
+    def __init__(self, message: str, reasons: Sequence[str]) -> None:
+        super().__init__(message)
+        self.reasons = tuple(reasons)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """Launch limits of one device. ``optin_set``: kernels whose dynamic-shared-memory opt-in attribute
+    (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``) was set *on this device*; it is per device,
+    so on multi-GPU each device needs its own ``DeviceLimits``."""
+
+    name: str
+    sm_count: int
+    max_grid_x: int = 2**31 - 1
+    max_grid_y: int = 65535
+    max_grid_z: int = 65535
+    max_threads_per_block: int = 1024
+    max_shared_mem_per_block: int = 48 * 1024
+    max_shared_mem_optin: int = 227 * 1024
+    optin_set: frozenset[str] = frozenset()
+
+    @classmethod
+    def cpu(cls) -> DeviceLimits:
+        """The numpy backend as a simulated Hopper-like device: one "SM" per core, so ``auto`` splits
+        only when the batch cannot keep the cores busy; both kernels count as opted in."""
+        return cls("cpu-numpy", sm_count=os.cpu_count() or 1, optin_set=frozenset({SINGLE, MULTI}))
+
+    def with_optin(self, *kernels: str) -> DeviceLimits:
+        return replace(self, optin_set=self.optin_set | frozenset(kernels))
+
+
+_limits_cache: dict[Hashable, DeviceLimits] = {}
+_limits_lock = threading.Lock()
+
+
+def limits_for(device_key: Hashable, query_fn: Callable[[], DeviceLimits]) -> DeviceLimits:
+    """Limits of ``device_key`` (e.g. a CUDA ordinal), queried once per device and cached."""
+    with _limits_lock:
+        if device_key not in _limits_cache:
+            _limits_cache[device_key] = query_fn()
+        return _limits_cache[device_key]
+
+
+def _frozen_table(table: Sequence[int] | np.ndarray) -> np.ndarray:
+    t = np.array(table, dtype=np.int64).reshape(-1)
+    t.setflags(write=False)
+    return t
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeBatch:
+    """What the planner needs to know about one decode step of one attention layer.
+
+    ``context_lens[b]`` includes the new token; ``page_tables[b]`` (int array) must cover it.
+    """
+
+    context_lens: tuple[int, ...]
+    page_tables: tuple[np.ndarray, ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    num_pool_pages: int
+    beam_width: int = 1
+
+    @classmethod
+    def from_arrays(cls, q: np.ndarray, k_buf: np.ndarray, page_tables: Sequence,
+                    context_lens: Sequence[int] | np.ndarray, beam_width: int = 1) -> DecodeBatch:
+        """From q ``[B, H, hd]`` and a pool ``[num_pages, page_size, Hkv, hd]``. Tables are copied
+        read-only, so what was validated is exactly what the kernel reads."""
+        return cls(tuple(int(n) for n in np.asarray(context_lens).reshape(-1)),
+                   tuple(_frozen_table(t) for t in page_tables),
+                   q.shape[1], k_buf.shape[2], q.shape[2], k_buf.shape[1], k_buf.dtype.name,
+                   k_buf.shape[0], beam_width)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // max(1, self.num_kv_heads)
+
+    @cached_property
+    def problems(self) -> tuple[str, ...]:
+        """Reasons no plan can launch this batch (computed once: it walks every page table)."""
+        r = []
+        if self.beam_width != 1:
+            r.append("beam_width")
+        if self.dtype not in DTYPE_BYTES:
+            r.append("dtype")
+        if not (16 <= self.head_dim <= 256 and self.head_dim % 16 == 0):
+            r.append("head_dim")
+        if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads:
+            r.append("gqa")
+        if any(n < 1 for n in self.context_lens):
+            r.append("context_len")
+        for n, table in zip(self.context_lens, self.page_tables):
+            used = table[:-(-max(n, 0) // self.page_size)]  # the ceil(n / page_size) pages a kernel reads
+            if len(used) * self.page_size < n:
+                r.append("page_table")
+            if used.size and (used.min() < 0 or used.max() >= self.num_pool_pages):
+                r.append("page_index")  # a negative index would even wrap silently in numpy
+        return tuple(dict.fromkeys(r))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One validated-or-not launch: attention kernel + (multi-block only) the LSE reduction kernel."""
+
+    kernel: str  # "single_block" | "multi_block"
+    blocks_per_seq: int
+    grid: tuple[int, int, int]
+    block_threads: int
+    smem_bytes: int  # dynamic shared memory of the attention kernel
+    kv_tile: int  # tokens of K/V staged in shared memory per step
+    chunk_len: int  # tokens per chunk of the longest sequence
+    workspace_bytes: int  # partials: B * Hq * blocks * (hd + 2) * 4; 0 for single-block
+    reduce_grid: tuple[int, int, int] | None = None
+    reduce_threads: int = 0
+
+
+def smem_bytes(group: int, head_dim: int, dtype_bytes: int, kv_tile: int) -> int:
+    """Dynamic shared memory of one CTA: Q of the GQA group, a K and a V tile, the tile's logits and
+    the float32 accumulators (hd + max + sum per query head)."""
+    return (group * head_dim * dtype_bytes + 2 * kv_tile * head_dim * dtype_bytes
+            + group * kv_tile * 4 + group * (head_dim + 2) * 4)
+
+
+def partials_bytes_per_block(batch: DecodeBatch) -> int:
+    """Workspace one chunk of every sequence needs: float32 output, max and sum-exp per query head."""
+    return batch.batch_size * batch.num_q_heads * (batch.head_dim + 2) * 4
+
+
+def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPlan:
+    """Concrete plan for ``blocks`` chunks per sequence (1 = single-block)."""
+    kernel = SINGLE if blocks <= 1 else MULTI
+    blocks = max(1, blocks)
+    B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
+    chunk = -(-max(batch.context_lens, default=0) // blocks)
+    es = DTYPE_BYTES.get(batch.dtype, 4)
+    # Largest K/V tile whose shared memory fits this kernel's cap; the smallest if none does (the
+    # guard then rejects it). Tiles never exceed the chunk: a short chunk needs no big staging area.
+    cap = limits.max_shared_mem_optin if kernel in limits.optin_set else limits.max_shared_mem_per_block
+    tiles = [min(t, max(16, chunk)) for t in KV_TILES]
+    tile = next((t for t in tiles if smem_bytes(batch.group, hd, es, t) <= cap), tiles[-1])
+    multi = kernel == MULTI
+    return LaunchPlan(kernel, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
+                      smem_bytes(batch.group, hd, es, tile), tile, chunk,
+                      partials_bytes_per_block(batch) * blocks if multi else 0,
+                      (B, hq, 1) if multi else None, 32 * -(-hd // 32) if multi else 0)
+
+
+def plan(batch: DecodeBatch, mode: Mode, limits: DeviceLimits, workspace_capacity: int) -> LaunchPlan:
+    """Choose blocks per sequence. ``auto`` splits only when ``B * Hkv`` CTAs leave SMs idle and the
+    longest context has >= 2 chunks of ``MIN_CHUNK_TOKENS``, aiming at about one full wave, capped by
+    context, grid x and workspace. ``on`` splits whenever there are >= 2 chunks' worth of tokens and
+    leaves the device caps to the guard. ``off`` never splits."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"multi_block_mode must be auto|on|off, got {mode!r}")
+    ctas = max(1, batch.batch_size * batch.num_kv_heads)
+    by_ctx = max(batch.context_lens, default=0) // MIN_CHUNK_TOKENS
+    blocks = min(by_ctx, MAX_BLOCKS_PER_SEQ, max(2, math.ceil(limits.sm_count / ctas)))
+    if mode == "off" or by_ctx < 2:
+        blocks = 1
+    elif mode == "auto":
+        per_block = max(1, partials_bytes_per_block(batch))
+        blocks = 1 if ctas >= limits.sm_count else min(blocks, limits.max_grid_x, workspace_capacity // per_block)
+    return make_plan(batch, blocks, limits)
+
+
+def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
+    """Every reason ``p`` would be an invalid (or wrong) launch for ``batch`` on this device; [] if none."""
+    r = list(batch.problems)
+    multi = p.kernel == MULTI
+    if p.kernel not in (SINGLE, MULTI) or p.blocks_per_seq < 1 or multi != (p.blocks_per_seq > 1) \
+            or p.grid != (p.blocks_per_seq, batch.num_kv_heads, batch.batch_size) \
+            or multi != (p.reduce_grid is not None):
+        r.append("plan_inconsistent")
+    grids = [p.grid] + ([p.reduce_grid] if p.reduce_grid is not None else [])
+    if any(d < 1 for g in grids for d in g):
+        r.append("grid_zero")
+    for i, cap in enumerate((limits.max_grid_x, limits.max_grid_y, limits.max_grid_z)):
+        if any(g[i] > cap for g in grids):
+            r.append("grid_" + "xyz"[i])
+    if not 1 <= p.block_threads <= limits.max_threads_per_block \
+            or (multi and not 1 <= p.reduce_threads <= limits.max_threads_per_block):
+        r.append("threads")
+    es = DTYPE_BYTES.get(batch.dtype, 4)
+    if p.smem_bytes < smem_bytes(batch.group, batch.head_dim, es, p.kv_tile):
+        r.append("plan_inconsistent")  # a plan that under-sizes its own shared memory
+    if p.smem_bytes > limits.max_shared_mem_optin:
+        r.append("smem_optin")
+    elif p.smem_bytes > limits.max_shared_mem_per_block and p.kernel not in limits.optin_set:
+        r.append("smem_attr_not_set")
+    need_ws = partials_bytes_per_block(batch) * p.blocks_per_seq if multi else 0
+    if p.workspace_bytes < need_ws:
+        r.append("plan_inconsistent")
+    if max(p.workspace_bytes, need_ws) > workspace_capacity:
+        r.append("workspace")
+    return list(dict.fromkeys(r))  # de-duplicated, first-seen order
+
+
+Kernel = Callable[..., np.ndarray]  # kernel(plan, q, k_buf, v_buf, page_tables, context_lens) -> out
+
+
+def numpy_kernels() -> dict[str, Kernel]:
+    """The CPU kernels, behind the same ``kernel(plan, ...)`` signature a CUDA launcher implements."""
+    return {SINGLE: lambda p, *a: decode_attention_single(*a),
+            MULTI: lambda p, *a: decode_attention_multi(*a, blocks_per_seq=p.blocks_per_seq)}
+
+
+@dataclass
+class DecodeAttentionDispatcher:
+    """Plans, guards and launches decode attention for one device. One per device (limits are per
+    device); owned by the engine thread, like every cache. ``fallbacks`` counts every reason a
+    candidate plan was rejected; ``errors`` the reasons of raised ``DecodeAttentionError``; ``plans``
+    the launches by kernel name."""
+
+    mode: Mode = "auto"
+    limits: DeviceLimits = field(default_factory=DeviceLimits.cpu)
+    workspace_capacity: int = 64 << 20
+    kernels: Mapping[str, Kernel] = field(default_factory=numpy_kernels)
+    fallbacks: Counter = field(default_factory=Counter, init=False)
+    errors: Counter = field(default_factory=Counter, init=False)
+    plans: Counter = field(default_factory=Counter, init=False)
+    _logged: set = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"multi_block_mode must be auto|on|off, got {self.mode!r}")
+        missing = {SINGLE, MULTI} - set(self.kernels)
+        if missing:
+            raise ValueError(f"kernels missing: {sorted(missing)}")
+
+    def select(self, batch: DecodeBatch) -> LaunchPlan:
+        """A plan that passes ``validate``, reducing on failure; raises ``DecodeAttentionError``."""
+        cand = plan(batch, self.mode, self.limits, self.workspace_capacity)
+        while reasons := validate(cand, batch, self.limits, self.workspace_capacity):
+            self.fallbacks.update(reasons)
+            for reason in reasons:
+                if reason not in self._logged:  # once per reason: a bad device would flood the log
+                    self._logged.add(reason)
+                    log.warning("decode attention: %s plan rejected on %s: %s (logged once per reason)",
+                                cand.kernel, self.limits.name, reason)
+            if cand.kernel == SINGLE or BATCH_REASONS.intersection(reasons):
+                self.errors.update(reasons)
+                raise DecodeAttentionError(
+                    f"no valid decode-attention launch on {self.limits.name} for batch of "
+                    f"{batch.batch_size} (Hq={batch.num_q_heads}, Hkv={batch.num_kv_heads}, "
+                    f"hd={batch.head_dim}, {batch.dtype}, max ctx {max(batch.context_lens, default=0)}): "
+                    f"{', '.join(reasons)}", reasons)
+            halve = set(reasons) <= BLOCK_REASONS and cand.blocks_per_seq >= 4
+            cand = make_plan(batch, cand.blocks_per_seq // 2 if halve else 1, self.limits)
+        return cand
+
+    def run(self, q: np.ndarray, k_buf: np.ndarray, v_buf: np.ndarray, page_tables: Sequence,
+            context_lens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Decode attention of q ``[B, Hq, hd]`` over pools ``[pages, page_size, Hkv, hd]`` -> ``[B, Hq, hd]``.
+
+        The new token's K/V must already be written; ``context_lens[b]`` counts it.
+        """
+        if (q.ndim != 3 or k_buf.ndim != 4 or v_buf.shape != k_buf.shape or q.shape[2] != k_buf.shape[3]
+                or len(page_tables) != q.shape[0] or len(context_lens) != q.shape[0]):
+            self.errors["shape"] += 1
+            raise DecodeAttentionError(f"inconsistent shapes: q {q.shape}, k {k_buf.shape}, v {v_buf.shape}, "
+                                       f"{len(page_tables)} tables, {len(context_lens)} lengths", ["shape"])
+        batch = DecodeBatch.from_arrays(q, k_buf, page_tables, context_lens)
+        p = self.select(batch)
+        # The one place a kernel is called: re-validated right here so no path can skip the guard.
+        if reasons := validate(p, batch, self.limits, self.workspace_capacity):
+            raise AssertionError(f"unvalidated plan reached launch: {reasons}")
+        self.plans[p.kernel] += 1
+        log.debug("decode attention plan %s", p)
+        return self.kernels[p.kernel](p, q, k_buf, v_buf, batch.page_tables, batch.context_lens)

@@ -1,0 +1,109 @@
+"""Page allocator bookkeeping and KV buffer writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrid_runtime.kv_cache import KVCache, KVLayout, OutOfPages, PageAllocator
+
+
+def test_grow_allocates_only_missing_pages() -> None:
+    a = PageAllocator(num_pages=8, page_size=4)
+    assert a.pages_needed(0) == 0 and a.pages_needed(1) == 1 and a.pages_needed(4) == 1 and a.pages_needed(5) == 2
+    assert a.allocate("s", 5) == [0, 1]
+    assert a.allocate("s", 8) == [0, 1]  # still covered
+    assert a.allocate("s", 9) == [0, 1, 2]
+    assert a.allocate("s", 3) == [0, 1, 2]  # never shrinks
+    assert a.allocate("t", 1) == [3]
+    assert a.page_table("s") == [0, 1, 2] and "s" in a and "u" not in a
+    assert (a.num_used, a.num_free) == (4, 4)
+    a.page_table("s").append(99)  # a copy: callers cannot corrupt the table
+    assert a.page_table("s") == [0, 1, 2]
+
+
+def test_free_returns_pages_and_double_free_raises() -> None:
+    a = PageAllocator(6, 2)
+    a.allocate("a", 4)
+    a.allocate("b", 4)
+    a.free("a")
+    assert a.num_free == 4 and "a" not in a
+    assert a.allocate("c", 6) == [0, 1, 4]  # lowest indices reused first
+    with pytest.raises(KeyError):
+        a.free("a")
+    with pytest.raises(KeyError):
+        a.free("never")
+    with pytest.raises(KeyError):
+        a.page_table("a")
+
+
+def test_out_of_pages_leaves_state_unchanged() -> None:
+    a = PageAllocator(4, 16)
+    a.allocate("a", 33)  # 3 pages
+    with pytest.raises(OutOfPages):
+        a.allocate("a", 16 * 5)
+    with pytest.raises(OutOfPages):
+        a.allocate("b", 16 * 2)
+    assert isinstance(OutOfPages("x"), RuntimeError)
+    assert a.page_table("a") == [0, 1, 2] and a.num_free == 1 and "b" not in a
+    assert a.can_allocate(1) and not a.can_allocate(2)
+    assert a.allocate("b", 16) == [3]
+
+
+def test_bounds_and_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        PageAllocator(0, 4)
+    a = PageAllocator(2, 4)
+    with pytest.raises(ValueError):
+        a.allocate("x", -1)
+    a.allocate("x", 8)
+    a._tables["x"][1] = 7  # simulate a corrupt table: freeing it must not touch the pool
+    with pytest.raises(IndexError):
+        a.free("x")
+    assert "x" in a and a.num_used == 2  # nothing changed
+
+
+def test_layout_sizes_and_budget() -> None:
+    lay = KVLayout(num_pages=10, page_size=16, num_kv_heads=2, head_dim=64, dtype=np.float16, num_layers=3)
+    assert lay.page_shape == (16, 2, 64) and lay.buffer_shape == (10, 16, 2, 64)
+    assert lay.bytes_per_page == 2 * 3 * 16 * 2 * 64 * 2
+    assert lay.total_bytes == 10 * lay.bytes_per_page
+    fit = KVLayout.pages_for_budget(lay.total_bytes + lay.bytes_per_page - 1, 3, 16, 2, 64, np.float16)
+    assert fit.num_pages == 10 and fit.total_bytes <= lay.total_bytes + lay.bytes_per_page
+    with pytest.raises(ValueError):
+        KVLayout.pages_for_budget(10, 3, 16, 2, 64)
+    with pytest.raises(ValueError):
+        KVLayout(0, 16, 2, 64)
+
+
+def test_cache_write_read_back_across_pages() -> None:
+    rng = np.random.default_rng(0)
+    lay = KVLayout(num_pages=6, page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
+    cache = KVCache(lay, layer_ids=[3, 7])
+    assert cache.layer_ids == [3, 7] and cache.buffers(3)[0].shape == lay.buffer_shape
+    table = [5, 2, 0]
+    k = rng.standard_normal((11, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((11, 2, 8)).astype(np.float32)
+    cache.write(7, table, 0, k[:3], v[:3])  # chunked: 3 + 8 tokens
+    cache.write(7, table, 3, k[3:], v[3:])
+    rk, rv = cache.read(7, table, 0, 11)
+    np.testing.assert_array_equal(rk, k)
+    np.testing.assert_array_equal(rv, v)
+    kb, _ = cache.buffers(7)
+    np.testing.assert_array_equal(kb[2, 1], k[5])  # position 5 -> page table[1] = 2, offset 1
+    assert not cache.buffers(3)[0].any()  # other layer untouched
+
+
+def test_cache_write_bounds_checked() -> None:
+    cache = KVCache(KVLayout(num_pages=4, page_size=4, num_kv_heads=1, head_dim=4))
+    x = np.zeros((5, 1, 4), np.float32)
+    with pytest.raises(IndexError):
+        cache.write(0, [0], 0, x, x)  # table covers 4 positions only
+    with pytest.raises(IndexError):
+        cache.write(0, [0, -1], 0, x, x)  # negative index would wrap silently in numpy
+    with pytest.raises(IndexError):
+        cache.write(0, [0, 4], 0, x, x)
+    with pytest.raises(ValueError):
+        cache.write(0, [0, 1], 0, x, x[:, :, :2])
+    with pytest.raises(ValueError):
+        KVCache(KVLayout(4, 4, 1, 4, num_layers=2), layer_ids=[1, 1])
