@@ -114,80 +114,87 @@ def _split_qkvz(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str,
     }
 
 
+def _need(ck: Checkpoint, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The stored tensor ``name``, checked against ``shape`` (errors name the tensor as stored)."""
+    return _expect(name, ck.get(name), shape)
+
+
 def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
     cfg, p = ck.config, f"{ck.layout.prefix}layers.{i}."
     h = cfg.hidden_size
-    get = ck.get
-    yield f"layers.{i}.input_layernorm", _expect("input_layernorm", get(p + "input_layernorm.weight"), (h,))
-    yield f"layers.{i}.post_attention_layernorm", get(p + "post_attention_layernorm.weight")
+
+    def need(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return _need(ck, name, shape)
+
+    yield f"layers.{i}.input_layernorm", need(p + "input_layernorm.weight", (h,))
+    yield f"layers.{i}.post_attention_layernorm", need(p + "post_attention_layernorm.weight", (h,))
     if cfg.layer_types[i] == LINEAR:
         la = p + "linear_attn."
         nv, C, vd = cfg.linear_num_value_heads, cfg.conv_dim, cfg.value_dim
         if ck.has(la + "in_proj_qkvz.weight"):
-            parts = _split_qkvz(cfg, get(la + "in_proj_qkvz.weight"), get(la + "in_proj_ba.weight"))
+            parts = _split_qkvz(cfg, need(la + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * vd, h)),
+                                need(la + "in_proj_ba.weight", (2 * nv, h)))
         else:
-            parts = {n: get(la + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
-        shapes = {"in_proj_qkv": (C, h), "in_proj_z": (vd, h), "in_proj_b": (nv, h), "in_proj_a": (nv, h)}
+            shapes = {"in_proj_qkv": (C, h), "in_proj_z": (vd, h), "in_proj_b": (nv, h), "in_proj_a": (nv, h)}
+            parts = {n: need(la + n + ".weight", shp) for n, shp in shapes.items()}
         for n, arr in parts.items():
-            yield f"layers.{i}.linear_attn.{n}", _expect(la + n, arr, shapes[n])
-        conv = _expect(la + "conv1d.weight", get(la + "conv1d.weight"), (C, 1, cfg.conv_kernel))
+            yield f"layers.{i}.linear_attn.{n}", arr
+        conv = need(la + "conv1d.weight", (C, 1, cfg.conv_kernel))
         yield f"layers.{i}.linear_attn.conv1d", conv[:, 0, :]
         if ck.has(la + "conv1d.bias"):
             raise CheckpointError(f"{la}conv1d.bias: a biased conv is not part of this model family")
-        yield f"layers.{i}.linear_attn.A_log", _expect(la + "A_log", get(la + "A_log"), (nv,))
-        yield f"layers.{i}.linear_attn.dt_bias", _expect(la + "dt_bias", get(la + "dt_bias"), (nv,))
-        yield f"layers.{i}.linear_attn.norm", _expect(la + "norm.weight", get(la + "norm.weight"),
-                                                      (cfg.linear_value_head_dim,))
-        yield f"layers.{i}.linear_attn.out_proj", _expect(la + "out_proj", get(la + "out_proj.weight"), (h, vd))
+        yield f"layers.{i}.linear_attn.A_log", need(la + "A_log", (nv,))
+        yield f"layers.{i}.linear_attn.dt_bias", need(la + "dt_bias", (nv,))
+        yield f"layers.{i}.linear_attn.norm", need(la + "norm.weight", (cfg.linear_value_head_dim,))
+        yield f"layers.{i}.linear_attn.out_proj", need(la + "out_proj.weight", (h, vd))
     else:
         sa = p + "self_attn."
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shapes = {"q_proj": (2 * qd, h), "k_proj": (kvd, h), "v_proj": (kvd, h), "o_proj": (h, qd)}
         for n, shp in shapes.items():
-            yield f"layers.{i}.self_attn.{n}", _expect(sa + n, get(sa + n + ".weight"), shp)
+            yield f"layers.{i}.self_attn.{n}", need(sa + n + ".weight", shp)
             if cfg.attention_bias:
-                yield f"layers.{i}.self_attn.{n}_bias", get(sa + n + ".bias")
+                yield f"layers.{i}.self_attn.{n}_bias", need(sa + n + ".bias", shp[:1])
         for n in ("q_norm", "k_norm"):
-            yield f"layers.{i}.self_attn.{n}", _expect(sa + n, get(sa + n + ".weight"), (cfg.head_dim,))
+            yield f"layers.{i}.self_attn.{n}", need(sa + n + ".weight", (cfg.head_dim,))
     m = p + "mlp."
     if cfg.ffn_types[i] == DENSE:
         inter = cfg.intermediate_size
-        yield f"layers.{i}.mlp.gate_proj", _expect(m + "gate_proj", get(m + "gate_proj.weight"), (inter, h))
-        yield f"layers.{i}.mlp.up_proj", _expect(m + "up_proj", get(m + "up_proj.weight"), (inter, h))
-        yield f"layers.{i}.mlp.down_proj", _expect(m + "down_proj", get(m + "down_proj.weight"), (h, inter))
+        yield f"layers.{i}.mlp.gate_proj", need(m + "gate_proj.weight", (inter, h))
+        yield f"layers.{i}.mlp.up_proj", need(m + "up_proj.weight", (inter, h))
+        yield f"layers.{i}.mlp.down_proj", need(m + "down_proj.weight", (h, inter))
         return
     E, inter = cfg.num_experts, cfg.moe_intermediate_size
-    yield f"layers.{i}.mlp.gate", _expect(m + "gate", get(m + "gate.weight"), (E, h))
+    yield f"layers.{i}.mlp.gate", need(m + "gate.weight", (E, h))
     if ck.has(m + "experts.gate_up_proj"):  # transformers' fused in-memory form
-        gu = _expect(m + "experts.gate_up_proj", get(m + "experts.gate_up_proj"), (E, 2 * inter, h))
+        gu = need(m + "experts.gate_up_proj", (E, 2 * inter, h))
         yield f"layers.{i}.mlp.experts.gate_proj", np.ascontiguousarray(gu[:, :inter])
         yield f"layers.{i}.mlp.experts.up_proj", np.ascontiguousarray(gu[:, inter:])
-        yield f"layers.{i}.mlp.experts.down_proj", _expect(m + "experts.down_proj",
-                                                           get(m + "experts.down_proj"), (E, h, inter))
+        yield f"layers.{i}.mlp.experts.down_proj", need(m + "experts.down_proj", (E, h, inter))
     else:
         for n, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             yield f"layers.{i}.mlp.experts.{n}", np.stack(
-                [_expect(f"{m}experts.{e}.{n}", get(f"{m}experts.{e}.{n}.weight"), shp) for e in range(E)])
+                [need(f"{m}experts.{e}.{n}.weight", shp) for e in range(E)])
     si = cfg.shared_expert_intermediate_size
     if si > 0:
         s = m + "shared_expert."
-        yield f"layers.{i}.mlp.shared_expert.gate_proj", _expect(s + "gate_proj", get(s + "gate_proj.weight"), (si, h))
-        yield f"layers.{i}.mlp.shared_expert.up_proj", _expect(s + "up_proj", get(s + "up_proj.weight"), (si, h))
-        yield f"layers.{i}.mlp.shared_expert.down_proj", _expect(s + "down_proj", get(s + "down_proj.weight"), (h, si))
-        yield f"layers.{i}.mlp.shared_expert_gate", _expect(m + "shared_expert_gate",
-                                                            get(m + "shared_expert_gate.weight"), (1, h))
+        yield f"layers.{i}.mlp.shared_expert.gate_proj", need(s + "gate_proj.weight", (si, h))
+        yield f"layers.{i}.mlp.shared_expert.up_proj", need(s + "up_proj.weight", (si, h))
+        yield f"layers.{i}.mlp.shared_expert.down_proj", need(s + "down_proj.weight", (h, si))
+        yield f"layers.{i}.mlp.shared_expert_gate", need(m + "shared_expert_gate.weight", (1, h))
 
 
 def load_weights(ck: Checkpoint, progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
     """All text-model weights in canonical names, float32 (see module docstring)."""
     cfg, p = ck.config, ck.layout.prefix
+    vh = (cfg.vocab_size, cfg.hidden_size)
     w: dict[str, np.ndarray] = {}
-    w["embed_tokens"] = _expect("embed_tokens", ck.get(p + "embed_tokens.weight"), (cfg.vocab_size, cfg.hidden_size))
-    w["norm"] = ck.get(p + "norm.weight")
+    w["embed_tokens"] = _need(ck, p + "embed_tokens.weight", vh)
+    w["norm"] = _need(ck, p + "norm.weight", (cfg.hidden_size,))
     if cfg.tie_word_embeddings:
         w["lm_head"] = w["embed_tokens"]
     else:
-        w["lm_head"] = _expect("lm_head", ck.get("lm_head.weight"), (cfg.vocab_size, cfg.hidden_size))
+        w["lm_head"] = _need(ck, "lm_head.weight", vh)
     for i in range(cfg.num_layers):
         if progress:
             progress(f"loading layer {i + 1}/{cfg.num_layers} ({cfg.layer_types[i]}, {cfg.ffn_types[i]})")

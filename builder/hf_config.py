@@ -94,14 +94,16 @@ def parse_hf_config(raw: dict[str, Any], generation_eos: list[int] | None = None
     scaling = cfg.get("rope_scaling")
     if scaling:
         rope = {**scaling, **rope}
-    unknown_rope = sorted(set(rope) - _ALLOWED_ROPE_KEYS)
-    if unknown_rope:
-        raise ConfigError(f"unsupported config value rope_parameters keys {unknown_rope}: only default "
-                          f"RoPE (optionally with mrope_section for text) is implemented")
+    # rope_type first: a scaled RoPE (yarn, linear, ...) also brings keys like `factor`, and the error
+    # should name the type, not those keys.
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ConfigError(f"unsupported config value rope_type={rope_type!r}: only 'default' RoPE is "
                           f"implemented (no YaRN / linear / dynamic scaling)")
+    unknown_rope = sorted(set(rope) - _ALLOWED_ROPE_KEYS)
+    if unknown_rope:
+        raise ConfigError(f"unsupported config value rope_parameters keys {unknown_rope}: only default "
+                          f"RoPE (optionally with mrope_section for text) is implemented")
     rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     prf = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     head_dim = int(get("head_dim"))
