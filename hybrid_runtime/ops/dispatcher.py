@@ -67,12 +67,17 @@ class DeviceLimits:
     max_shared_mem_per_block: int = 48 * 1024
     max_shared_mem_optin: int = 227 * 1024
     optin_set: frozenset[str] = frozenset()
+    # Shortest chunk worth splitting off: a tuning figure of the device's kernels, not a launch limit.
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS
 
     @classmethod
     def cpu(cls) -> DeviceLimits:
         """The numpy backend as a simulated Hopper-like device: one "SM" per core, so ``auto`` splits
-        only when the batch cannot keep the cores busy; both kernels count as opted in."""
-        return cls("cpu-numpy", sm_count=os.cpu_count() or 1, optin_set=frozenset({SINGLE, MULTI}))
+        only when the batch cannot keep the cores busy; both kernels count as opted in. numpy chunks
+        have little fixed cost, so chunks of 32 tokens are allowed (``on`` then splits short contexts
+        too, which is what makes the CPU tests of the multi-block path meaningful)."""
+        return cls("cpu-numpy", sm_count=os.cpu_count() or 1, optin_set=frozenset({SINGLE, MULTI}),
+                   min_chunk_tokens=32)
 
     def with_optin(self, *kernels: str) -> DeviceLimits:
         return replace(self, optin_set=self.optin_set | frozenset(kernels))
@@ -203,13 +208,13 @@ def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPl
 
 def plan(batch: DecodeBatch, mode: Mode, limits: DeviceLimits, workspace_capacity: int) -> LaunchPlan:
     """Choose blocks per sequence. ``auto`` splits only when ``B * Hkv`` CTAs leave SMs idle and the
-    longest context has >= 2 chunks of ``MIN_CHUNK_TOKENS``, aiming at about one full wave, capped by
+    longest context has >= 2 chunks of ``limits.min_chunk_tokens``, aiming at about one full wave, capped by
     context, grid x and workspace. ``on`` splits whenever there are >= 2 chunks' worth of tokens and
     leaves the device caps to the guard. ``off`` never splits."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"multi_block_mode must be auto|on|off, got {mode!r}")
     ctas = max(1, batch.batch_size * batch.num_kv_heads)
-    by_ctx = max(batch.context_lens, default=0) // MIN_CHUNK_TOKENS
+    by_ctx = max(batch.context_lens, default=0) // max(1, limits.min_chunk_tokens)
     blocks = min(by_ctx, MAX_BLOCKS_PER_SEQ, max(2, math.ceil(limits.sm_count / ctas)))
     if mode == "off" or by_ctx < 2:
         blocks = 1
