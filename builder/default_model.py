@@ -195,10 +195,12 @@ def _tokenizer_config(eos: str) -> dict[str, Any]:
     }
 
 
-def write_default_checkpoint(out_dir: Path, seed: int = 0, progress: Callable[[str], None] = print) -> Path:
+def write_default_checkpoint(out_dir: Path, seed: int = 0, progress: Callable[[str], None] = print,
+                             overrides: dict[str, Any] | None = None) -> Path:
     """Write the default hybrid checkpoint (config, generation config, weights, tokenizer) to ``out_dir``.
 
-    Returns ``out_dir``. The result is byte-for-byte identical for equal ``seed``.
+    ``overrides`` replaces config values (e.g. a larger random model for benchmarks; same tokenizer).
+    Returns ``out_dir``. The result is byte-for-byte identical for equal ``seed`` and ``overrides``.
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -214,7 +216,8 @@ def write_default_checkpoint(out_dir: Path, seed: int = 0, progress: Callable[[s
     (out / "tokenizer_config.json").write_text(_json_text(_tokenizer_config(EOS_TOKEN)), encoding="utf-8")
     progress(f"tokenizer: {vocab_size} tokens, eos {EOS_TOKEN!r} = {eos_id}")
 
-    cfg = {**DEFAULT_CONFIG, "vocab_size": vocab_size, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    cfg = {**DEFAULT_CONFIG, **(overrides or {}), "vocab_size": vocab_size, "eos_token_id": eos_id,
+           "pad_token_id": eos_id}
     (out / "config.json").write_text(_json_text(cfg), encoding="utf-8")
     gen = {"_from_model_config": True, "eos_token_id": eos_id, "output_attentions": False,
            "output_hidden_states": False, "pad_token_id": eos_id, "transformers_version": TRANSFORMERS_VERSION,

@@ -56,6 +56,8 @@ class Metrics:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.steps = Counter[str]()
+        self.step_seconds = Counter[str]()  # wall time of whole steps (run + sample + postprocess) by phase
+        self.step_tokens = Counter[str]()  # tokens processed by phase (prompt tokens / decoded tokens)
         self.finished = Counter[str]()  # by finish reason
         self.rejected = Counter[str]()  # validation errors by code
         self.attention_plans = Counter[str]()
@@ -74,6 +76,8 @@ class Metrics:
                 "tokens_generated": self.tokens_generated,
                 "prompt_tokens": self.prompt_tokens,
                 "steps": dict(self.steps),
+                "step_seconds": dict(self.step_seconds),
+                "step_tokens": dict(self.step_tokens),
                 "finished": dict(self.finished),
                 "rejected": dict(self.rejected),
                 "attention_plans": dict(self.attention_plans),

@@ -8,6 +8,8 @@ calls it (invariant 1).
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,9 @@ class ModelRunner:
                                   len(cfg.attention_layers))
         self.kv = KVCache(self.kv_layout, cfg.attention_layers)
         self.dispatcher = DecodeAttentionDispatcher(mode=multi_block_mode)  # type: ignore[arg-type]
+        # Seconds spent inside engine segments and inside each stateful operator (for the benchmarks'
+        # "time outside numpy/onnxruntime" figure); a few perf_counter calls per segment.
+        self.timings: Counter[str] = Counter()
 
     # ------------------------------------------------------------------------------------------
     def run(self, phase: Phase, steps: list[SeqStep]) -> np.ndarray:
@@ -78,22 +83,31 @@ class ModelRunner:
         positions = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(steps, lens)])
         pages, offsets = self._slot_mapping(steps, positions, bounds)
         env: dict[str, np.ndarray] = {"input_ids": ids, "positions": positions}
+        clock, tm = time.perf_counter, self.timings
         for si, plan in enumerate(self.plans[:-1]):
+            t0 = clock()
             out = self.engine.run(si, phase, {n: env[n] for n, _, _ in plan.inputs})
+            t1 = clock()
+            tm["segments"] += t1 - t0
             env["x"] = out["x_next"]
             kind, layer = plan.exit
             if kind == "mixer" and self.cfg.layer_types[layer] == LINEAR:
                 env["mix_core"] = self._gdn(layer, phase, steps, bounds, out)
                 env["mix_z"] = out["z"]
+                tm["gdn"] += clock() - t1
             elif kind == "mixer":
                 env["mix_attn"] = self._attention(layer, phase, steps, bounds, positions, pages, offsets, out)
                 env["mix_gate"] = out["gate"]
+                tm["attention"] += clock() - t1
             elif kind == "moe":
                 env["ffn_out"] = self.moe[layer](out["h"])
+                tm["moe"] += clock() - t1
         rows = [int(bounds[i + 1]) - 1 for i, s in enumerate(steps) if s.need_logits]
         if not rows:
             return np.zeros((0, self.cfg.vocab_size), np.float32)
+        t0 = clock()
         logits = self.engine.run(len(self.plans) - 1, phase, {"x": np.ascontiguousarray(env["x"][rows])})["logits"]
+        tm["segments"] += clock() - t0
         return logits.copy()
 
     def _slot_mapping(self, steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray

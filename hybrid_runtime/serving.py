@@ -238,6 +238,7 @@ class ServingEngine:
             self.metrics.prompt_tokens += len(ids)
 
     def _step(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch.phase, batch.steps)
         except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
@@ -246,16 +247,18 @@ class ServingEngine:
                 self._final(self._live[seq.request_id], "error", f"{type(e).__name__}: {e}")
             return
         self.scheduler.advance(batch)
-        with self.metrics.lock:
-            self.metrics.steps[batch.phase.name.lower()] += 1
         need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
-        if not need:
-            return
-        lives = [self._live[s.request_id] for s in need]
-        tokens = sample(logits, [lv.seq.params for lv in lives], [lv.rng for lv in lives])
-        now = time.perf_counter()
-        for live, tok in zip(lives, tokens.tolist()):
-            self._on_token(live, int(tok), now)
+        if need:
+            lives = [self._live[s.request_id] for s in need]
+            tokens = sample(logits, [lv.seq.params for lv in lives], [lv.rng for lv in lives])
+            now = time.perf_counter()
+            for live, tok in zip(lives, tokens.tolist()):
+                self._on_token(live, int(tok), now)
+        phase = batch.phase.name.lower()
+        with self.metrics.lock:
+            self.metrics.steps[phase] += 1
+            self.metrics.step_seconds[phase] += time.perf_counter() - t0
+            self.metrics.step_tokens[phase] += sum(len(st.token_ids) for st in batch.steps)
 
     def _on_token(self, live: _Live, tok: int, now: float) -> None:
         seq, p = live.seq, live.seq.params
