@@ -55,6 +55,9 @@ class ModelRunner:
         if [p.name for p in self.plans] != [s.name for s in manifest.segments]:
             raise BundleError("bundle segments do not match this runtime's pipeline for the model config; "
                               "rebuild the bundle with this version of the builder")
+        if cfg.attention_layers and not (16 <= cfg.head_dim <= 256 and cfg.head_dim % 16 == 0):
+            raise BundleError(f"head_dim={cfg.head_dim}: the decode-attention kernels support multiples of 16 "
+                              f"in 16..256")
         sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
         self.conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
         state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}

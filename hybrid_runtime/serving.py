@@ -157,6 +157,11 @@ class ServingEngine:
         if req.params.max_tokens > room:
             raise RequestValidationError(f"max_tokens={req.params.max_tokens} with a {len(ids)}-token prompt exceeds "
                                          f"max_seq_len={lim.max_seq_len} (at most {room})", field="max_tokens")
+        pages = self.scheduler.pages  # page_size and num_pages never change: safe to read here
+        need = pages.pages_needed(len(ids) + req.params.max_tokens)
+        if need > pages.num_pages:
+            raise RequestValidationError(f"prompt + max_tokens need {need} KV pages, the pool has {pages.num_pages}; "
+                                         f"lower max_tokens or raise kv_cache_bytes", field="max_tokens")
         self._inbox.put(("add", (req, ids, sink, time.perf_counter())))
         return len(ids)
 

@@ -222,3 +222,39 @@ def test_shutdown_sends_final_cancelled_to_inflight(default_bundle: Path) -> Non
     assert {e.finish_reason for e in finals} == {"cancelled"}
     with pytest.raises(RequestValidationError, match="shutting down"):
         eng.submit(GenerationRequest("late", prompt="x"), lambda ev: None)
+
+
+def test_request_larger_than_the_kv_pool_is_refused_not_queued_forever(default_bundle: Path) -> None:
+    page_bytes = 2 * 16 * 2 * 64 * 4 * 2  # K+V, page_size 16, 2 kv heads, head_dim 64, float32, 2 attention layers
+    eng = ServingEngine(default_bundle, RuntimeOptions(kv_cache_bytes=4 * page_bytes)).start()
+    try:
+        with pytest.raises(RequestValidationError, match="KV pages"):
+            eng.submit(GenerationRequest("big", prompt_ids=(1,) * 60, params=SamplingParams(max_tokens=20)),
+                       lambda ev: None)
+        ok = generate(eng, [GenerationRequest("small", prompt_ids=(1,) * 30, params=SamplingParams(
+            max_tokens=20, ignore_eos=True))])[0]
+        assert ok.finish_reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_offline_cli_runs_a_jsonl_workload_in_input_order(default_bundle: Path, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"prompt": "Hello there", "max_tokens": 5, "ignore_eos": true}\n'
+                    '{"prompt_ids": [5, 6, 7], "max_tokens": 3, "temperature": 0.8, "seed": 3}\n'
+                    '{"prompt": "", "max_tokens": 3}\n')
+    r = subprocess.run([sys.executable, "-m", "hybrid_runtime", "generate", "--engine", str(default_bundle),
+                        "--requests", str(reqs)], capture_output=True, text=True, timeout=120)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["id"] for row in rows] == ["line-1", "line-2", "line-3"]
+    assert len(rows[0]["output_ids"]) == 5 and rows[0]["finish_reason"] == "length" and rows[0]["text"]
+    assert rows[2]["finish_reason"] == "error" and "empty" in rows[2]["error"]
+    assert r.returncode == 1  # one request failed
+    solo = subprocess.run([sys.executable, "-m", "hybrid_runtime", "generate", "--engine", str(default_bundle),
+                           "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(solo.stdout)["output_ids"] == rows[0]["output_ids"]
