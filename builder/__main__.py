@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--num-kv-pages", type=int, default=0,
                    help="KV pages per attention layer (default: every slot at max-seq-len)")
     b.add_argument("--num-state-slots", type=int, default=0, help="recurrent-state slots (default max batch size)")
+    b.add_argument("--target-arch", default="",
+                   help="--backend tensorrt: GPU architecture of the plans, e.g. sm_89 (default: the current GPU; "
+                        "TensorRT-RTX can build for any of sm_75/80/86/89/120/121 without a GPU)")
     i = sub.add_parser("inspect", help="print a bundle's manifest summary")
     i.add_argument("bundle", type=Path)
     args = ap.parse_args(argv)
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             opts = BuildOptions(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                 max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
                                 max_num_tokens=args.max_num_tokens, page_size=args.page_size,
-                                num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots)
+                                num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots,
+                                target_arch=args.target_arch)
             build_bundle(args.checkpoint, args.output, opts, _progress)
         else:
             print(describe(args.bundle))

@@ -44,6 +44,7 @@ class BuildOptions:
     page_size: int = 16
     num_kv_pages: int = 0
     num_state_slots: int = 0
+    target_arch: str = ""  # --backend tensorrt: "sm_89" / "8.9"; "" = the current GPU
 
     def limits(self) -> Limits:
         return Limits(
@@ -79,9 +80,6 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     """Build the bundle for ``checkpoint`` into ``output`` (replaced if it exists)."""
     if opts.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {opts.backend!r}: choose one of {', '.join(BACKENDS)}")
-    if opts.backend == "tensorrt":
-        raise ConfigError("--backend tensorrt is not available yet: TensorRT plans are built by a later "
-                          "release of this builder; use --backend onnxruntime")
     if opts.dtype not in ("float32", "float16", "bfloat16"):
         raise ConfigError(f"unknown dtype {opts.dtype!r}: choose float32, float16 or bfloat16")
     t0 = time.perf_counter()
@@ -91,12 +89,23 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     if limits.max_seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
-    toolkit = {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "opset": "17"}
-    target = {"device": "cpu", "arch": "cpu"}
-    applied = workarounds.select("onnxruntime", onnxruntime.__version__, "cpu")
+    trt_target = None
+    if opts.backend == "tensorrt":  # fails here, before any work, when TensorRT is missing or cannot target
+        from . import tensorrt as trt_builder
+
+        trt_target = trt_builder.resolve_target(opts.target_arch, opts.dtype)
+        toolkit = {"onnx": onnx.__version__, "opset": "17", **trt_target.manifest_toolkit()}
+        target = trt_target.manifest_target()
+        applied = workarounds.select(trt_target.toolkit.flavor, trt_target.toolkit.version, trt_target.arch)
+        dtype = opts.dtype  # of the plans; the ONNX segments beside them stay float32
+        progress(f"tensorrt: {trt_target.toolkit.display}, target {trt_target.arch}, {dtype}")
+    else:
+        toolkit = {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "opset": "17"}
+        target = {"device": "cpu", "arch": "cpu"}
+        applied = workarounds.select("onnxruntime", onnxruntime.__version__, "cpu")
+        dtype = "float32"  # ort-cpu-fp32-activations: see the workaround table
     for wa in applied:
         progress(f"workaround {wa.id}: {wa.action}")
-    dtype = "float32"  # ort-cpu-fp32-activations: see the workaround table
     progress(f"model: {cfg.model_type}, {cfg.num_layers} layers ({len(cfg.linear_layers)} linear, "
              f"{len(cfg.attention_layers)} full attention), {cfg.num_parameters() / 1e6:.1f}M parameters")
     weights = load_weights(ckpt, progress)
@@ -118,6 +127,13 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         if data.exists():  # onnx writes external data owner-only; a server may run as another user
             data.chmod(0o644)
         specs.append(SegmentSpec(plan.name, rel, plan.inputs, plan.outputs))
+    trt_profiles: dict = {}
+    if trt_target is not None:
+        try:
+            specs, trt_profiles = trt_builder.build_plans(tmp, specs, limits, dtype, trt_target, applied, progress)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-built bundle is left behind
+            raise
     progress("writing state weights")
     save_safetensors(tmp / STATE_WEIGHTS, {n: weights[n] for n in state_weight_names(cfg)})
     ckpt_dir = Path(checkpoint)
@@ -130,6 +146,7 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         version=MANIFEST_VERSION, model=cfg, limits=limits, backend=opts.backend, dtype=dtype,
         segments=tuple(specs), state_weights=STATE_WEIGHTS, toolkit=toolkit, target=target,
         workarounds=tuple(w.record() for w in applied), checksums=checksums, tokenizer=tok,
+        trt_profiles=trt_profiles,
     )
     manifest.save(tmp)
     if out.exists():

@@ -244,6 +244,8 @@ class Manifest:
     checksums: dict[str, str]
     tokenizer: dict[str, Any]
     created_by: str = "hybrid-llm builder"
+    # backend "tensorrt": segment -> per profile {"name", "index", "inputs": {input: {"min", "opt", "max"}}}
+    trt_profiles: dict[str, Any] = field(default_factory=dict)
 
     @property
     def profiles(self) -> tuple[ProfileSpec, ProfileSpec]:
@@ -269,6 +271,7 @@ class Manifest:
             "workarounds": [dict(w) for w in self.workarounds],
             "checksums": dict(self.checksums),
             "tokenizer": dict(self.tokenizer),
+            **({"trt_profiles": self.trt_profiles} if self.trt_profiles else {}),
         }
 
     def save(self, bundle_dir: Path) -> None:
@@ -310,6 +313,7 @@ class Manifest:
                 checksums=d["checksums"],
                 tokenizer=d["tokenizer"],
                 created_by=d.get("created_by", ""),
+                trt_profiles=d.get("trt_profiles", {}),
             )
         except (KeyError, TypeError) as e:
             raise BundleError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from e

@@ -19,5 +19,9 @@ def load_engine(bundle_dir: str | Path, manifest: Manifest, pinning: str = "per_
         from .onnxruntime import OrtEngine
 
         return OrtEngine(bundle_dir, manifest, pinning, intra_op_threads)
+    if manifest.backend == "tensorrt":
+        from .tensorrt import TrtEngine  # imports TensorRT and cuda-python only when a TensorRT bundle is loaded
+
+        return TrtEngine(bundle_dir, manifest, pinning)
     raise BundleError(f"bundle backend {manifest.backend!r} is not supported by this runtime "
-                      f"(supported: {', '.join(BACKENDS[:1])})")
+                      f"(supported: {', '.join(BACKENDS)})")
