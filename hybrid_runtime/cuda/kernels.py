@@ -1,0 +1,309 @@
+"""CUDA C++ kernels: NVRTC compile at load, cached; guarded ``cuLaunchKernelEx`` launches.
+
+* :func:`compile_cubin` compiles a source with NVRTC for one architecture (``sm_90`` on the H200) and
+  caches the cubin in-process and on disk (``$HYBRID_LLM_CACHE`` or ``~/.cache/hybrid_llm/cubin``),
+  keyed by a hash of the source, the options, the architecture and the NVRTC version. NVRTC needs no
+  GPU, so compilation is tested on CPU machines too.
+* :class:`Module` loads a cubin with ``cuLibraryLoadData`` (context-independent, so one load serves every
+  GPU) and hands out :class:`Kernel` objects.
+* :class:`Kernel` keeps, per device, the dynamic-shared-memory opt-in it set with
+  ``cuKernelSetAttribute(..., dev)``: :meth:`Kernel.optin_bytes` is the record the owners turn into
+  ``DeviceLimits.optin_set``. :meth:`Kernel.launch` re-checks the launch against the device's limits
+  (:func:`launch_problems`) and raises :class:`LaunchRejected` before anything reaches the driver; a
+  driver error becomes :class:`CudaError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ops.dispatcher import DeviceLimits
+from .driver import CudaDevice, CudaError, bindings, call, init
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a source; the message holds the compiler log."""
+
+
+class LaunchRejected(RuntimeError):
+    """A launch failed the pre-launch check; ``reasons`` are stable codes (as in the dispatcher)."""
+
+    def __init__(self, kernel: str, reasons: Sequence[str]) -> None:
+        super().__init__(f"launch of {kernel} rejected: {', '.join(reasons)}")
+        self.reasons = tuple(reasons)
+
+
+def source(name: str) -> str:
+    """Text of ``hybrid_runtime/ops/cuda/<name>``."""
+    return resources.files("hybrid_runtime.ops").joinpath("cuda", name).read_text()
+
+
+# ---------------------------------------------------------------------------------------- NVRTC
+
+_cubins: dict[str, bytes] = {}
+_logs: dict[str, str] = {}
+_compile_lock = threading.Lock()
+
+
+def nvrtc_version() -> tuple[int, int]:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:  # pragma: no cover
+        raise CompileError(f"cuda-bindings (nvrtc) is not installed: {e}") from e
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err):
+        raise CompileError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+def _cache_dir() -> Path | None:
+    d = os.environ.get("HYBRID_LLM_CACHE")
+    path = Path(d) if d else Path.home() / ".cache" / "hybrid_llm" / "cubin"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:
+        return None
+
+
+def _nvrtc_check(res: Any, what: str, prog: Any = None) -> Any:
+    from cuda.bindings import nvrtc
+
+    err, vals = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+    if int(err) != 0:
+        log = program_log(prog) if prog is not None else ""
+        raise CompileError(f"{what} failed: {err}\n{log}")
+    _ = nvrtc
+    return vals[0] if len(vals) == 1 else (vals or None)
+
+
+def program_log(prog: Any) -> str:
+    from cuda.bindings import nvrtc
+
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * int(size)
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.rstrip(b"\0 ").decode(errors="replace")
+
+
+def compile_cubin(src: str, name: str, options: Sequence[str] = (), arch: str = "sm_90",
+                  verbose: bool = False) -> bytes:
+    """NVRTC-compile ``src`` to a cubin for ``arch``. ``verbose`` asks ptxas for its resource report,
+    which :func:`compile_log` then returns (used by tests to check for spills)."""
+    opts = [f"-arch={arch}", "-std=c++17", "-lineinfo", *options] + (["--ptxas-options=-v"] if verbose else [])
+    ver = nvrtc_version()
+    key = hashlib.sha256("\0".join([src, name, *opts, str(ver)]).encode()).hexdigest()[:32]
+    with _compile_lock:
+        if key in _cubins:
+            return _cubins[key]
+        cache = _cache_dir()
+        path = cache / f"{key}.cubin" if cache else None
+        if path is not None and path.exists() and not verbose:
+            _cubins[key] = path.read_bytes()
+            return _cubins[key]
+        from cuda.bindings import nvrtc
+
+        prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+        try:
+            _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts]),
+                         f"NVRTC compile of {name} {' '.join(options)}", prog)
+            _logs[key] = program_log(prog)
+            size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            cubin = b" " * int(size)
+            _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        _cubins[key] = cubin
+        if path is not None:
+            try:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(cubin)
+                tmp.replace(path)
+            except OSError:
+                pass
+        return cubin
+
+
+def compile_log(src: str, name: str, options: Sequence[str] = (), arch: str = "sm_90") -> str:
+    """The NVRTC/ptxas log (registers, spills, shared memory) of a verbose compile."""
+    opts = [f"-arch={arch}", "-std=c++17", "-lineinfo", *options, "--ptxas-options=-v"]
+    key = hashlib.sha256("\0".join([src, name, *opts, str(nvrtc_version())]).encode()).hexdigest()[:32]
+    compile_cubin(src, name, options, arch, verbose=True)
+    return _logs.get(key, "")
+
+
+# ---------------------------------------------------------------------------------------- launch checks
+
+
+def launch_problems(limits: DeviceLimits, grid: Sequence[int], block: Sequence[int], smem: int,
+                    static_smem: int, optin_bytes: int | None) -> list[str]:
+    """Reasons a launch would be invalid on a device with ``limits``; [] if none. ``optin_bytes`` is the
+    dynamic-shared-memory limit this kernel was opted in to on that device (None: never set)."""
+    r = []
+    if len(grid) != 3 or len(block) != 3 or any(int(d) < 1 for d in (*grid, *block)):
+        r.append("grid_zero")
+    else:
+        for i, cap in enumerate((limits.max_grid_x, limits.max_grid_y, limits.max_grid_z)):
+            if grid[i] > cap:
+                r.append("grid_" + "xyz"[i])
+        if int(np.prod(block)) > limits.max_threads_per_block:
+            r.append("threads")
+    if smem < 0 or smem + static_smem > limits.max_shared_mem_optin:
+        r.append("smem_optin")
+    elif smem + static_smem > limits.max_shared_mem_per_block and (optin_bytes is None or smem > optin_bytes):
+        r.append("smem_attr_not_set")
+    return r
+
+
+_ARG_CODES = {"ptr": np.uint64, "u64": np.uint64, "i64": np.int64, "i32": np.int32, "u32": np.uint32,
+              "f32": np.float32}
+
+
+def pack_args(args: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel parameters as cuLaunchKernelEx wants them: a ``void**`` array (returned first, pass it as
+    ``kernelParams``) pointing into an 8-byte-slot value buffer (returned second, keep it alive)."""
+    vals = np.zeros(max(1, len(args)), np.uint64)
+    raw = vals.view(np.uint8)
+    for i, (kind, v) in enumerate(args):
+        t = _ARG_CODES[kind]
+        raw[8 * i:8 * i + np.dtype(t).itemsize] = np.array([v], t).view(np.uint8)
+    ptrs = np.array([vals.ctypes.data + 8 * i for i in range(len(args))] or [0], np.uint64)
+    return ptrs, vals
+
+
+@dataclass
+class Launch:
+    """One kernel launch, fully described (what the tests compare against a LaunchPlan)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: list[tuple[str, Any]]
+
+
+class Kernel:
+    """One ``extern "C"`` kernel of a loaded library, usable on any device."""
+
+    def __init__(self, module: Module, name: str, handle: Any) -> None:
+        self.module = module
+        self.name = name
+        self.handle = handle  # CUkernel
+        self._functions: dict[int, Any] = {}
+        self._optin: dict[int, int] = {}
+        self._static: dict[int, int] = {}
+
+    def function(self, device: CudaDevice) -> Any:
+        """CUfunction of this kernel in ``device``'s context (loads the library there on first use)."""
+        f = self._functions.get(device.ordinal)
+        if f is None:
+            device.activate()
+            f = call("cuKernelGetFunction", bindings().cuKernelGetFunction, self.handle)
+            self._functions[device.ordinal] = f
+        return f
+
+    def attribute(self, device: CudaDevice, attr: str) -> int:
+        drv = bindings()
+        device.activate()
+        return int(call("cuKernelGetAttribute", drv.cuKernelGetAttribute, getattr(drv.CUfunction_attribute, attr),
+                        self.handle, device.dev))
+
+    def static_smem(self, device: CudaDevice) -> int:
+        if device.ordinal not in self._static:
+            self._static[device.ordinal] = self.attribute(device, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES")
+        return self._static[device.ordinal]
+
+    def set_max_dynamic_smem(self, device: CudaDevice, nbytes: int | None = None) -> int:
+        """Opt this kernel in to ``nbytes`` of dynamic shared memory on ``device`` (default: all the device
+        allows). Recorded only after the driver accepted it."""
+        drv = bindings()
+        want = device.limits.max_shared_mem_optin - self.static_smem(device) if nbytes is None else int(nbytes)
+        device.activate()
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call("cuKernelSetAttribute", drv.cuKernelSetAttribute, attr, want, self.handle, device.dev)
+        # The same limit on the CUfunction of this device's context (what cuLaunchKernelEx launches).
+        call("cuFuncSetAttribute", drv.cuFuncSetAttribute, self.function(device), attr, want)
+        self._optin[device.ordinal] = want
+        return want
+
+    def optin_bytes(self, device: CudaDevice) -> int | None:
+        """The dynamic-shared-memory limit this process set for this kernel on ``device``; None if never."""
+        return self._optin.get(device.ordinal)
+
+    def problems(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int) -> list[str]:
+        return launch_problems(device.limits, grid, block, smem, self.static_smem(device), self.optin_bytes(device))
+
+    def launch_unchecked(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int,
+                         args: Sequence[tuple[str, Any]]) -> int:
+        """The raw ``cuLaunchKernelEx`` on the device's stream, with no pre-launch check; returns the
+        CUresult code (tests use it to show the driver rejects what the guard rejects)."""
+        drv = bindings()
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
+        cfg.sharedMemBytes = int(smem)
+        cfg.hStream = device.stream
+        cfg.numAttrs = 0
+        ptrs, _vals = pack_args(args)
+        f = self.function(device)
+        device.activate()
+        res = drv.cuLaunchKernelEx(cfg, f, ptrs, 0)
+        return int(res[0] if isinstance(res, tuple) else res)
+
+    def launch(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int,
+               args: Sequence[tuple[str, Any]]) -> None:
+        """Guarded launch: LaunchRejected if the configuration is invalid on this device, CudaError if the
+        driver still refuses it."""
+        if reasons := self.problems(device, grid, block, smem):
+            raise LaunchRejected(f"{self.name} on {device.limits.name}", reasons)
+        code = self.launch_unchecked(device, grid, block, smem, args)
+        if code != 0:
+            from .driver import error_name
+
+            raise CudaError(f"cuLaunchKernelEx({self.name})", code, error_name(code))
+
+    def run(self, device: CudaDevice, launch: Launch) -> None:
+        self.launch(device, launch.grid, launch.block, launch.smem, launch.args)
+
+
+class Module:
+    """A cubin loaded with ``cuLibraryLoadData``; kernels are looked up by name and cached."""
+
+    def __init__(self, cubin: bytes, label: str = "") -> None:
+        drv = bindings()
+        init()
+        self.label = label
+        self._cubin = cubin  # the driver may read it lazily
+        self.library = call("cuLibraryLoadData", drv.cuLibraryLoadData, cubin, None, None, 0, None, None, 0)
+        self._kernels: dict[str, Kernel] = {}
+
+    def kernel(self, name: str) -> Kernel:
+        k = self._kernels.get(name)
+        if k is None:
+            h = call("cuLibraryGetKernel", bindings().cuLibraryGetKernel, self.library, name.encode())
+            k = self._kernels[name] = Kernel(self, name, h)
+        return k
+
+
+_modules: dict[tuple[str, str, tuple[str, ...], str], Module] = {}
+_modules_lock = threading.Lock()
+
+
+def load_module(src_name: str, options: Sequence[str], arch: str) -> Module:
+    """Compile (cached) and load ``ops/cuda/<src_name>`` with ``options``; one Module per process and key.
+    Opt-in attributes live on the kernels, so every owner sees the same per-device record."""
+    key = (src_name, source(src_name), tuple(options), arch)
+    with _modules_lock:
+        m = _modules.get(key)
+        if m is None:
+            m = _modules[key] = Module(compile_cubin(key[1], src_name, options, arch), f"{src_name} {options}")
+        return m

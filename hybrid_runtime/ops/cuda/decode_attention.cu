@@ -1,0 +1,556 @@
+// Paged decode attention: single-block, split-KV ("multi-block") and the log-sum-exp reduction.
+//
+// Compiled by NVRTC (hybrid_runtime/cuda/kernels.py) once per variant with
+//   -DHD=<head_dim, multiple of 16, <= 256>  -DDT=<0 float32 | 1 float16 | 2 bfloat16>
+//   -DIMPL=<0 simt | 1 mma>  -DNT=<mma only: 8-wide tiles of query heads per kv head>
+// Self-contained: no CUDA headers, so it compiles the same with any NVRTC (on a CPU too).
+//
+// Launch geometry is the dispatcher's LaunchPlan, unchanged: grid (blocks_per_seq, Hkv, B),
+// block_threads threads, smem_bytes of dynamic shared memory; reduction grid (B, Hq), reduce_threads.
+// One CTA owns the whole GQA group of its kv head, so K/V are read from HBM exactly once.
+//
+// Pools: k/v [num_pages, page_size, Hkv, HD]; tables int32 [B, table_stride]; lens int32 [B] (counting
+// the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
+//   o[B][Hq][nblk][HD] (unnormalised) | m[B][Hq][nblk] (log2 domain) | l[B][Hq][nblk].
+// Chunk c of sequence b covers tokens [c*chunk_len, min((c+1)*chunk_len, len_b)); it may be empty for
+// sequences shorter than the longest one (m = -inf, l = 0 then).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef HD
+#error "HD (head_dim) must be defined"
+#endif
+#ifndef DT
+#define DT 2
+#endif
+#ifndef IMPL
+#define IMPL 0
+#endif
+#ifndef NT
+#define NT 1
+#endif
+
+#if DT == 0
+typedef float T;
+#define ES 4
+#else
+typedef u16 T;
+#define ES 2
+#endif
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(u16 x) {
+#if DT == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#else
+  return __uint_as_float(((u32)x) << 16);
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Workspace / output stores shared by both implementations
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void store_result(bool multi, float* __restrict__ out, float* __restrict__ ws,
+                                             int B, int Hq, int nblk, int b, int h, int blk, int d,
+                                             float acc, float m, float l) {
+  if (!multi) {
+    out[((size_t)b * Hq + h) * HD + d] = acc / l;
+  } else {
+    size_t row = (size_t)b * Hq + h;
+    ws[(row * nblk + blk) * HD + d] = acc;
+    if (d == 0) {
+      float* wm = ws + (size_t)B * Hq * nblk * HD;
+      float* wl = wm + (size_t)B * Hq * nblk;
+      wm[row * nblk + blk] = m;
+      wl[row * nblk + blk] = l;
+    }
+  }
+}
+
+extern __shared__ __align__(16) unsigned char smem[];
+
+#if IMPL == 1
+// ================================================================================================
+// Tensor-core implementation (fp16/bf16): mma.sync m16n8k16, 16 tokens x 8 query heads per MMA.
+//   S^T[tok, head] = K[tok, :] . Q[head, :]        A = K tile (ldmatrix),    B = Q^T (registers)
+//   O^T[dim, head] += V^T[dim, tok] . P^T[tok, head] A = V tile (ldmatrix.trans), B = P^T (movmatrix)
+// Each warp streams its own 16-token blocks (cp.async into a private K slot and V slot, swizzled),
+// keeping a running max / sum per head; warps are merged through shared memory at the end.
+// ================================================================================================
+
+#define ROWB (HD * 2)       // bytes of one token row of one kv head
+#define CPR (HD / 8)        // 16-byte chunks per row
+#define SLOT (16 * ROWB)    // one 16-token block of K (or of V)
+#define NKS (HD / 16)       // k-steps of the QK product == m-tiles of the PV product
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// XOR swizzle of 16-byte chunks inside aligned groups of 8, so the 8 row addresses of an ldmatrix
+// hit 8 different bank groups. A trailing group of fewer than 8 chunks (HD = 80, 208, ...) is left as is.
+__device__ __forceinline__ int swz(int row, int c) {
+  return c < (CPR & ~7) ? (c ^ (row & 7)) : c;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ u32 movmatrix_t(u32 x) {
+  u32 r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
+  u32 r;
+#if DT == 1
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if DT == 1
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Pool row (token x kv head, HD elements each) of token `tok` of kv head `kvh`; lanes 0..15 each compute
+// one row of a 16-token block and the others fetch it with one shuffle. -1 marks a row past the chunk
+// end. 32-bit: the host checks that the pool has fewer than 2^31 rows.
+__device__ __forceinline__ int row_index(const int* __restrict__ table, int tok, int t1, int page_size, int Hkv,
+                                         int kvh) {
+  if (tok >= t1) return -1;
+  const int pi = tok / page_size;
+  return (table[pi] * page_size + (tok - pi * page_size)) * Hkv + kvh;
+}
+
+// Issue the cp.async copies of one 16-token block (rows past the chunk end are zero-filled).
+__device__ __forceinline__ void load_block(u32 sdst, const T* __restrict__ pool, int my_row, int lane) {
+#pragma unroll
+  for (int i = 0; i < (16 * CPR) / 32; ++i) {
+    const int qd = lane + 32 * i;
+    const int row = qd / CPR;
+    const int c = qd - row * CPR;
+    const int r = __shfl_sync(0xffffffffu, my_row, row);
+    const T* src = pool + (size_t)(r < 0 ? 0 : r) * HD + c * 8;
+    cp_async16(sdst + row * ROWB + swz(row, c) * 16, src, r < 0 ? 0 : 16);
+  }
+}
+
+__device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, const T* __restrict__ kpool,
+                                         const T* __restrict__ vpool, const int* __restrict__ tables,
+                                         int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+                                         float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
+                                         int chunk_len, int nblk, int smem_bytes, float scale_log2) {
+  const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  if (b >= B || kvh >= Hkv) return;
+  const int G = Hq / Hkv, h0 = kvh * G;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int len = lens[b];
+  const int t0 = blk * chunk_len;
+  const int t1 = min(t0 + chunk_len, len);
+  if (t0 >= t1) {  // an empty chunk of a shorter sequence (multi-block only)
+    for (int i = tid; i < G * HD; i += blockDim.x)
+      store_result(multi, out, ws, B, Hq, nblk, b, h0 + i / HD, blk, i % HD, 0.f, NEG_INF, 0.f);
+    return;
+  }
+  const int* table = tables + (size_t)b * table_stride;
+  const int nslots = smem_bytes / (2 * SLOT);
+  const int nact = min(nwarps, nslots);  // warps that stream K/V (>= 1: smem holds >= one K+V block)
+  const int nb16 = (t1 - t0 + 15) >> 4;
+
+  float acc[NKS][NT][4];
+  float m_run[NT][2], l_run[NT][2];
+#pragma unroll
+  for (int mt = 0; mt < NKS; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][nt][r] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    m_run[nt][0] = m_run[nt][1] = NEG_INF;
+    l_run[nt][0] = l_run[nt][1] = 0.f;
+  }
+
+  if (warp < nact && warp < nb16) {
+    // Q^T as B fragments: b0b1 = Q[head g][k 2t, 2t+1], b2b3 = Q[head g][k 2t+8, 2t+9] per k-step.
+    u32 qf[NKS][NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int head = nt * 8 + g;
+      const u32* qrow = (const u32*)(q + ((size_t)b * Hq + h0 + (head < G ? head : 0)) * HD);
+#pragma unroll
+      for (int ks = 0; ks < NKS; ++ks) {
+        qf[ks][nt][0] = head < G ? qrow[ks * 8 + t4] : 0u;
+        qf[ks][nt][1] = head < G ? qrow[ks * 8 + 4 + t4] : 0u;
+      }
+    }
+    const u32 sK = smem_u32(smem) + warp * 2 * SLOT, sV = sK + SLOT;
+    // ldmatrix lane addressing (row, chunk-in-k-step) for K (A = K[tok, dim]) and V (A = V^T via .trans)
+    const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_c = lane >> 4;
+    const int v_row = (lane & 7) + (lane >> 4) * 8, v_c = (lane >> 3) & 1;
+
+    int j = warp;
+    int off = lane < 16 ? row_index(table, t0 + j * 16 + lane, t1, page_size, Hkv, kvh) : -1;
+    load_block(sK, kpool, off, lane);
+    cp_commit();
+    load_block(sV, vpool, off, lane);
+    cp_commit();
+
+    for (; j < nb16; j += nact) {
+      const int jn = j + nact;
+      const bool has_next = jn < nb16;
+      int off_n = -1;
+      if (has_next && lane < 16) off_n = row_index(table, t0 + jn * 16 + lane, t1, page_size, Hkv, kvh);
+
+      cp_wait1();  // K(j) has landed (V(j) may still be in flight)
+      __syncwarp();
+      float s[NT][4], s2[NT][4];  // two independent MMA chains (even / odd k-steps), summed after
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[nt][r] = s2[nt][r] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < NKS; ++ks) {
+        u32 a[4];
+        const int c = 2 * ks + k_c;
+        ldsm_x4(a, sK + k_row * ROWB + swz(k_row, c) * 16);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816((ks & 1) ? s2[nt] : s[nt], a, qf[ks][nt][0], qf[ks][nt][1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[nt][r] += s2[nt][r];
+      __syncwarp();  // every lane is done reading K(j): its slot can be refilled
+      if (has_next) load_block(sK, kpool, off_n, lane);
+      cp_commit();
+
+      // Online softmax per head (column of S^T): this thread holds tokens g, g+8 of heads 2t, 2t+1.
+      const int tok_a = t0 + j * 16 + g, tok_b = tok_a + 8;
+      u32 pb[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float p[4];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float sa = tok_a < t1 ? s[nt][c] * scale_log2 : NEG_INF;
+          float sb = tok_b < t1 ? s[nt][c + 2] * scale_log2 : NEG_INF;
+          float mx = fmaxf(sa, sb);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float m_new = fmaxf(m_run[nt][c], mx);  // finite: the block has a valid token
+          const float alpha = fast_exp2(m_run[nt][c] - m_new);
+          p[c] = fast_exp2(sa - m_new);
+          p[c + 2] = fast_exp2(sb - m_new);
+          l_run[nt][c] = l_run[nt][c] * alpha + p[c] + p[c + 2];
+          m_run[nt][c] = m_new;
+#pragma unroll
+          for (int mt = 0; mt < NKS; ++mt) {
+            acc[mt][nt][c] *= alpha;
+            acc[mt][nt][c + 2] *= alpha;
+          }
+        }
+        pb[nt][0] = movmatrix_t(pack2(p[0], p[1]));  // tokens 0..7 of the block
+        pb[nt][1] = movmatrix_t(pack2(p[2], p[3]));  // tokens 8..15
+      }
+
+      cp_wait1();  // V(j) has landed (K(j+nact) may still be in flight)
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < NKS; ++mt) {
+        u32 a[4];
+        const int c = 2 * mt + v_c;
+        ldsm_x4_t(a, sV + v_row * ROWB + swz(v_row, c) * 16);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+      }
+      __syncwarp();
+      if (has_next) load_block(sV, vpool, off_n, lane);
+      cp_commit();
+    }
+    cp_wait0();
+  }
+  // Full column sums of this warp.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float l = l_run[nt][c];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      l_run[nt][c] = l;
+    }
+
+  // ---- merge the warps through shared memory (the staging area is free now) ----
+  __syncthreads();
+  float* wm = (float*)smem;                 // [nwarps][NT*8]
+  float* wl = wm + nwarps * NT * 8;         // [nwarps][NT*8]
+  float* Mh = wl + nwarps * NT * 8;         // [NT*8] merged max
+  float* Lh = Mh + NT * 8;                  // [NT*8] merged sum
+  float* obuf = Lh + NT * 8;                // [G][HD]
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        wm[warp * NT * 8 + nt * 8 + 2 * t4 + c] = m_run[nt][c];
+        wl[warp * NT * 8 + nt * 8 + 2 * t4 + c] = l_run[nt][c];
+      }
+  }
+  __syncthreads();
+  if (tid < NT * 8) {
+    float M = NEG_INF;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + tid]);
+    float L = 0.f;
+    for (int w = 0; w < nwarps; ++w) {
+      const float lw = wl[w * NT * 8 + tid];
+      if (lw > 0.f) L += lw * fast_exp2(wm[w * NT * 8 + tid] - M);
+    }
+    Mh[tid] = M;
+    Lh[tid] = L;
+  }
+  __syncthreads();
+  for (int w = 0; w < nwarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int head = nt * 8 + 2 * t4 + c;
+          if (head < G) {
+            const float sc = l_run[nt][c] > 0.f ? fast_exp2(m_run[nt][c] - Mh[head]) : 0.f;
+#pragma unroll
+            for (int mt = 0; mt < NKS; ++mt)
+#pragma unroll
+              for (int hi = 0; hi < 2; ++hi) {
+                float* dst = obuf + head * HD + mt * 16 + g + hi * 8;
+                const float v = acc[mt][nt][c + 2 * hi] * sc;
+                *dst = (w == 0) ? v : *dst + v;
+              }
+          }
+        }
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < G * HD; i += blockDim.x) {
+    const int head = i / HD, d = i - head * HD;
+    store_result(multi, out, ws, B, Hq, nblk, b, h0 + head, blk, d, obuf[i], Mh[head], Lh[head]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) decode_attn_single(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+    float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
+    int smem_bytes, float scale_log2) {
+  attn_mma(false, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
+           smem_bytes, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_attn_multi(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+    float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
+    int smem_bytes, float scale_log2) {
+  attn_mma(true, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
+           smem_bytes, scale_log2);
+}
+
+#else
+// ================================================================================================
+// Portable implementation (float32 inputs, or GQA groups too wide for the tensor-core kernel).
+// Uses exactly the dispatcher's shared-memory layout:
+//   Q [G][HD] | K tile [kv_tile][HD] | V tile [kv_tile][HD] | logits f32 [G][kv_tile] | acc f32 [G][HD+2]
+// (acc row: HD accumulators, running max, running sum).
+// ================================================================================================
+
+__device__ __forceinline__ void attn_simt(bool multi, const T* __restrict__ q, const T* __restrict__ kpool,
+                                          const T* __restrict__ vpool, const int* __restrict__ tables,
+                                          int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+                                          float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
+                                          int chunk_len, int nblk, int tile, float scale_log2) {
+  const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  if (b >= B || kvh >= Hkv) return;
+  const int G = Hq / Hkv, h0 = kvh * G;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int nth = blockDim.x;
+  const int len = lens[b];
+  const int t0 = blk * chunk_len;
+  const int t1 = min(t0 + chunk_len, len);
+  const int* table = tables + (size_t)b * table_stride;
+
+  T* Qs = (T*)smem;
+  T* Ks = Qs + G * HD;
+  T* Vs = Ks + tile * HD;
+  float* Ss = (float*)(Vs + tile * HD);
+  float* As = Ss + G * tile;
+  const int AW = HD + 2;
+
+  for (int i = tid; i < G * HD; i += nth) Qs[i] = q[((size_t)b * Hq + h0) * HD + i];
+  for (int i = tid; i < G * AW; i += nth) As[i] = (i % AW == HD) ? NEG_INF : 0.f;
+  __syncthreads();
+
+  for (int ts = t0; ts < t1; ts += tile) {
+    const int n = min(tile, t1 - ts);
+    for (int i = tid; i < n * HD; i += nth) {
+      const int r = i / HD, d = i - r * HD;
+      const int tok = ts + r, pi = tok / page_size;
+      const long long page = table[pi];
+      const long long off = ((page * page_size + (tok - pi * page_size)) * Hkv + kvh) * (long long)HD + d;
+      Ks[i] = kpool[off];
+      Vs[i] = vpool[off];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * n; i += nth) {
+      const int gi = i / n, r = i - gi * n;
+      float dot = 0.f;
+      for (int d = 0; d < HD; ++d) dot += to_f32(Qs[gi * HD + d]) * to_f32(Ks[r * HD + d]);
+      Ss[gi * tile + r] = dot * scale_log2;
+    }
+    __syncthreads();
+    for (int gi = warp; gi < G; gi += nwarps) {
+      float* srow = Ss + gi * tile;
+      float* arow = As + gi * AW;
+      float mx = NEG_INF;
+      for (int r = lane; r < n; r += 32) mx = fmaxf(mx, srow[r]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_old = arow[HD];
+      const float m_new = fmaxf(m_old, mx);
+      const float alpha = fast_exp2(m_old - m_new);
+      float sum = 0.f;
+      for (int r = lane; r < n; r += 32) {
+        const float p = fast_exp2(srow[r] - m_new);
+        srow[r] = p;
+        sum += p;
+      }
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      for (int d = lane; d < HD; d += 32) arow[d] *= alpha;
+      const float l_old = arow[HD + 1];
+      __syncwarp();
+      if (lane == 0) {
+        arow[HD] = m_new;
+        arow[HD + 1] = l_old * alpha + sum;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += nth) {
+      const int gi = i / HD, d = i - gi * HD;
+      float a = As[gi * AW + d];
+      const float* srow = Ss + gi * tile;
+      for (int r = 0; r < n; ++r) a += srow[r] * to_f32(Vs[r * HD + d]);
+      As[gi * AW + d] = a;
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < G * HD; i += nth) {
+    const int gi = i / HD, d = i - gi * HD;
+    store_result(multi, out, ws, B, Hq, nblk, b, h0 + gi, blk, d, As[gi * AW + d], As[gi * AW + HD],
+                 As[gi * AW + HD + 1]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) decode_attn_single(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+    float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
+    int smem_bytes, float scale_log2) {
+  attn_simt(false, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
+            kv_tile, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(1024) decode_attn_multi(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
+    float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
+    int smem_bytes, float scale_log2) {
+  attn_simt(true, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
+            kv_tile, scale_log2);
+}
+#endif
+
+// Log-sum-exp merge of the chunks: out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c.
+// The chunk weights are computed once per CTA into shared memory (tiles of RCH chunks), so the per-dim
+// accumulation is a plain unrolled loop of independent loads rather than a dependent chain.
+#define RCH 256
+extern "C" __global__ void decode_attn_reduce(const float* __restrict__ ws, float* __restrict__ out, int B, int Hq,
+                                              int nblk) {
+  __shared__ float wsh[RCH], lsh[RCH], red[32];
+  const int b = blockIdx.x, h = blockIdx.y;
+  if (b >= B || h >= Hq) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (blockDim.x + 31) >> 5;
+  const size_t row = (size_t)b * Hq + h;
+  const float* po = ws + row * nblk * HD;
+  const float* pm = ws + (size_t)B * Hq * nblk * HD + row * nblk;
+  const float* pl = pm + (size_t)B * Hq * nblk;
+  float M = NEG_INF;
+  for (int c = tid; c < nblk; c += blockDim.x) M = fmaxf(M, pm[c]);
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if (lane == 0) red[warp] = M;
+  __syncthreads();
+  M = red[0];
+  for (int w = 1; w < nw; ++w) M = fmaxf(M, red[w]);
+  for (int d0 = 0; d0 < HD; d0 += blockDim.x) {
+    const int d = d0 + tid;
+    float acc = 0.f, L = 0.f;
+    for (int c0 = 0; c0 < nblk; c0 += RCH) {
+      const int n = min(RCH, nblk - c0);
+      __syncthreads();  // the previous tile's weights are consumed
+      for (int c = tid; c < n; c += blockDim.x) {
+        const float l = pl[c0 + c];
+        const float w = l > 0.f ? fast_exp2(pm[c0 + c] - M) : 0.f;
+        wsh[c] = w;
+        lsh[c] = l * w;
+      }
+      __syncthreads();
+      if (d < HD) {
+        const float* p = po + (size_t)c0 * HD + d;
+#pragma unroll 8
+        for (int c = 0; c < n; ++c) {
+          acc += p[(size_t)c * HD] * wsh[c];
+          L += lsh[c];
+        }
+      }
+    }
+    if (d < HD) out[row * HD + d] = acc / L;
+  }
+}

@@ -1,0 +1,350 @@
+// Gated DeltaNet stateful kernels: causal conv window + SiLU, and the gated delta rule (decode and
+// prefill). Math: MODEL_MATH.md "Gated DeltaNet mixer"; the CPU twin is hybrid_runtime/ops/gdn.py.
+//
+// Compiled by NVRTC once per variant with
+//   -DDT=<0 float32 | 1 float16 | 2 bfloat16>  (activations u and the output o)
+//   -DDK=<key head dim> -DDV=<value head dim, multiple of 4> -DKW=<conv kernel width K >= 1>
+// State is float32 and laid out as hybrid_runtime.state_cache.StateLayout says:
+//   conv  [rows, K-1, C]     (row stride conv_row elements, passed in from the layout)
+//   rec   [rows, nv, DK, DV] (row stride rec_row elements)
+// rows = num_slots + 1; the last row is the padding sink. Slot indices were bounds-checked on the host;
+// live slots are distinct, padding rows may all name the sink (their writes race only on the sink).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#ifndef DT
+#define DT 2
+#endif
+#ifndef KW
+#define KW 4
+#endif
+
+#if DT == 0
+typedef float T;
+#else
+typedef u16 T;
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(u16 x) {
+#if DT == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#else
+  return __uint_as_float(((u32)x) << 16);
+#endif
+}
+__device__ __forceinline__ void store_act(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_act(u16* p, float v) {
+  u16 h;
+#if DT == 1
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  *p = h;
+}
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// ------------------------------------------------------------------------------------------------
+// Conv, decode: one token per sequence. grid (ceil(C/blockDim), B); thread = one channel of one row.
+// x_out[b, c] = silu(sum_j w[c, j] * [window ++ u_b][j]); window <- last K-1 inputs.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
+                                           float* __restrict__ conv, long long conv_row,
+                                           const int* __restrict__ slots, float* __restrict__ x_out, int B,
+                                           int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= C || b >= B) return;
+  float* win = conv + (long long)slots[b] * conv_row + c;
+  float xs[KW];
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) xs[j] = win[(long long)j * C];
+  xs[KW - 1] = to_f32(u[(size_t)b * C + c]);
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < KW; ++j) acc += conv_w[(size_t)c * KW + j] * xs[j];
+  x_out[(size_t)b * C + c] = silu(acc);
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) win[(long long)j * C] = xs[j + 1];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Conv, prefill (packed variable-length sequences). grid (ceil(C/blockDim), ceil(max_T/tok_tile), S).
+// Reads the windows, never writes them: gdn_conv_window runs after it (same stream).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void gdn_conv_prefill(const T* __restrict__ u, const float* __restrict__ conv_w,
+                                            const float* __restrict__ conv, long long conv_row,
+                                            const int* __restrict__ seq_start, const int* __restrict__ slots,
+                                            float* __restrict__ x_out, int S, int C, int tok_tile) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.z;
+  if (c >= C || s >= S) return;
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  const int p0 = blockIdx.y * tok_tile;
+  if (p0 >= T_len) return;
+  const int p1 = min(p0 + tok_tile, T_len);
+  const float* win = conv + (long long)slots[s] * conv_row + c;
+  float w[KW];
+#pragma unroll
+  for (int j = 0; j < KW; ++j) w[j] = conv_w[(size_t)c * KW + j];
+  float xs[KW];  // xs[KW-1] is the current token; xs[j] the input KW-1-j positions earlier
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) {
+    const int p = p0 - (KW - 1) + j;  // position of xs[j] for the first token
+    xs[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * C + c]) : win[(long long)(KW - 1 + p) * C];
+  }
+  for (int p = p0; p < p1; ++p) {
+    xs[KW - 1] = to_f32(u[(size_t)(start + p) * C + c]);
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < KW; ++j) acc += w[j] * xs[j];
+    x_out[(size_t)(start + p) * C + c] = silu(acc);
+#pragma unroll
+    for (int j = 0; j < KW - 1; ++j) xs[j] = xs[j + 1];
+  }
+}
+
+// New window of each prefilled sequence: the last K-1 of (old window ++ its T inputs).
+// grid (ceil(C/blockDim), S); each thread reads all it needs before it writes.
+extern "C" __global__ void gdn_conv_window(const T* __restrict__ u, float* __restrict__ conv, long long conv_row,
+                                           const int* __restrict__ seq_start, const int* __restrict__ slots, int S,
+                                           int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+  if (c >= C || s >= S) return;
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  float* win = conv + (long long)slots[s] * conv_row + c;
+  float nw[KW > 1 ? KW - 1 : 1];
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) {
+    const int p = T_len - (KW - 1) + j;
+    nw[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * C + c]) : win[(long long)(KW - 1 + p) * C];
+  }
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) win[(long long)j * C] = nw[j];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Gated delta rule, decode. grid (ceil(DV/32), NV, B), 128 threads. A CTA owns 32 state columns of one
+// value head of one sequence: 8 threads per row (float4 each) x 16 row groups. The state is read once
+// (loads issued first) and written once; q/k are l2-normalised here (q also scaled by 1/sqrt(DK)).
+//   o = e^g S^T q + (q.k) delta,  delta = beta (v - e^g S^T k),  S <- e^g S + k delta^T
+// ------------------------------------------------------------------------------------------------
+#define RM ((DK + 15) / 16)
+
+extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __restrict__ x,
+                                                             const float* __restrict__ gdec,
+                                                             const float* __restrict__ beta,
+                                                             const int* __restrict__ slots,
+                                                             float* __restrict__ rec, long long rec_row,
+                                                             T* __restrict__ out, int B, int NK, int NV) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b >= B || h >= NV) return;
+  const int tid = threadIdx.x, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
+  const int j = blockIdx.x * 32 + tc * 4;
+  const bool jv = j < DV;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+  float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
+
+  float4 st[RM];
+#pragma unroll
+  for (int m = 0; m < RM; ++m) {
+    const int i = rg + 16 * m;
+    st[m] = (jv && i < DK) ? *(const float4*)(S + (size_t)i * DV + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
+  __shared__ float qs[DK], ks[DK];
+  __shared__ float red[4][3];
+  __shared__ float part[4][32][2];
+  const float* xb = x + (size_t)b * C;
+  float sq = 0.f, sk = 0.f, sqk = 0.f;
+  for (int i = tid; i < DK; i += 128) {
+    const float qv = xb[kh * DK + i], kv = xb[NK * DK + kh * DK + i];
+    qs[i] = qv;
+    ks[i] = kv;
+    sq += qv * qv;
+    sk += kv * kv;
+    sqk += qv * kv;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+  }
+  if (lane == 0) {
+    red[warp][0] = sq;
+    red[warp][1] = sk;
+    red[warp][2] = sqk;
+  }
+  __syncthreads();
+  sq = red[0][0] + red[1][0] + red[2][0] + red[3][0];
+  sk = red[0][1] + red[1][1] + red[2][1] + red[3][1];
+  sqk = red[0][2] + red[1][2] + red[2][2] + red[3][2];
+  const float rq = 1.f / sqrtf(sq + 1e-6f) / sqrtf((float)DK);
+  const float rk = 1.f / sqrtf(sk + 1e-6f);
+  const float qk = sqk * rq * rk;
+
+  float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int m = 0; m < RM; ++m) {
+    const int i = rg + 16 * m;
+    if (i < DK) {
+      const float kv = ks[i] * rk, qv = qs[i] * rq;
+      pk[0] += st[m].x * kv; pk[1] += st[m].y * kv; pk[2] += st[m].z * kv; pk[3] += st[m].w * kv;
+      pq[0] += st[m].x * qv; pq[1] += st[m].y * qv; pq[2] += st[m].z * qv; pq[3] += st[m].w * qv;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], 8);
+    pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], 16);
+    pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], 8);
+    pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], 16);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      part[warp][tc * 4 + c][0] = pk[c];
+      part[warp][tc * 4 + c][1] = pq[c];
+    }
+  }
+  __syncthreads();
+  const float eg = expf(gdec[(size_t)b * NV + h]), bt = beta[(size_t)b * NV + h];
+  float delta[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float tk = part[0][tc * 4 + c][0] + part[1][tc * 4 + c][0] + part[2][tc * 4 + c][0] + part[3][tc * 4 + c][0];
+    const float tq = part[0][tc * 4 + c][1] + part[1][tc * 4 + c][1] + part[2][tc * 4 + c][1] + part[3][tc * 4 + c][1];
+    const float v = jv ? xb[2 * NK * DK + h * DV + j + c] : 0.f;
+    delta[c] = bt * (v - eg * tk);
+    if (rg == 0 && jv) store_act(out + ((size_t)b * NV + h) * DV + j + c, eg * tq + qk * delta[c]);
+  }
+#pragma unroll
+  for (int m = 0; m < RM; ++m) {
+    const int i = rg + 16 * m;
+    if (jv && i < DK) {
+      const float kv = ks[i] * rk;
+      float4 v = st[m];
+      v.x = eg * v.x + kv * delta[0];
+      v.y = eg * v.y + kv * delta[1];
+      v.z = eg * v.z + kv * delta[2];
+      v.w = eg * v.w + kv * delta[3];
+      *(float4*)(S + (size_t)i * DV + j) = v;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Gated delta rule, prefill: a per-chunk scan. grid (ceil(DV/32), NV, S), 128 threads; the state of 32
+// columns stays in registers for the whole prompt (warp w: 8 columns x 4 row groups, DK/4 rows each).
+// Per chunk of `chunk` tokens the CTA stages normalised q/k, v, e^g, beta and q.k in shared memory
+// (parallel over tokens), then scans the chunk token by token with no block-wide barrier.
+// Dynamic shared memory: chunk * (2*DK + 32 + 3) floats.
+// ------------------------------------------------------------------------------------------------
+#define RP ((DK + 3) / 4)
+
+extern "C" __global__ void __launch_bounds__(128) gdn_prefill(const float* __restrict__ x,
+                                                              const float* __restrict__ gdec,
+                                                              const float* __restrict__ beta,
+                                                              const int* __restrict__ seq_start,
+                                                              const int* __restrict__ slots,
+                                                              float* __restrict__ rec, long long rec_row,
+                                                              T* __restrict__ out, int S, int NK, int NV,
+                                                              int chunk) {
+  extern __shared__ __align__(16) float sm[];
+  const int s = blockIdx.z, h = blockIdx.y;
+  if (s >= S || h >= NV) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int cl = warp * 8 + (lane & 7);  // column inside the CTA's 32
+  const int col = blockIdx.x * 32 + cl, rg = lane >> 3;
+  const bool cv = col < DV;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  float* St = rec + (long long)slots[s] * rec_row + (long long)h * DK * DV;
+
+  float st[RP];
+#pragma unroll
+  for (int m = 0; m < RP; ++m) {
+    const int i = rg + 4 * m;
+    st[m] = (cv && i < DK) ? St[(size_t)i * DV + col] : 0.f;
+  }
+  float* kn = sm;                 // [chunk][DK]
+  float* qn = kn + chunk * DK;    // [chunk][DK]
+  float* vv = qn + chunk * DK;    // [chunk][32]
+  float* eg = vv + chunk * 32;    // [chunk]
+  float* bt = eg + chunk;         // [chunk]
+  float* qk = bt + chunk;         // [chunk]
+
+  for (int c0 = 0; c0 < T_len; c0 += chunk) {
+    const int n = min(chunk, T_len - c0);
+    __syncthreads();  // the previous chunk is fully consumed
+    for (int tt = warp; tt < n; tt += 4) {
+      const float* xr = x + (size_t)(start + c0 + tt) * C;
+      float sq = 0.f, sk = 0.f, sqk = 0.f;
+      for (int i = lane; i < DK; i += 32) {
+        const float qv = xr[kh * DK + i], kv = xr[NK * DK + kh * DK + i];
+        qn[tt * DK + i] = qv;
+        kn[tt * DK + i] = kv;
+        sq += qv * qv;
+        sk += kv * kv;
+        sqk += qv * kv;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+      }
+      const float rq = 1.f / sqrtf(sq + 1e-6f) / sqrtf((float)DK);
+      const float rk = 1.f / sqrtf(sk + 1e-6f);
+      __syncwarp();
+      for (int i = lane; i < DK; i += 32) {
+        qn[tt * DK + i] *= rq;
+        kn[tt * DK + i] *= rk;
+      }
+      if (lane == 0) {
+        const size_t gi = (size_t)(start + c0 + tt) * NV + h;
+        eg[tt] = expf(gdec[gi]);
+        bt[tt] = beta[gi];
+        qk[tt] = sqk * rq * rk;
+      }
+    }
+    for (int idx = tid; idx < n * 32; idx += 128) {
+      const int tt = idx >> 5, cc = idx & 31, cg = blockIdx.x * 32 + cc;
+      vv[idx] = cg < DV ? x[(size_t)(start + c0 + tt) * C + 2 * NK * DK + h * DV + cg] : 0.f;
+    }
+    __syncthreads();
+    for (int tt = 0; tt < n; ++tt) {
+      const float* kr = kn + tt * DK;
+      const float* qr = qn + tt * DK;
+      float pk = 0.f, pq = 0.f;
+#pragma unroll
+      for (int m = 0; m < RP; ++m) {
+        const int i = rg + 4 * m;
+        if (i < DK) {
+          pk += st[m] * kr[i];
+          pq += st[m] * qr[i];
+        }
+      }
+      pk += __shfl_xor_sync(0xffffffffu, pk, 8);
+      pk += __shfl_xor_sync(0xffffffffu, pk, 16);
+      pq += __shfl_xor_sync(0xffffffffu, pq, 8);
+      pq += __shfl_xor_sync(0xffffffffu, pq, 16);
+      const float e = eg[tt];
+      const float d = bt[tt] * (vv[tt * 32 + cl] - e * pk);
+      if (rg == 0 && cv) store_act(out + (size_t)(start + c0 + tt) * NV * DV + h * DV + col, e * pq + qk[tt] * d);
+#pragma unroll
+      for (int m = 0; m < RP; ++m) {
+        const int i = rg + 4 * m;
+        if (i < DK) st[m] = e * st[m] + kr[i] * d;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < RP; ++m) {
+    const int i = rg + 4 * m;
+    if (cv && i < DK) St[(size_t)i * DV + col] = st[m];
+  }
+}
