@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--multi-block-mode", default="auto", choices=["auto", "on", "off"])
     g.add_argument("--profile-pinning", default="per_context", choices=["per_context", "single_context"])
     g.add_argument("--max-batch-size", type=int, default=0, help="0 = the bundle's")
+    g.add_argument("--device", default="cpu", help="stateful operators: cpu (numpy) | cuda | cuda:N")
     g.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     g.add_argument("--stats", action="store_true", help="print the runtime metrics to stderr at the end")
     g.add_argument("-v", "--verbose", action="store_true")
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = [GenerationRequest("prompt", prompt_ids=ids, params=defaults)]
         engine = ServingEngine(args.engine, RuntimeOptions(
             max_batch_size=args.max_batch_size, multi_block_mode=args.multi_block_mode,
-            profile_pinning=args.profile_pinning)).start()
+            profile_pinning=args.profile_pinning, device=args.device)).start()
     except (RequestValidationError, ConfigError, BundleError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

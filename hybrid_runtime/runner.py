@@ -1,8 +1,9 @@
 """Model runner: executes one batch (PREFILL or DECODE) through the segment pipeline.
 
-It owns the device state (engine contexts, state cache, KV cache) and makes no policy decisions: the
-scheduler decides which sequences, slots and pages; the runner computes logits. Only the engine thread
-calls it (invariant 1).
+It owns the engine contexts and, through its :class:`~hybrid_runtime.ops.base.StatefulOps` (``ops``: numpy
+on ``device="cpu"``, CUDA kernels on ``"cuda"`` / ``"cuda:N"``), the state and KV caches; it makes no policy
+decisions: the scheduler decides which sequences, slots and pages; the runner computes logits. Only the
+engine thread calls it (invariant 1). MoE FFNs run in numpy on the host for every device.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,35 +18,26 @@ import numpy as np
 from .config import LINEAR, BundleError, Manifest
 from .engine import Engine, Phase, load_engine
 from .kv_cache import KVCache, KVLayout
-from .ops.attention import prefill_attention
+from .ops.base import SeqStep, StatefulOps, make_ops
+from .ops.cpu import CpuOps
 from .ops.dispatcher import DecodeAttentionDispatcher
-from .ops.gdn import gdn_decode, gdn_prefill
 from .ops.moe import MoE
 from .pipeline import plan_segments, state_weight_names
 from .state_cache import StateCache
 from .weights_io import SafetensorsFile
 
+__all__ = ["ModelRunner", "SeqStep"]  # SeqStep lives in ops.base (the operators take it too)
+
 log = logging.getLogger("hybrid_runtime.runner")
 
 
-@dataclass(slots=True)
-class SeqStep:
-    """One sequence's part of a batch: ``token_ids`` go to positions ``start_pos..``; its state lives in
-    ``slot`` and its KV in ``page_table`` (which already covers ``start_pos + len(token_ids)`` tokens)."""
-
-    slot: int
-    page_table: list[int]
-    start_pos: int
-    token_ids: list[int]
-    need_logits: bool = True
-
-
 class ModelRunner:
-    """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run`."""
+    """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run`. ``device`` picks the stateful
+    operators: ``"cpu"`` (numpy) or ``"cuda"`` / ``"cuda:N"`` (CUDA kernels on that GPU)."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
-                 intra_op_threads: int = 0, engine: Engine | None = None) -> None:
+                 intra_op_threads: int = 0, engine: Engine | None = None, device: str = "cpu") -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
         lim = manifest.limits
@@ -62,15 +53,40 @@ class ModelRunner:
         self.conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
         state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}
         self.moe = {i: MoE(cfg, state_w, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
-        self.state = StateCache(cfg, lim.num_state_slots)
         pages = num_kv_pages or lim.num_kv_pages
         self.kv_layout = KVLayout(pages, lim.page_size, cfg.num_kv_heads, cfg.head_dim, np.float32,
                                   len(cfg.attention_layers))
-        self.kv = KVCache(self.kv_layout, cfg.attention_layers)
-        self.dispatcher = DecodeAttentionDispatcher(mode=multi_block_mode)  # type: ignore[arg-type]
+        self.ops: StatefulOps = make_ops(device, cfg, self.conv_w, lim.num_state_slots, self.kv_layout,
+                                         multi_block_mode)
         # Seconds spent inside engine segments and inside each stateful operator (for the benchmarks'
         # "time outside numpy/onnxruntime" figure); a few perf_counter calls per segment.
         self.timings: Counter[str] = Counter()
+
+    # ---- the operators' state ---------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return self.ops.device
+
+    @property
+    def dispatcher(self) -> DecodeAttentionDispatcher:
+        """The decode-attention dispatcher of the operators' device (plans, fallbacks, errors)."""
+        return self.ops.dispatcher
+
+    def _cpu_ops(self, what: str) -> CpuOps:
+        if not isinstance(self.ops, CpuOps):
+            raise AttributeError(f"runner.{what} holds host buffers of the cpu operators; on {self.ops.device} use "
+                                 f"runner.ops (reset_slot, state_arrays, kv_arrays)")
+        return self.ops
+
+    @property
+    def state(self) -> StateCache:
+        """The host :class:`StateCache` (cpu only)."""
+        return self._cpu_ops("state").state
+
+    @property
+    def kv(self) -> KVCache:
+        """The host :class:`KVCache` (cpu only)."""
+        return self._cpu_ops("kv").kv
 
     # ------------------------------------------------------------------------------------------
     def run(self, phase: Phase, steps: list[SeqStep]) -> np.ndarray:
@@ -95,11 +111,12 @@ class ModelRunner:
             env["x"] = out["x_next"]
             kind, layer = plan.exit
             if kind == "mixer" and self.cfg.layer_types[layer] == LINEAR:
-                env["mix_core"] = self._gdn(layer, phase, steps, bounds, out)
+                env["mix_core"] = self.ops.gdn(layer, phase, steps, bounds, out["u"], out["g"], out["beta"])
                 env["mix_z"] = out["z"]
                 tm["gdn"] += clock() - t1
             elif kind == "mixer":
-                env["mix_attn"] = self._attention(layer, phase, steps, bounds, positions, pages, offsets, out)
+                env["mix_attn"] = self.ops.attention(layer, phase, steps, bounds, positions, pages, offsets,
+                                                     out["q"], out["k"], out["v"])
                 env["mix_gate"] = out["gate"]
                 tm["attention"] += clock() - t1
             elif kind == "moe":
@@ -127,38 +144,3 @@ class ModelRunner:
         if len(pages) and (pages.min() < 0 or pages.max() >= self.kv_layout.num_pages):
             raise IndexError(f"page index outside the pool of {self.kv_layout.num_pages} pages")
         return pages, positions % ps
-
-    def _gdn(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray,
-             out: dict[str, np.ndarray]) -> np.ndarray:
-        cfg = self.cfg
-        dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
-                cfg.linear_value_head_dim)
-        conv, rec, w = self.state.conv[layer], self.state.recurrent[layer], self.conv_w[layer]
-        u, g, beta = out["u"], out["g"], out["beta"]
-        if phase == Phase.DECODE:
-            slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
-            return gdn_decode(conv, rec, slots, u, g, beta, w, *dims)
-        core = np.empty((len(u), cfg.value_dim), np.float32)
-        for i, s in enumerate(steps):
-            a, b = int(bounds[i]), int(bounds[i + 1])
-            core[a:b] = gdn_prefill(conv, rec, s.slot, u[a:b], g[a:b], beta[a:b], w, *dims)
-        return core
-
-    def _attention(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, positions: np.ndarray,
-                   pages: np.ndarray, offsets: np.ndarray, out: dict[str, np.ndarray]) -> np.ndarray:
-        cfg = self.cfg
-        T, H, Hkv, hd = len(positions), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        k_buf, v_buf = self.kv.buffers(layer)
-        k_buf[pages, offsets] = out["k"].reshape(T, Hkv, hd)
-        v_buf[pages, offsets] = out["v"].reshape(T, Hkv, hd)
-        q = out["q"].reshape(T, H, hd)
-        if phase == Phase.DECODE:
-            tables = [np.asarray(s.page_table, np.int64) for s in steps]
-            lens = np.fromiter((s.start_pos + 1 for s in steps), np.int64, count=len(steps))
-            return self.dispatcher.run(q, k_buf, v_buf, tables, lens).reshape(T, H * hd)
-        attn = np.empty((T, H, hd), np.float32)
-        for i, s in enumerate(steps):
-            a, b = int(bounds[i]), int(bounds[i + 1])
-            attn[a:b] = prefill_attention(q[a:b], k_buf, v_buf, s.page_table, s.start_pos)
-        return attn.reshape(T, H * hd)
-

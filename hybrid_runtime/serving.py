@@ -25,6 +25,7 @@ from .config import BundleError, ConfigError, Manifest
 from .engine.base import PINNING_MODES
 from .kv_cache import KVLayout
 from .metrics import Metrics
+from .ops.base import parse_device
 from .runner import ModelRunner
 from .sampler import make_rng, sample
 from .sampling import RequestValidationError, SamplingParams
@@ -50,8 +51,11 @@ class RuntimeOptions:
     # BLAS threads for the numpy operators. 1 by default: decode-sized matmuls are microseconds of work,
     # and handing them to a BLAS thread pool costs more than it saves (measured 20x slower on 2 cores).
     numpy_threads: int = 1
+    # Where the stateful operators (GDN state, KV cache, attention) run: "cpu" (numpy) | "cuda" | "cuda:N".
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        parse_device(self.device)  # ConfigError unless cpu | cuda | cuda:N
         if self.multi_block_mode not in MULTI_BLOCK_MODES:
             raise ConfigError(f"multi_block_mode={self.multi_block_mode!r}: choose one of "
                               f"{', '.join(MULTI_BLOCK_MODES)}")
@@ -127,8 +131,9 @@ class ServingEngine:
         self.tokenizer = Tokenizer.from_dir(self.bundle_dir, eos_token_ids=m.model.eos_token_ids)
         self.runner = ModelRunner(self.bundle_dir, m, pinning=opts.profile_pinning,
                                   multi_block_mode=opts.multi_block_mode, num_kv_pages=num_pages,
-                                  intra_op_threads=opts.intra_op_threads)
-        self.scheduler = Scheduler(lim, self.max_batch_size, num_pages, self.runner.state.reset)
+                                  intra_op_threads=opts.intra_op_threads, device=opts.device)
+        # On admission a slot's state is zeroed by the operators that own it (host or device buffers).
+        self.scheduler = Scheduler(lim, self.max_batch_size, num_pages, self.runner.ops.reset_slot)
         self.metrics = Metrics()
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._live: dict[str, _Live] = {}

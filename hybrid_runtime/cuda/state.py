@@ -103,15 +103,29 @@ class DeviceKVCache:
             raise IndexError(f"page index outside the pool of {self.layout.num_pages} pages")
         return pages * ps + pos % ps
 
-    def write(self, layer: int, page_table: Sequence[int], start_pos: int, k: DeviceArray, v: DeviceArray) -> None:
-        """Store ``k``, ``v`` ``[T, Hkv, hd]`` (device, pool dtype) at positions ``start_pos .. start_pos+T-1``."""
+    def _check_kv(self, k: DeviceArray, v: DeviceArray) -> None:
         shape = (k.shape[0], self.layout.num_kv_heads, self.layout.head_dim)
         if k.shape != shape or v.shape != shape or k.dtype != self.dtype or v.dtype != self.dtype:
             raise ValueError(f"k/v must be {shape} {self.dtype}, got {k.shape} {k.dtype} and {v.shape} {v.dtype}")
+
+    def write(self, layer: int, page_table: Sequence[int], start_pos: int, k: DeviceArray, v: DeviceArray) -> None:
+        """Store ``k``, ``v`` ``[T, Hkv, hd]`` (device, pool dtype) at positions ``start_pos .. start_pos+T-1``."""
+        self._check_kv(k, v)
+        self.write_rows(layer, self.rows(page_table, start_pos, k.shape[0]), k, v)
+
+    def write_rows(self, layer: int, rows: np.ndarray, k: DeviceArray, v: DeviceArray) -> None:
+        """Store ``k``, ``v`` ``[T, Hkv, hd]`` (device, pool dtype) at pool rows ``rows [T]``
+        (``page * page_size + offset``; tokens of several sequences at once). Rows are bounds-checked."""
+        self._check_kv(k, v)
         T = k.shape[0]
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.shape != (T,):
+            raise ValueError(f"{rows.size} rows for {T} tokens")
         if T == 0:
             return
-        dst = self.device.upload(self.rows(page_table, start_pos, T), stream_ordered=True)
+        if rows.min() < 0 or rows.max() >= self.layout.num_pages * self.layout.page_size:
+            raise IndexError(f"KV row outside the pool of {self.layout.num_pages} pages")
+        dst = self.device.upload(rows, stream_ordered=True)
         kp, vp = self.k[layer], self.v[layer]
         kern = self._module.kernel(f"kv_write{self._word}")
         kern.launch(self.device, (T, 1, 1), (128, 1, 1), 0,

@@ -1,0 +1,80 @@
+"""The numpy backend of the stateful mixers: host state and KV buffers, the CPU kernels of
+:mod:`.gdn` and :mod:`.attention`, and the guarded dispatcher with its numpy kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..engine.base import Phase
+from ..kv_cache import KVCache, KVLayout
+from ..state_cache import StateCache
+from .attention import prefill_attention
+from .base import SeqStep
+from .dispatcher import DecodeAttentionDispatcher
+from .gdn import gdn_decode, gdn_prefill
+
+
+class CpuOps:
+    """Owns a :class:`StateCache` (``state``) and a :class:`KVCache` (``kv``) on the host."""
+
+    device = "cpu"
+
+    def __init__(self, cfg: ModelConfig, conv_w: Mapping[int, np.ndarray], num_slots: int, kv_layout: KVLayout,
+                 multi_block_mode: str = "auto") -> None:
+        self.cfg = cfg
+        self.conv_w = dict(conv_w)  # layer -> [C, K] float32
+        self.state = StateCache(cfg, num_slots)
+        self.state_layout = self.state.layout
+        self.kv_layout = kv_layout
+        self.kv = KVCache(kv_layout, cfg.attention_layers)
+        self.dispatcher = DecodeAttentionDispatcher(mode=multi_block_mode)  # type: ignore[arg-type]
+        self._dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                      cfg.linear_value_head_dim)
+
+    def reset_slot(self, slot: int) -> None:
+        self.state.reset(slot)
+
+    def gdn(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, u: np.ndarray,
+            g: np.ndarray, beta: np.ndarray) -> np.ndarray:
+        """u ``[T, C]``, g/beta ``[T, nv]`` -> core ``[T, nv*dv]``; DECODE in one batched call, PREFILL
+        per sequence chunk."""
+        conv, rec, w = self.state.conv[layer], self.state.recurrent[layer], self.conv_w[layer]
+        if phase == Phase.DECODE:
+            slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
+            return gdn_decode(conv, rec, slots, u, g, beta, w, *self._dims)
+        core = np.empty((len(u), self.cfg.value_dim), np.float32)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            core[a:b] = gdn_prefill(conv, rec, s.slot, u[a:b], g[a:b], beta[a:b], w, *self._dims)
+        return core
+
+    def attention(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, positions: np.ndarray,
+                  pages: np.ndarray, offsets: np.ndarray, q: np.ndarray, k: np.ndarray,
+                  v: np.ndarray) -> np.ndarray:
+        """q ``[T, H*hd]``, k/v ``[T, Hkv*hd]`` -> ``[T, H*hd]``: K/V written first, then DECODE through the
+        dispatcher, PREFILL as chunked causal attention per sequence."""
+        cfg = self.cfg
+        T, H, Hkv, hd = len(positions), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_buf, v_buf = self.kv.buffers(layer)
+        k_buf[pages, offsets] = k.reshape(T, Hkv, hd)
+        v_buf[pages, offsets] = v.reshape(T, Hkv, hd)
+        q3 = q.reshape(T, H, hd)
+        if phase == Phase.DECODE:
+            tables = [np.asarray(s.page_table, np.int64) for s in steps]
+            lens = np.fromiter((s.start_pos + 1 for s in steps), np.int64, count=len(steps))
+            return self.dispatcher.run(q3, k_buf, v_buf, tables, lens).reshape(T, H * hd)
+        attn = np.empty((T, H, hd), np.float32)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            attn[a:b] = prefill_attention(q3[a:b], k_buf, v_buf, s.page_table, s.start_pos)
+        return attn.reshape(T, H * hd)
+
+    def state_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.state.conv[layer].copy(), self.state.recurrent[layer].copy()
+
+    def kv_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self.kv.buffers(layer)
+        return k.copy(), v.copy()
