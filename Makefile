@@ -8,13 +8,16 @@ CKPT := build/default_checkpoint
 DEFAULT_ENGINE := engines/default
 PYTEST_ARGS ?=
 
-.PHONY: install build serve test test-unit test-integration test-gpu lint bench clean help
+.PHONY: install build serve test test-unit test-integration test-gpu lint bench clean help soak bench-serve
 
 help:
 	@echo "make serve   build the default engine if missing and run tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT,"
 	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults)"
 	@echo "make test    install, build, lint and run every CPU test, including against a live tritonserver"
 	@echo "make bench   offline CPU benchmarks (ratios against transformers measured in the same run)"
+	@echo "make soak    locust soak + fault test with a pass/fail verdict (USERS, DURATION, MULTI_BLOCK, PROFILE_PINNING,"
+	@echo "             FAULT_SHARE, URL=host:http_port to use a running server); reports in reports/"
+	@echo "make bench-serve  genai-perf (Triton, vLLM convention, streaming) at concurrency 1, 4, 16 (URL= as above)"
 
 install: $(STAMP)
 
@@ -59,3 +62,35 @@ bench: build
 
 clean:
 	rm -rf build engines/default reports .pytest_cache
+
+# ---- load, soak and fault tests (loadtests/) ----------------------------------------------------------
+# make soak USERS=16 DURATION=30m MULTI_BLOCK=on FAULT_SHARE=0.2 [PROFILE_PINNING=per_context] [URL=127.0.0.1:8000]
+# Starts its own tritonserver on free loopback ports unless URL (a running server's HTTP host:port) is given.
+# Exit code 0 only when every check of the verdict passes; CSV/HTML/JSON reports go to reports/.
+USERS ?= 16
+DURATION ?= 5m
+MULTI_BLOCK ?= auto
+PROFILE_PINNING ?= per_context
+FAULT_SHARE ?= 0.2
+URL ?=
+soak: build
+	USERS=$(USERS) DURATION=$(DURATION) MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
+	FAULT_SHARE=$(FAULT_SHARE) URL=$(URL) $(BIN)/python -m loadtests.soak
+
+# genai-perf lives in its own venv (about 1 GB), never in the test environment. genai-perf 0.0.16 runs
+# perf_analyzer from PATH: the tritonclient 2.51.0 manylinux1 wheel ships one that runs here with Debian's
+# libb64-0d and libcudart.so.12 from nvidia-cuda-runtime-cu12 (found by loadtests.bench_serve).
+GENAI_VENV := build/genai-perf-venv
+GENAI_STAMP := $(GENAI_VENV)/.installed
+$(GENAI_STAMP):
+	@ldconfig -p | grep -q 'libb64\.so\.0d' || { apt-get install -y -q libb64-0d || \
+	  { apt-get update -q && apt-get install -y -q libb64-0d; }; }
+	$(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/pip install -q --upgrade pip
+	$(GENAI_VENV)/bin/pip install -q genai-perf==0.0.16 nvidia-cuda-runtime-cu12
+	$(GENAI_VENV)/bin/pip install -q --no-deps --force-reinstall tritonclient==2.51.0
+	touch $(GENAI_STAMP)
+
+bench-serve: build $(GENAI_STAMP)
+	URL=$(URL) MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
+	$(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf
