@@ -1,0 +1,153 @@
+"""Mirror the serving engine's metrics into Triton's custom-metric API (the server's ``/metrics``).
+
+One thread owns every ``pb_utils`` metric object: every ``period_s`` (or sooner after :meth:`poke`, which
+the adapter calls on each final event) it takes ``engine.stats()`` and sets the gauges, increments the
+counters by what changed since the previous snapshot, and feeds queued latency samples to the
+histograms. ``pb`` is the ``triton_python_backend_utils`` module (a fake one in unit tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hybrid_runtime.metrics import LATENCY_BUCKETS
+
+log = logging.getLogger("deploy.triton_metrics")
+
+PREFIX = "hybrid_llm_"
+GAUGES = {
+    "requests_running": "Requests in the running batch",
+    "requests_waiting": "Requests queued for admission",
+    "slots_in_use": "Recurrent-state slots held by live sequences",
+    "kv_pages_in_use": "KV-cache pages held by live sequences",
+    "profile_switches": "Optimization-profile switches on the serving path (0 with per_context pinning)",
+}
+# snapshot key -> (metric name, description, label name or None for a plain number)
+COUNTERS = {
+    "tokens_generated": ("generated_tokens_total", "Tokens generated", None),
+    "prompt_tokens": ("prompt_tokens_total", "Prompt tokens admitted", None),
+    "finished": ("requests_finished_total", "Finished requests by finish reason", "reason"),
+    "steps": ("engine_steps_total", "Engine steps by phase", "phase"),
+    "attention_plans": ("attention_plans_total", "Decode-attention launch plans by kernel", "kernel"),
+    "attention_fallbacks": ("attention_fallbacks_total", "Decode-attention plan fallbacks by reason", "reason"),
+}
+LATENCIES = {
+    "ttft": ("time_to_first_token_seconds", "Time from request arrival to its first token"),
+    "itl": ("inter_token_latency_seconds", "Time between consecutive tokens of a request"),
+}
+BUCKETS = [b for b in LATENCY_BUCKETS if b != float("inf")]
+
+
+class TritonMetrics:
+    """Owns the model's ``pb.MetricFamily`` objects; ``labels`` go on every metric (model, version)."""
+
+    def __init__(self, pb: Any, snapshot: Callable[[], dict], labels: dict[str, str], period_s: float = 0.5) -> None:
+        self.pb, self.snapshot, self.labels, self.period_s = pb, snapshot, dict(labels), period_s
+        kinds = pb.MetricFamily
+        self.histograms = hasattr(kinds, "HISTOGRAM")  # Triton >= 24.08; else sum + count counters
+        self._families: dict[str, Any] = {}
+        self._metrics: dict[tuple[str, str], Any] = {}
+        self._last: dict[tuple[str, str], float] = {}
+        self._samples: collections.deque[tuple[str, float]] = collections.deque()
+        self._rejected: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for key, desc in GAUGES.items():
+            self._family(PREFIX + key, desc, kinds.GAUGE)
+        for name, desc, _ in COUNTERS.values():
+            self._family(PREFIX + name, desc, kinds.COUNTER)
+        self._family(PREFIX + "requests_rejected_total", "Requests refused at validation, by error code",
+                     kinds.COUNTER)
+        for name, desc in LATENCIES.values():
+            if self.histograms:
+                self._family(PREFIX + name, desc, kinds.HISTOGRAM)
+            else:
+                self._family(PREFIX + name + "_sum", desc + " (sum)", kinds.COUNTER)
+                self._family(PREFIX + name + "_count", desc + " (count)", kinds.COUNTER)
+
+    # ---- called from any thread -----------------------------------------------------------------
+    def observe(self, kind: str, seconds: float) -> None:
+        """Queue a latency sample (``kind`` is "ttft" or "itl"); cheap, safe on the engine thread."""
+        self._samples.append((kind, seconds))
+
+    def count_rejected(self, code: str) -> None:
+        with self._lock:
+            self._rejected[code] += 1
+        self._wake.set()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def start(self) -> TritonMetrics:
+        self._thread = threading.Thread(target=self._run, name="hybrid-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread, then drop metrics before their families (the backend insists on that order)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._metrics.clear()
+        self._families.clear()
+
+    # ---- the metrics thread -----------------------------------------------------------------------
+    def update(self) -> None:
+        """Push one snapshot into the Triton metrics."""
+        snap = self.snapshot()
+        for key in GAUGES:
+            self._metric(PREFIX + key).set(float(snap.get(key, 0)))
+        for key, (name, _, label) in COUNTERS.items():
+            value = snap.get(key, {} if label else 0)
+            items = value.items() if label else [("", value)]
+            for label_value, total in items:
+                self._add(PREFIX + name, float(total), {label: str(label_value)} if label else {})
+        with self._lock:
+            rejected = dict(self._rejected)
+        for code, total in rejected.items():
+            self._add(PREFIX + "requests_rejected_total", float(total), {"code": code})
+        while self._samples:
+            kind, seconds = self._samples.popleft()
+            name = LATENCIES[kind][0]
+            if self.histograms:
+                self._metric(PREFIX + name, buckets=BUCKETS).observe(seconds)
+            else:
+                self._metric(PREFIX + name + "_sum").increment(seconds)
+                self._metric(PREFIX + name + "_count").increment(1.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.update()
+            except Exception as e:  # metrics must never take the model down
+                log.warning("metrics update failed: %s", e)
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+
+    def _family(self, name: str, description: str, kind: Any) -> None:
+        self._families[name] = self.pb.MetricFamily(name=name, description=description, kind=kind)
+
+    def _metric(self, name: str, extra: dict[str, str] | None = None, buckets: list[float] | None = None) -> Any:
+        key = (name, repr(sorted((extra or {}).items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            labels = {**self.labels, **(extra or {})}
+            family = self._families[name]
+            metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+            self._metrics[key] = metric
+        return metric
+
+    def _add(self, name: str, total: float, extra: dict[str, str]) -> None:
+        """Bring counter ``name`` up to ``total`` (snapshots are cumulative; Triton counters only grow)."""
+        key = (name, repr(sorted(extra.items())))
+        delta = total - self._last.get(key, 0.0)
+        if delta > 0:
+            self._metric(name, extra).increment(delta)
+            self._last[key] = total

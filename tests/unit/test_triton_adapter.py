@@ -1,0 +1,472 @@
+"""The Triton adapter without a server: parameter and request parsing, replies, cancellation polling,
+metrics mirroring, and model.py itself driven through a stubbed ``triton_python_backend_utils``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deploy.inflight import CancelWatcher, SendQueue
+from deploy.triton_adapter import (
+    ParameterError,
+    ParsedRequest,
+    ReplyBuilder,
+    parse_parameters,
+    parse_request,
+)
+from deploy.triton_metrics import TritonMetrics
+from hybrid_runtime.sampling import RequestValidationError, SamplingParams
+from hybrid_runtime.serving import Event
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_PY = REPO / "model_repository" / "hybrid_llm" / "1" / "model.py"
+
+
+# ---- parameters ---------------------------------------------------------------------------------------
+
+def _config(**params: str) -> dict:
+    return {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+
+
+def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
+    model_dir = tmp_path / "repo" / "hybrid_llm"
+    model_dir.mkdir(parents=True)
+    (tmp_path / "engines" / "default").mkdir(parents=True)
+    p = parse_parameters(_config(), model_dir)
+    assert p.engine_dir == (tmp_path / "engines" / "default").resolve()
+    assert (p.max_batch_size, p.multi_block_mode, p.profile_pinning, p.default_max_tokens) == (0, "auto",
+                                                                                               "per_context", 16)
+    opts = parse_parameters(_config(engine_dir=str(tmp_path), max_batch_size="4", multi_block_mode="OFF",
+                                    profile_pinning="single_context", default_max_tokens="7",
+                                    kv_cache_bytes="2M", log_level="debug", intra_op_threads="1",
+                                    EXECUTION_ENV_PATH="/x.tar.gz"), model_dir)
+    assert opts.engine_dir == tmp_path and opts.log_level == "debug"
+    ro = opts.runtime_options()
+    assert (ro.max_batch_size, ro.multi_block_mode, ro.profile_pinning, ro.default_max_tokens, ro.kv_cache_bytes,
+            ro.intra_op_threads) == (4, "off", "single_context", 7, 2 * 1024 * 1024, 1)
+    assert parse_parameters(_config(engine_dir=str(tmp_path), max_batch_size=""), model_dir).max_batch_size == 0
+
+
+@pytest.mark.parametrize(("key", "value", "expect"), [
+    ("max_batch_size", "-1", "integer >= 0"),
+    ("max_batch_size", "four", "integer >= 0"),
+    ("multi_block_mode", "sometimes", "auto, on, off"),
+    ("profile_pinning", "pinned", "per_context, single_context"),
+    ("default_max_tokens", "0", "integer >= 1"),
+    ("kv_cache_bytes", "lots", "byte count"),
+    ("log_level", "chatty", "debug, info, warning, error"),
+    ("intra_op_threads", "1.5", "integer >= 0"),
+])
+def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
+    with pytest.raises(ParameterError) as e:
+        parse_parameters(_config(engine_dir=str(tmp_path), **{key: value}), tmp_path)
+    msg = str(e.value)
+    assert key in msg and repr(value) in msg and expect in msg and "config.pbtxt" in msg
+
+
+def test_unknown_parameter_and_missing_engine_dir(tmp_path: Path) -> None:
+    with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['max_batch'\]"):
+        parse_parameters(_config(engine_dir=str(tmp_path), max_batch="4"), tmp_path)
+    with pytest.raises(ParameterError, match="not a directory"):
+        parse_parameters(_config(engine_dir=str(tmp_path / "nope")), tmp_path)
+
+
+# ---- requests -----------------------------------------------------------------------------------------
+
+def _getter(**tensors: object):
+    arrays = {}
+    for name, value in tensors.items():
+        arrays[name] = value if isinstance(value, np.ndarray) else np.array(value)
+    return arrays.get
+
+
+def _bytes(*items: bytes) -> np.ndarray:
+    return np.array(list(items), dtype=np.object_)
+
+
+def test_text_request_defaults_follow_vllm() -> None:
+    r = parse_request(_getter(text_input=_bytes(b"hello")), default_max_tokens=9)
+    assert r == ParsedRequest("hello", None, SamplingParams(max_tokens=9), stream=False, prepend_prompt=True)
+    r = parse_request(_getter(text_input=_bytes(b"hi"), stream=np.array([True])))
+    assert r.stream and not r.prepend_prompt
+    r = parse_request(_getter(text_input=_bytes(b"hi"), exclude_input_in_output=np.array([True])))
+    assert not r.prepend_prompt
+    with pytest.raises(RequestValidationError, match="not allowed when streaming"):
+        parse_request(_getter(text_input=_bytes(b"hi"), stream=np.array([True]),
+                              exclude_input_in_output=np.array([False])))
+
+
+def test_ids_request_and_sampling() -> None:
+    sp = json.dumps({"temperature": "0.5", "top_k": "-1", "max_tokens": "12", "seed": "3", "ignore_eos": "true"})
+    r = parse_request(_getter(input_ids=np.array([5, 6, 7], dtype=np.int32), sampling_parameters=_bytes(sp.encode())))
+    assert r.prompt is None and r.prompt_ids == (5, 6, 7)
+    assert r.params == SamplingParams(max_tokens=12, temperature=0.5, top_k=0, seed=3, ignore_eos=True)
+    r = parse_request(_getter(text_input=_bytes(b"x"), max_tokens=np.array([4], dtype=np.int32)))
+    assert r.params.max_tokens == 4
+    r = parse_request(_getter(text_input=_bytes(b"x"), max_tokens=np.array([4], dtype=np.int32),
+                              sampling_parameters=_bytes(b'{"max_tokens": 4}')))
+    assert r.params.max_tokens == 4
+    assert r.generation_request("req-1").prompt == "x"
+
+
+@pytest.mark.parametrize(("tensors", "match"), [
+    ({}, "exactly one of text_input or input_ids"),
+    ({"text_input": _bytes(b"a"), "input_ids": np.array([1], dtype=np.int32)}, "not both"),
+    ({"text_input": _bytes(b"\xff\xfe")}, "not valid UTF-8"),
+    ({"text_input": _bytes(b"a", b"b")}, "exactly one element"),
+    ({"input_ids": np.array([1.0], dtype=np.float32)}, "wrong data type"),
+    ({"text_input": _bytes(b"a"), "max_tokens": np.array([2.0], dtype=np.float32)}, "wrong data type"),
+    ({"text_input": _bytes(b"a"), "max_tokens": np.array([0], dtype=np.int32)}, "must be >= 1"),
+    ({"text_input": _bytes(b"a"), "max_tokens": np.array([3], dtype=np.int32),
+      "sampling_parameters": _bytes(b'{"max_tokens": 5}')}, "conflicts"),
+    ({"text_input": _bytes(b"a"), "sampling_parameters": _bytes(b"{not json")}, "not valid JSON"),
+    ({"text_input": _bytes(b"a"), "sampling_parameters": _bytes(b'{"temprature": 1}')}, "unknown sampling"),
+    ({"text_input": _bytes(b"a"), "sampling_parameters": _bytes(b'{"top_p": 2}')}, "top_p"),
+    ({"text_input": _bytes(b"a"), "stream": np.array([1], dtype=np.int32)}, "wrong data type"),
+])
+def test_invalid_requests(tensors: dict, match: str) -> None:
+    with pytest.raises(RequestValidationError, match=match):
+        parse_request(_getter(**tensors))
+
+
+# ---- replies ------------------------------------------------------------------------------------------
+
+def _events(rid: str = "r") -> list[Event]:
+    return [Event(rid, text="Hel", token_ids=(1,)), Event(rid, text="", token_ids=(2,)),
+            Event(rid, text="lo", token_ids=(3,)),
+            Event(rid, text="Hello", final=True, finish_reason="stop", output_ids=(1, 2, 3, 9))]
+
+
+def _text(reply) -> str:
+    return reply.outputs["text_output"][0].decode()
+
+
+def test_streamed_replies_are_deltas_and_final_carries_the_rest() -> None:
+    samples: list[tuple[str, float]] = []
+    b = ReplyBuilder(ParsedRequest("p", None, SamplingParams(), True, False), "p",
+                     lambda kind, s: samples.append((kind, s)))
+    replies = [b.on_event(ev) for ev in _events()]
+    assert [_text(r) for r in replies] == ["Hel", "", "lo", ""]
+    assert [r.outputs["output_ids"].tolist() for r in replies] == [[1], [2], [3], [9]]  # EOS id 9 comes last
+    assert [r.final for r in replies] == [False, False, False, True]
+    assert replies[-1].outputs["finish_reason"][0] == b"stop" and "finish_reason" not in replies[0].outputs
+    assert [k for k, _ in samples] == ["ttft", "itl", "itl"]
+
+
+def test_the_token_reaching_max_tokens_goes_out_with_the_final_flag() -> None:
+    b = ReplyBuilder(ParsedRequest("p", None, SamplingParams(max_tokens=3), True, False))
+    events = [*_events()[:3], Event("r", text="Hello", final=True, finish_reason="length", output_ids=(1, 2, 3))]
+    replies = [b.on_event(ev) for ev in events]
+    assert replies[2] is None
+    assert [_text(r) for r in (replies[0], replies[1], replies[3])] == ["Hel", "", "lo"]
+    assert replies[3].final and replies[3].outputs["output_ids"].tolist() == [3]
+    assert replies[3].outputs["finish_reason"][0] == b"length"
+
+
+def test_unstreamed_reply_is_one_final_with_prompt() -> None:
+    b = ReplyBuilder(ParsedRequest("Say: ", None, SamplingParams(), False, True), "Say: ")
+    replies = [b.on_event(ev) for ev in _events()]
+    assert replies[:3] == [None, None, None]
+    assert _text(replies[3]) == "Say: Hello" and replies[3].outputs["output_ids"].tolist() == [1, 2, 3, 9]
+    b = ReplyBuilder(ParsedRequest("x", None, SamplingParams(), False, False), "x")
+    assert _text(b.on_event(_events()[-1])) == "Hello"
+
+
+def test_error_and_cancelled_finals() -> None:
+    b = ReplyBuilder(ParsedRequest("x", None, SamplingParams(), True, False))
+    r = b.on_event(Event("r", final=True, finish_reason="error", error="boom"))
+    assert r.final and r.error == "boom" and r.outputs == {}
+    r = b.on_event(Event("r", final=True, finish_reason="cancelled", output_ids=()))
+    assert r.final and r.error is None and r.outputs["finish_reason"][0] == b"cancelled"
+
+
+# ---- cancellation -------------------------------------------------------------------------------------
+
+def test_cancel_watcher_cancels_once_and_skips_finished() -> None:
+    flags = {"a": False, "b": True, "c": True}
+    cancelled: list[str] = []
+
+    def is_cancelled(handle: str) -> bool:
+        if handle == "c":
+            raise RuntimeError("request already released")
+        return flags[handle]
+
+    w = CancelWatcher(is_cancelled, cancelled.append)
+    for rid in ("a", "b", "c"):
+        w.add(rid, rid)
+    assert w.poll_once() == []  # not armed (not submitted) yet
+    for rid in ("a", "b", "c", "gone"):
+        w.arm(rid)
+    assert w.poll_once() == ["b"]
+    assert w.poll_once() == []  # cancelled once only
+    flags["a"] = True
+    w.remove("a")
+    assert w.poll_once() == [] and cancelled == ["b"] and len(w) == 2
+
+
+def test_remove_waits_for_a_running_is_cancelled_and_no_call_follows() -> None:
+    """Triton frees a request's response factory after its final response: is_cancelled must not run then."""
+    calls: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def is_cancelled(handle: str) -> bool:
+        calls.append("start")
+        entered.set()
+        release.wait(5)
+        calls.append("end")
+        return False
+
+    w = CancelWatcher(is_cancelled, lambda rid: None)
+    w.add("a", "a")
+    w.arm("a")
+    poller = threading.Thread(target=w.poll_once)
+    poller.start()
+    assert entered.wait(5)
+    remover = threading.Thread(target=lambda: (w.remove("a"), calls.append("removed")))
+    remover.start()
+    remover.join(0.2)
+    assert remover.is_alive()  # blocked until is_cancelled returns
+    release.set()
+    remover.join(5)
+    poller.join(5)
+    assert calls == ["start", "end", "removed"]
+    assert w.poll_once() == [] and calls == ["start", "end", "removed"]
+
+
+def test_cancel_watcher_drains_when_the_model_unloads() -> None:
+    ready = [True]
+    cancelled: list[str] = []
+    w = CancelWatcher(lambda h: False, cancelled.append, model_ready=lambda: ready[0], ready_period_s=0.0)
+    for rid in ("a", "b"):
+        w.add(rid, rid)
+        w.arm(rid)
+    assert w.poll_once() == [] and not w.draining
+    ready[0] = False
+    assert sorted(w.poll_once()) == ["a", "b"] and w.draining
+    w.add("c", "c")
+    w.arm("c")
+    assert w.poll_once() == ["c"]  # anything still arriving is cancelled too
+    broken = CancelWatcher(lambda h: False, cancelled.append, model_ready=lambda: 1 / 0, ready_period_s=0.0)
+    broken.add("d", "d")
+    broken.arm("d")
+    assert broken.poll_once() == ["d"]  # the server going away counts as not ready
+
+
+def test_cancel_watcher_thread_polls() -> None:
+    hit = threading.Event()
+    w = CancelWatcher(lambda h: True, lambda rid: hit.set(), period_s=0.01).start()
+    w.add("x", object())
+    w.arm("x")
+    try:
+        assert hit.wait(2.0)
+    finally:
+        w.stop()
+
+
+def test_send_queue_keeps_order_reports_failures_and_drains_on_close() -> None:
+    sent: list[int] = []
+    failed: list[str] = []
+
+    def send(i: int) -> None:
+        if i == 2:
+            raise RuntimeError("client gone")
+        sent.append(i)
+
+    q = SendQueue(lambda rid, e: failed.append(f"{rid}: {e}")).start()
+    for i in range(5):
+        q.put(f"r{i}", lambda i=i: send(i))
+    q.close()
+    assert sent == [0, 1, 3, 4] and failed == ["r2: client gone"]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+
+class FakeMetric:
+    def __init__(self, family: PlainFamily, labels: dict, buckets: list | None) -> None:
+        self.family, self.labels, self.buckets, self.value, self.observed = family, labels, buckets, 0.0, []
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+    def increment(self, v: float) -> None:
+        assert v > 0
+        self.value += v
+
+    def observe(self, v: float) -> None:
+        self.observed.append(v)
+
+
+class PlainFamily:
+    """pb_utils.MetricFamily before histograms existed."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind, self.metrics = name, kind, []
+        REGISTRY[name] = self
+
+    def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:  # the pb_utils API's name
+        assert (buckets is not None) == (self.kind == "histogram")
+        m = FakeMetric(self, labels, buckets)
+        self.metrics.append(m)
+        return m
+
+
+class FakeFamily(PlainFamily):
+    HISTOGRAM = "histogram"
+
+
+REGISTRY: dict[str, PlainFamily] = {}
+
+
+def _value(name: str, **labels: str) -> float:
+    for m in REGISTRY[name].metrics:
+        if all(m.labels.get(k) == v for k, v in labels.items()):
+            return m.value
+    raise KeyError((name, labels))
+
+
+def test_metrics_mirror_snapshot_deltas() -> None:
+    snap = {"requests_running": 2, "slots_in_use": 2, "kv_pages_in_use": 5, "tokens_generated": 10,
+            "finished": {"length": 1}, "attention_plans": {"single_block": 4}, "attention_fallbacks": {}}
+    m = TritonMetrics(types.SimpleNamespace(MetricFamily=FakeFamily), lambda: snap, {"model": "m", "version": "1"})
+    m.observe("ttft", 0.02)
+    m.observe("itl", 0.005)
+    m.count_rejected("invalid_argument")
+    m.update()
+    snap = {**snap, "slots_in_use": 0, "tokens_generated": 15, "finished": {"length": 1, "cancelled": 2}}
+    m.update()
+    assert _value("hybrid_llm_slots_in_use") == 0 and _value("hybrid_llm_kv_pages_in_use") == 5
+    assert _value("hybrid_llm_generated_tokens_total") == 15
+    assert _value("hybrid_llm_requests_finished_total", reason="cancelled") == 2
+    assert _value("hybrid_llm_requests_finished_total", reason="length") == 1
+    assert _value("hybrid_llm_attention_plans_total", kernel="single_block") == 4
+    assert _value("hybrid_llm_requests_rejected_total", code="invalid_argument") == 1
+    assert REGISTRY["hybrid_llm_time_to_first_token_seconds"].metrics[0].observed == [0.02]
+    assert REGISTRY["hybrid_llm_slots_in_use"].metrics[0].labels == {"model": "m", "version": "1"}
+    m.stop()
+
+
+def test_metrics_without_histograms_use_sum_and_count() -> None:
+    m = TritonMetrics(types.SimpleNamespace(MetricFamily=PlainFamily), dict, {})
+    assert not m.histograms
+    m.observe("itl", 0.25)
+    m.update()
+    assert _value("hybrid_llm_inter_token_latency_seconds_sum") == 0.25
+    assert _value("hybrid_llm_inter_token_latency_seconds_count") == 1
+
+
+# ---- model.py through a stubbed triton_python_backend_utils ------------------------------------------
+
+class _TritonError(Exception):
+    INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = "INTERNAL", "INVALID_ARG", "UNAVAILABLE", "CANCELLED"
+
+    def __init__(self, message: str, code: str = "INTERNAL") -> None:
+        super().__init__(message)
+        self.code = code
+
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class _Tensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+    def as_numpy(self) -> np.ndarray:
+        return self.array
+
+
+class _Response:
+    def __init__(self, output_tensors: list | None = None, error: _TritonError | None = None) -> None:
+        self.outputs = {t.name: t.array for t in output_tensors or []}
+        self.error = error
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.responses: list[tuple[_Response, int]] = []
+        self.done = threading.Event()
+
+    def send(self, response: _Response, flags: int = 0) -> None:
+        assert not self.done.is_set(), "response after the final one"
+        self.responses.append((response, flags))
+        if flags == 1:
+            self.done.set()
+
+
+class _Request:
+    def __init__(self, **inputs: np.ndarray) -> None:
+        self.inputs, self.sender, self.cancelled = inputs, _Sender(), False
+
+    def get_response_sender(self) -> _Sender:
+        return self.sender
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+def _fake_pb_utils() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.TritonError = _TritonError
+    pb.TritonModelException = RuntimeError
+    pb.Tensor = _Tensor
+    pb.InferenceResponse = _Response
+    pb.InferenceRequest = _Request
+    pb.MetricFamily = FakeFamily
+    pb.get_input_tensor_by_name = lambda req, name: _Tensor(name, req.inputs[name]) if name in req.inputs else None
+    pb.using_decoupled_model_transaction_policy = lambda cfg: cfg["model_transaction_policy"]["decoupled"]
+    pb.is_model_ready = lambda name, version="": True
+    return pb
+
+
+@pytest.fixture
+def model(default_bundle: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    spec = importlib.util.spec_from_file_location("hybrid_llm_model_under_test", MODEL_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = {"model_transaction_policy": {"decoupled": True},
+           "parameters": {"engine_dir": {"string_value": str(default_bundle)},
+                          "default_max_tokens": {"string_value": "5"}, "log_level": {"string_value": "warning"}}}
+    m = module.TritonPythonModel()
+    m.initialize({"model_config": json.dumps(cfg), "model_repository": str(MODEL_PY.parents[1]),
+                  "model_name": "hybrid_llm", "model_version": "1", "model_instance_name": "hybrid_llm_0"})
+    yield m
+    m.finalize()
+
+
+def test_model_py_streams_rejects_and_cancels(model) -> None:
+    streamed = _Request(text_input=_bytes(b"The quick brown fox"), stream=np.array([True]),
+                        sampling_parameters=_bytes(b'{"ignore_eos": true}'))
+    whole = _Request(text_input=_bytes(b"The quick brown fox"), sampling_parameters=_bytes(b'{"ignore_eos": true}'))
+    bad = _Request(text_input=_bytes(b"x"), sampling_parameters=_bytes(b'{"max_tokens": -3}'))
+    endless = _Request(input_ids=np.array([5, 6, 7], dtype=np.int32), stream=np.array([True]),
+                       sampling_parameters=_bytes(b'{"ignore_eos": true, "max_tokens": 400}'))
+    assert model.execute([streamed, whole, bad, endless]) is None
+    for req in (streamed, whole, bad):
+        assert req.sender.done.wait(60)
+    (err, flags), = bad.sender.responses
+    assert flags == 1 and err.error.code == "INVALID_ARG" and "max_tokens" in err.error.message()
+
+    tokens = [r.outputs for r, f in streamed.sender.responses if f == 0]
+    final = streamed.sender.responses[-1][0].outputs
+    assert len(tokens) == 4 and len(final["output_ids"]) == 1  # the 5th token rides on the final response
+    assert final["finish_reason"][0] == b"length"
+    ids = [int(i) for t in tokens for i in t["output_ids"]] + final["output_ids"].tolist()
+    (one, flags), = whole.sender.responses
+    assert flags == 1 and one.outputs["output_ids"].tolist() == ids
+    text = "".join(t["text_output"][0].decode() for t in tokens) + final["text_output"][0].decode()
+    assert one.outputs["text_output"][0].decode() == "The quick brown fox" + text
+
+    endless.cancelled = True  # the watcher notices within ~50 ms and cancels it in the engine
+    assert endless.sender.done.wait(30)
+    assert endless.sender.responses[-1][0].outputs["finish_reason"][0] == b"cancelled"
