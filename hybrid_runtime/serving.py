@@ -151,6 +151,14 @@ class ServingEngine:
 
     def submit(self, req: GenerationRequest, sink: Sink) -> int:
         """Validate and enqueue; returns the prompt length. Raises RequestValidationError (nothing queued)."""
+        try:
+            return self._submit(req, sink)
+        except RequestValidationError as e:
+            with self.metrics.lock:
+                self.metrics.rejected[e.code] += 1
+            raise
+
+    def _submit(self, req: GenerationRequest, sink: Sink) -> int:
         if self._stop.is_set() or self.fatal is not None:
             raise RequestValidationError("the model is shutting down", code="unavailable")
         ids = self._prompt_ids(req)

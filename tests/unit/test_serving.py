@@ -154,6 +154,7 @@ def test_invalid_requests_are_rejected_without_taking_a_slot(engine: ServingEngi
         engine.submit(req, lambda ev: None)
     after = _wait_idle(engine)
     assert after["slots_in_use"] == 0 and after["prompt_tokens"] == before["prompt_tokens"]
+    assert sum(after["rejected"].values()) == sum(before["rejected"].values()) + 1
 
 
 def test_stop_strings_eos_and_text(engine: ServingEngine) -> None:
