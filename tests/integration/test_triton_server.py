@@ -235,7 +235,9 @@ def test_bad_deployment_fails_to_load_with_the_message(default_bundle: Path, key
 
 def test_stop_with_a_stream_in_flight_is_clean(default_bundle: Path) -> None:
     """SIGTERM mid-stream: the client gets its final "cancelled" response, the server exits 0, no shm left."""
-    server = TritonServer(parameters={"engine_dir": str(default_bundle)}, exit_timeout_s=3)
+    # Generous exit timeout: the check is that unloading cancels the stream and exits 0, not how fast
+    # that happens on a loaded 2-core machine (it took over 3 s once in CI-like conditions).
+    server = TritonServer(parameters={"engine_dir": str(default_bundle)}, exit_timeout_s=20)
     server.start()
     try:
         server.wait("ready", timeout=60)
@@ -244,7 +246,7 @@ def test_stop_with_a_stream_in_flight_is_clean(default_bundle: Path) -> None:
         box: dict = {}
         reader = threading.Thread(target=lambda: box.setdefault("result", gen.wait()))
         reader.start()
-        assert server.stop(timeout=10) == 0, server.log_tail()
+        assert server.stop(timeout=40) == 0, server.log_tail()
         reader.join(10)
         assert box["result"].finish_reason == "cancelled"
     finally:
