@@ -1,0 +1,190 @@
+"""``make bench-serve``: genai-perf against the hybrid_llm server at concurrency 1, 4 and 16.
+
+genai-perf runs in Triton mode with the vLLM-backend convention over the gRPC stream
+(``--endpoint-type kserve --backend vllm --streaming``): ``text_input``, ``stream``, and
+``sampling_parameters`` carrying ``max_tokens`` = ``min_tokens`` (``--output-tokens-mean-deterministic``,
+so every request generates exactly OUTPUT_TOKENS tokens). Prompts are synthetic, INPUT_TOKENS tokens
+each, counted with the bundle's own tokenizer (``--tokenizer <bundle dir>``, offline).
+
+genai-perf 0.0.16 lives in its own venv (``build/genai-perf-venv``, made by the Makefile) and drives
+``perf_analyzer`` from the tritonclient 2.51.0 wheel, which needs Debian's libb64-0d and ``libcudart.so.12``
+(from the venv's nvidia-cuda-runtime-cu12, put on LD_LIBRARY_PATH here). The server is started here on
+free 127.0.0.1 ports (MULTI_BLOCK / PROFILE_PINNING as for ``make serve``) unless URL (a running server's
+HTTP host:port; gRPC = port + 1 unless GRPC_URL) is given.
+
+Note on the numbers: genai-perf counts output tokens by re-tokenizing the streamed text, so with a
+random-weight model its output sequence length (and the token throughput and ITL derived from it) can
+differ from the tokens the server generated; the server's own count is printed beside it.
+
+Artifacts: ``reports/bench-serve/c<N>/`` (genai-perf's CSV/JSON per level), ``reports/bench_serve.json``
+and ``reports/bench_serve.md`` (the combined table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import MODEL, REPO, BundleInfo, Target, model_config, model_parameters
+from .soak import metric, scrape
+
+DEFAULT_GENAI_PERF = REPO / "build" / "genai-perf-venv" / "bin" / "genai-perf"
+
+
+def log(msg: str) -> None:
+    print(f"[bench-serve] {msg}", flush=True)
+
+
+def genai_env(genai_perf: Path) -> dict[str, str]:
+    """PATH with the venv's perf_analyzer first, libcudart.so.12 on LD_LIBRARY_PATH, Hugging Face offline."""
+    venv = genai_perf.resolve().parent.parent
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    libs = sorted(str(p) for p in venv.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                "COLUMNS": "160"})  # genai-perf's table is drawn for the terminal width
+    return env
+
+
+def check_tools(genai_perf: Path, env: dict[str, str]) -> None:
+    if not genai_perf.is_file():
+        raise SystemExit(f"error: {genai_perf} is missing; `make bench-serve` creates build/genai-perf-venv")
+    pa = subprocess.run(["perf_analyzer", "--version"], env=env, capture_output=True, text=True, timeout=60)
+    if pa.returncode != 0:
+        raise SystemExit("error: perf_analyzer does not run: " + (pa.stderr or pa.stdout).strip()[-500:] +
+                         "\n(it needs Debian's libb64-0d: apt-get install -y libb64-0d)")
+
+
+def run_level(genai_perf: Path, env: dict[str, str], target: Target, tokenizer: Path, concurrency: int,
+              args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    requests = max(args.min_requests, args.requests_per_user * concurrency)
+    warmup = max(2, concurrency)
+    cmd = [str(genai_perf), "profile", "-m", MODEL, "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
+           "-u", target.grpc, "--concurrency", str(concurrency), "--request-count", str(requests),
+           "--warmup-request-count", str(warmup),
+           "--synthetic-input-tokens-mean", str(args.input_tokens), "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
+           "--output-tokens-mean-deterministic", "--tokenizer", str(tokenizer), "--random-seed", "0",
+           "--artifact-dir", str(out)]
+    log(f"concurrency {concurrency}: {requests} requests: {' '.join(cmd)}")
+    before = scrape(target.metrics)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, cwd=out.parent, timeout=args.timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    sys.stdout.write(proc.stdout)
+    sys.stdout.flush()
+    if proc.returncode != 0:
+        raise SystemExit(f"error: genai-perf exited with {proc.returncode} at concurrency {concurrency}")
+    after = scrape(target.metrics)
+    exports = sorted(out.glob("**/profile_export_genai_perf.json"))
+    if not exports:
+        raise SystemExit(f"error: genai-perf wrote no profile_export_genai_perf.json under {out}")
+    data = json.loads(exports[-1].read_text())
+    tokens = (metric(after, "generated_tokens_total") or 0) - (metric(before, "generated_tokens_total") or 0)
+    return {"concurrency": concurrency, "requests": requests, "warmup_requests": warmup,
+            "seconds": round(time.monotonic() - t0, 1),
+            "ttft_ms": _pick(data, "time_to_first_token"), "itl_ms": _pick(data, "inter_token_latency"),
+            "request_latency_ms": _pick(data, "request_latency"),
+            "output_token_throughput": data.get("output_token_throughput", {}).get("avg"),
+            "request_throughput": data.get("request_throughput", {}).get("avg"),
+            "output_sequence_length": data.get("output_sequence_length", {}).get("avg"),
+            "server_generated_tokens": tokens, "export": str(exports[-1])}
+
+
+def _pick(data: dict[str, Any], key: str) -> dict[str, float | None]:
+    d = data.get(key) or {}
+    return {k: d.get(k) for k in ("avg", "p50", "p99")}
+
+
+def table(rows: list[dict[str, Any]], header: str) -> str:
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1f}"
+
+    lines = [header, "",
+             "| concurrency | TTFT avg / p50 / p99 (ms) | ITL avg / p50 / p99 (ms) | output tokens/s | requests/s |"
+             " output len (genai-perf / server) |",
+             "|---:|---|---|---:|---:|---|"]
+    for r in rows:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        sent = r["requests"] + r["warmup_requests"]  # the server also generated the warm-up requests' tokens
+        server_len = r["server_generated_tokens"] / sent if sent else None
+        lines.append(f"| {r['concurrency']} | {f(t['avg'])} / {f(t['p50'])} / {f(t['p99'])} | "
+                     f"{f(i['avg'])} / {f(i['p50'])} / {f(i['p99'])} | {f(r['output_token_throughput'])} | "
+                     f"{r['request_throughput']:.2f} | {f(r['output_sequence_length'])} / {f(server_len)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    env0 = os.environ
+    ap = argparse.ArgumentParser(prog="python -m loadtests.bench_serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--genai-perf", type=Path, default=DEFAULT_GENAI_PERF)
+    ap.add_argument("--concurrency", default=env0.get("CONCURRENCY") or "1,4,16")
+    ap.add_argument("--input-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-user", type=int, default=6, help="requests per concurrency level = this x N")
+    ap.add_argument("--min-requests", type=int, default=24)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per concurrency level")
+    ap.add_argument("--url", default=env0.get("URL") or "", help="a running server's HTTP host:port")
+    ap.add_argument("--multi-block", default=env0.get("MULTI_BLOCK") or "auto", choices=("auto", "on", "off"))
+    ap.add_argument("--profile-pinning", default=env0.get("PROFILE_PINNING") or "per_context",
+                    choices=("per_context", "single_context"))
+    ap.add_argument("--reports", type=Path, default=Path(env0.get("REPORTS") or REPO / "reports"))
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    genai_perf = args.genai_perf.resolve()
+    env = genai_env(genai_perf)
+    check_tools(genai_perf, env)
+    reports = args.reports.resolve()
+    root = reports / "bench-serve"
+    server = None
+    try:
+        if args.url:
+            target = Target.from_url(args.url, env0.get("GRPC_URL") or None, env0.get("METRICS_URL") or None)
+        else:
+            from deploy.triton import TritonServer
+
+            params = {"multi_block_mode": args.multi_block, "profile_pinning": args.profile_pinning}
+            reports.mkdir(parents=True, exist_ok=True)
+            server = TritonServer(parameters=params, log_path=reports / "bench_serve_tritonserver.log").start()
+            log(f"tritonserver pid {server.pid} starting with {params}")
+            server.wait("ready", timeout=300)
+            target = Target(server.http_url, server.grpc_url, server.metrics_url)
+        params = model_parameters(model_config(target.http))
+        bundle = BundleInfo.from_server(target.http)
+        log(f"server {target.grpc} (gRPC): multi_block_mode={params.get('multi_block_mode')}, profile_pinning="
+            f"{params.get('profile_pinning')}, bundle {bundle.engine_dir} (max_batch_size {bundle.max_batch_size})")
+        rows = []
+        for c in levels:
+            out = root / f"c{c}"
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            rows.append(run_level(genai_perf, env, target, bundle.engine_dir, c, args, out))
+    finally:
+        if server is not None:
+            code = server.stop()
+            server.cleanup()
+            if code:
+                log(f"warning: tritonserver exited with code {code}")
+    header = (f"genai-perf 0.0.16, Triton kserve gRPC streaming, vLLM convention; {args.input_tokens} input tokens, "
+              f"{args.output_tokens} output tokens (min_tokens = max_tokens); bundle {bundle.engine_dir.name}, "
+              f"multi_block_mode={params.get('multi_block_mode')}, profile_pinning={params.get('profile_pinning')}")
+    text = table(rows, header)
+    (reports / "bench_serve.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    (reports / "bench_serve.md").write_text(text + "\n")
+    print("\n" + text, flush=True)
+    log(f"written: {reports / 'bench_serve.md'}, {reports / 'bench_serve.json'}, {root}/c<N>/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
