@@ -64,6 +64,7 @@ clean:
 	rm -rf build engines/default reports .pytest_cache
 
 # ---- load, soak and fault tests (loadtests/) ----------------------------------------------------------
+# The short CI soak (tests/integration/test_soak.py, ~1.5 min) runs in `make test` through pytest.
 # make soak USERS=16 DURATION=30m MULTI_BLOCK=on FAULT_SHARE=0.2 [PROFILE_PINNING=per_context] [URL=127.0.0.1:8000]
 # Starts its own tritonserver on free loopback ports unless URL (a running server's HTTP host:port) is given.
 # Exit code 0 only when every check of the verdict passes; CSV/HTML/JSON reports go to reports/.
