@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # e.g. the gRPC port asked over HTTP: say what went wrong, no traceback
+        print(f"error: {type(e).__name__}: {e}\n(check --url and --protocol: gRPC is 8001, HTTP is 8000 by "
+              f"default)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
