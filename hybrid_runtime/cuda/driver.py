@@ -228,6 +228,7 @@ _ATTRS = {
     "max_threads_per_block": "CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK",
     "max_shared_mem_per_block": "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK",
     "max_shared_mem_optin": "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
+    "max_shared_mem_per_sm": "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR",
     "sm_count": "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT",
 }
 
@@ -286,6 +287,7 @@ class CudaDevice:
             self.owns_stream = False
         self.limits = query_limits(self.ordinal)
         cc = compute_capability(self.ordinal)
+        self.compute_capability = cc
         self.arch = f"sm_{cc[0]}{cc[1]}"
 
     def activate(self) -> None:

@@ -189,6 +189,9 @@ class Launch:
     block: tuple[int, int, int]
     smem: int
     args: list[tuple[str, Any]]
+    # Programmatic dependent launch (sm_90+): may start before the previous kernel on the stream finishes;
+    # the kernel itself waits (griddepcontrol.wait) before reading that kernel's results.
+    pdl: bool = False
 
 
 class Kernel:
@@ -243,16 +246,24 @@ class Kernel:
         return launch_problems(device.limits, grid, block, smem, self.static_smem(device), self.optin_bytes(device))
 
     def launch_unchecked(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int,
-                         args: Sequence[tuple[str, Any]]) -> int:
+                         args: Sequence[tuple[str, Any]], pdl: bool = False) -> int:
         """The raw ``cuLaunchKernelEx`` on the device's stream, with no pre-launch check; returns the
-        CUresult code (tests use it to show the driver rejects what the guard rejects)."""
+        CUresult code (tests use it to show the driver rejects what the guard rejects). ``pdl`` sets
+        ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``."""
         drv = bindings()
         cfg = drv.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
         cfg.sharedMemBytes = int(smem)
         cfg.hStream = device.stream
-        cfg.numAttrs = 0
+        if pdl:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        else:
+            cfg.numAttrs = 0
         ptrs, _vals = pack_args(args)
         f = self.function(device)
         device.activate()
@@ -260,19 +271,20 @@ class Kernel:
         return int(res[0] if isinstance(res, tuple) else res)
 
     def launch(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int,
-               args: Sequence[tuple[str, Any]]) -> None:
+               args: Sequence[tuple[str, Any]], pdl: bool = False) -> None:
         """Guarded launch: LaunchRejected if the configuration is invalid on this device, CudaError if the
-        driver still refuses it."""
+        driver still refuses it. ``pdl`` is honoured on sm_90+ devices only."""
         if reasons := self.problems(device, grid, block, smem):
             raise LaunchRejected(f"{self.name} on {device.limits.name}", reasons)
-        code = self.launch_unchecked(device, grid, block, smem, args)
+        pdl = pdl and device.compute_capability >= (9, 0)
+        code = self.launch_unchecked(device, grid, block, smem, args, pdl)
         if code != 0:
             from .driver import error_name
 
             raise CudaError(f"cuLaunchKernelEx({self.name})", code, error_name(code))
 
     def run(self, device: CudaDevice, launch: Launch) -> None:
-        self.launch(device, launch.grid, launch.block, launch.smem, launch.args)
+        self.launch(device, launch.grid, launch.block, launch.smem, launch.args, launch.pdl)
 
 
 class Module:

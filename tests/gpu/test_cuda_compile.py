@@ -89,11 +89,30 @@ def test_launches_follow_the_plan_exactly(mode: str) -> None:
                       "nblk", "tile", "smem", "scale"], [a[1] for a in ls[0].args]))
     assert (named["chunk"], named["nblk"], named["tile"], named["smem"]) == \
         (p.chunk_len, p.blocks_per_seq, p.kv_tile, p.smem_bytes)
+    assert not ls[0].pdl  # the attention kernel waits for everything before it
     if p.kernel == MULTI:
         assert len(ls) == 2 and ls[1].kernel == REDUCE
         assert (ls[1].grid, ls[1].block, ls[1].smem) == (p.reduce_grid, (p.reduce_threads, 1, 1), 0)
+        assert ls[1].pdl  # programmatic dependent: waits in-kernel (griddepcontrol.wait) for the partials
     else:
         assert len(ls) == 1
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64, 80, 128, 160, 256])
+def test_shared_memory_always_holds_the_mma_merge(hd: int) -> None:
+    """The tensor-core kernel reuses its staging area to merge its 4 warps: per-warp max/sum rows
+    (4 x 8*NT floats each), merged max/sum (8*NT each) and at least one [G][hd + 4] float slice. Every plan
+    the dispatcher makes for a variant that uses it leaves room for that, down to the smallest tile."""
+    from hybrid_runtime.cuda.attention import MMA_THREADS, choose_variant
+    from hybrid_runtime.ops.dispatcher import smem_bytes
+
+    warps = MMA_THREADS // 32
+    for group in range(1, 8 * (256 // hd) + 1):
+        v = choose_variant("bfloat16", hd, group)
+        assert v.impl == "mma"
+        need = 4 * (2 * warps * 8 * v.ntiles + 2 * 8 * v.ntiles) + 4 * group * (hd + 4)
+        for tile in (16, 32, 64):
+            assert smem_bytes(group, hd, 2, tile) >= need, (group, tile)
 
 
 def test_launch_problems_mirror_device_limits() -> None:

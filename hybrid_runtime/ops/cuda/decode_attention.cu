@@ -8,6 +8,9 @@
 // Launch geometry is the dispatcher's LaunchPlan, unchanged: grid (blocks_per_seq, Hkv, B),
 // block_threads threads, smem_bytes of dynamic shared memory; reduction grid (B, Hq), reduce_threads.
 // One CTA owns the whole GQA group of its kv head, so K/V are read from HBM exactly once.
+// The reduction may be launched as a programmatic dependent (PDL, sm_90+): the attention kernels let it
+// start early (griddepcontrol.launch_dependents) and it waits for their results (griddepcontrol.wait)
+// before reading the workspace; launched normally, both instructions are no-ops.
 //
 // Pools: k/v [num_pages, page_size, Hkv, HD]; tables int32 [B, table_stride]; lens int32 [B] (counting
 // the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
@@ -53,6 +56,17 @@ __device__ __forceinline__ float to_f32(u16 x) {
 #endif
 }
 
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -80,6 +94,25 @@ __device__ __forceinline__ void store_result(bool multi, float* __restrict__ out
   }
 }
 
+// The same for 4 consecutive dims d..d+3 (d a multiple of 4: 16-byte aligned rows since HD % 16 == 0).
+__device__ __forceinline__ void store_result4(bool multi, float* __restrict__ out, float* __restrict__ ws,
+                                              int B, int Hq, int nblk, int b, int h, int blk, int d,
+                                              float4 acc, float m, float l) {
+  size_t row = (size_t)b * Hq + h;
+  if (!multi) {
+    const float inv = 1.f / l;
+    *(float4*)(out + row * HD + d) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  } else {
+    *(float4*)(ws + (row * nblk + blk) * HD + d) = acc;
+    if (d == 0) {
+      float* wm = ws + (size_t)B * Hq * nblk * HD;
+      float* wl = wm + (size_t)B * Hq * nblk;
+      wm[row * nblk + blk] = m;
+      wl[row * nblk + blk] = l;
+    }
+  }
+}
+
 extern __shared__ __align__(16) unsigned char smem[];
 
 #if IMPL == 1
@@ -87,8 +120,10 @@ extern __shared__ __align__(16) unsigned char smem[];
 // Tensor-core implementation (fp16/bf16): mma.sync m16n8k16, 16 tokens x 8 query heads per MMA.
 //   S^T[tok, head] = K[tok, :] . Q[head, :]        A = K tile (ldmatrix),    B = Q^T (registers)
 //   O^T[dim, head] += V^T[dim, tok] . P^T[tok, head] A = V tile (ldmatrix.trans), B = P^T (movmatrix)
-// Each warp streams its own 16-token blocks (cp.async into a private K slot and V slot, swizzled),
-// keeping a running max / sum per head; warps are merged through shared memory at the end.
+// Each warp streams its own 16-token blocks through a private ring of ST stages (one K slot + one V slot
+// each, swizzled; cp.async, one commit group per block), so ST blocks per warp are in flight while it
+// computes: ST = min(MAXST, slots / warps) from the dynamic shared memory the plan gives. Each warp keeps
+// a running max / sum per head; warps are merged through shared memory at the end.
 // ================================================================================================
 
 #define ROWB (HD * 2)       // bytes of one token row of one kv head
@@ -112,8 +147,14 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+#define MAXST 4  // stages per warp at most (cp_wait_pending covers 0..MAXST-1)
+__device__ __forceinline__ void cp_wait_pending(int n) {  // wait until at most n groups are in flight
+  if (n >= 3) asm volatile("cp.async.wait_group 3;\n" ::);
+  else if (n == 2) asm volatile("cp.async.wait_group 2;\n" ::);
+  else if (n == 1) asm volatile("cp.async.wait_group 1;\n" ::);
+  else asm volatile("cp.async.wait_group 0;\n" ::);
+}
 
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -179,22 +220,34 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
                                          int table_stride, const int* __restrict__ lens, float* __restrict__ out,
                                          float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
                                          int chunk_len, int nblk, int smem_bytes, float scale_log2) {
+  pdl_launch_dependents();  // the reduction may be scheduled now; it waits for this grid's results
   const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   if (b >= B || kvh >= Hkv) return;
   const int G = Hq / Hkv, h0 = kvh * G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int len = lens[b];
+  const int nslots = smem_bytes / (2 * SLOT);
+  const int nact = min(nwarps, nslots);  // warps that stream K/V (>= 1: smem holds >= one K+V block)
+  const int st = min(MAXST, nslots / nact);  // ring stages per streaming warp (>= 1)
+  // CTA blk owns tokens [t0, t1) = [blk*chunk_len, +chunk_len) cut at the length; warp w takes its 16-token
+  // blocks w, w + nact, w + 2 nact, ...
   const int t0 = blk * chunk_len;
+  const int* table = tables + (size_t)b * table_stride;
+  // Page-table entries of the prologue blocks, read before the length is known so that the two loads
+  // overlap (in bounds of the table row; used only for tokens below the length, which the guard validated).
+  int pg[MAXST];
+#pragma unroll
+  for (int s = 0; s < MAXST; ++s) {
+    const int pi = (t0 + (warp + s * nact) * 16 + (lane & 15)) / page_size;
+    pg[s] = (warp < nact && s < st && pi < table_stride) ? table[pi] : 0;
+  }
+  const int len = lens[b];
   const int t1 = min(t0 + chunk_len, len);
   if (t0 >= t1) {  // an empty chunk of a shorter sequence (multi-block only)
     for (int i = tid; i < G * HD; i += blockDim.x)
       store_result(multi, out, ws, B, Hq, nblk, b, h0 + i / HD, blk, i % HD, 0.f, NEG_INF, 0.f);
     return;
   }
-  const int* table = tables + (size_t)b * table_stride;
-  const int nslots = smem_bytes / (2 * SLOT);
-  const int nact = min(nwarps, nslots);  // warps that stream K/V (>= 1: smem holds >= one K+V block)
   const int nb16 = (t1 - t0 + 15) >> 4;
 
   float acc[NKS][NT][4];
@@ -212,6 +265,21 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
   }
 
   if (warp < nact && warp < nb16) {
+    const u32 ring = smem_u32(smem) + warp * st * 2 * SLOT;  // stage s: K at ring + 2s SLOT, V right after
+    // Prologue: blocks warp + s*nact into stages 0..st-1, one commit group each (empty past the end).
+#pragma unroll
+    for (int s = 0; s < MAXST; ++s) {
+      if (s < st) {
+        const int j = warp + s * nact;
+        if (j < nb16) {
+          const int tok = t0 + j * 16 + lane, pi = tok / page_size;
+          const int off = (lane < 16 && tok < t1) ? (pg[s] * page_size + (tok - pi * page_size)) * Hkv + kvh : -1;
+          load_block(ring + s * 2 * SLOT, kpool, off, lane);
+          load_block(ring + s * 2 * SLOT + SLOT, vpool, off, lane);
+        }
+        cp_commit();
+      }
+    }
     // Q^T as B fragments: b0b1 = Q[head g][k 2t, 2t+1], b2b3 = Q[head g][k 2t+8, 2t+9] per k-step.
     u32 qf[NKS][NT][2];
 #pragma unroll
@@ -224,46 +292,37 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         qf[ks][nt][1] = head < G ? qrow[ks * 8 + 4 + t4] : 0u;
       }
     }
-    const u32 sK = smem_u32(smem) + warp * 2 * SLOT, sV = sK + SLOT;
     // ldmatrix lane addressing (row, chunk-in-k-step) for K (A = K[tok, dim]) and V (A = V^T via .trans)
     const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_c = lane >> 4;
     const int v_row = (lane & 7) + (lane >> 4) * 8, v_c = (lane >> 3) & 1;
 
-    int j = warp;
-    int off = lane < 16 ? row_index(table, t0 + j * 16 + lane, t1, page_size, Hkv, kvh) : -1;
-    load_block(sK, kpool, off, lane);
-    cp_commit();
-    load_block(sV, vpool, off, lane);
-    cp_commit();
+    int s = 0;
+    for (int j = warp; j < nb16; j += nact) {
+      // Iteration i consumes commit group i (block j, stage s) and refills stage s with block jr.
+      const int jr = j + st * nact;
+      int off_n = -1;  // jr's rows, looked up now so the page-table load overlaps the wait and the math
+      if (jr < nb16 && lane < 16) off_n = row_index(table, t0 + jr * 16 + lane, t1, page_size, Hkv, kvh);
+      const u32 sK = ring + s * 2 * SLOT, sV = sK + SLOT;
 
-    for (; j < nb16; j += nact) {
-      const int jn = j + nact;
-      const bool has_next = jn < nb16;
-      int off_n = -1;
-      if (has_next && lane < 16) off_n = row_index(table, t0 + jn * 16 + lane, t1, page_size, Hkv, kvh);
-
-      cp_wait1();  // K(j) has landed (V(j) may still be in flight)
+      cp_wait_pending(st - 1);  // block j (K and V) has landed; the next st-1 blocks may be in flight
       __syncwarp();
-      float s[NT][4], s2[NT][4];  // two independent MMA chains (even / odd k-steps), summed after
+      float sc[NT][4], s2[NT][4];  // two independent MMA chains (even / odd k-steps), summed after
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s[nt][r] = s2[nt][r] = 0.f;
+        for (int r = 0; r < 4; ++r) sc[nt][r] = s2[nt][r] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < NKS; ++ks) {
         u32 a[4];
         const int c = 2 * ks + k_c;
         ldsm_x4(a, sK + k_row * ROWB + swz(k_row, c) * 16);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816((ks & 1) ? s2[nt] : s[nt], a, qf[ks][nt][0], qf[ks][nt][1]);
+        for (int nt = 0; nt < NT; ++nt) mma16816((ks & 1) ? s2[nt] : sc[nt], a, qf[ks][nt][0], qf[ks][nt][1]);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s[nt][r] += s2[nt][r];
-      __syncwarp();  // every lane is done reading K(j): its slot can be refilled
-      if (has_next) load_block(sK, kpool, off_n, lane);
-      cp_commit();
+        for (int r = 0; r < 4; ++r) sc[nt][r] += s2[nt][r];
 
       // Online softmax per head (column of S^T): this thread holds tokens g, g+8 of heads 2t, 2t+1.
       const int tok_a = t0 + j * 16 + g, tok_b = tok_a + 8;
@@ -273,8 +332,8 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         float p[4];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          float sa = tok_a < t1 ? s[nt][c] * scale_log2 : NEG_INF;
-          float sb = tok_b < t1 ? s[nt][c + 2] * scale_log2 : NEG_INF;
+          float sa = tok_a < t1 ? sc[nt][c] * scale_log2 : NEG_INF;
+          float sb = tok_b < t1 ? sc[nt][c + 2] * scale_log2 : NEG_INF;
           float mx = fmaxf(sa, sb);
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
@@ -295,8 +354,6 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         pb[nt][1] = movmatrix_t(pack2(p[2], p[3]));  // tokens 8..15
       }
 
-      cp_wait1();  // V(j) has landed (K(j+nact) may still be in flight)
-      __syncwarp();
 #pragma unroll
       for (int mt = 0; mt < NKS; ++mt) {
         u32 a[4];
@@ -305,9 +362,13 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
       }
-      __syncwarp();
-      if (has_next) load_block(sV, vpool, off_n, lane);
-      cp_commit();
+      __syncwarp();  // every lane is done reading stage s: refill it
+      if (jr < nb16) {
+        load_block(sK, kpool, off_n, lane);
+        load_block(sV, vpool, off_n, lane);
+      }
+      cp_commit();  // exactly one group per iteration (possibly empty) keeps the wait count uniform
+      s = (s + 1 == st) ? 0 : s + 1;
     }
     cp_wait0();
   }
@@ -325,11 +386,17 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
 
   // ---- merge the warps through shared memory (the staging area is free now) ----
   __syncthreads();
-  float* wm = (float*)smem;                 // [nwarps][NT*8]
-  float* wl = wm + nwarps * NT * 8;         // [nwarps][NT*8]
-  float* Mh = wl + nwarps * NT * 8;         // [NT*8] merged max
-  float* Lh = Mh + NT * 8;                  // [NT*8] merged sum
-  float* obuf = Lh + NT * 8;                // [G][HD]
+  float* wm = (float*)smem;                 // [nwarps][NT*8] per-warp max (log2 domain)
+  float* wl = wm + nwarps * NT * 8;         // [nwarps][NT*8] per-warp sum
+  float* Mh = wl + nwarps * NT * 8;         // [NT*8] merged max (serial path)
+  float* Lh = Mh + NT * 8;                  // [NT*8] merged sum (serial path)
+  float* obuf = Lh + NT * 8;                // [nwarps or 1][G][OS]
+  // Wide path (the staging area holds a slice [G][OS] per warp): every warp stores its raw accumulators
+  // into its own slice at once (OS = HD + 4 puts the 32 lanes of each store in 32 banks), one barrier, and
+  // the output loop merges the slices with their log-sum-exp weights. Serial path: merged max/sum first,
+  // then one slice accumulated warp after warp.
+  const int OS = HD + 4;
+  const bool wide = (int)((obuf - (float*)smem) + nwarps * G * OS) * 4 <= smem_bytes;
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -339,48 +406,71 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         wl[warp * NT * 8 + nt * 8 + 2 * t4 + c] = l_run[nt][c];
       }
   }
-  __syncthreads();
-  if (tid < NT * 8) {
-    float M = NEG_INF;
-    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + tid]);
-    float L = 0.f;
-    for (int w = 0; w < nwarps; ++w) {
-      const float lw = wl[w * NT * 8 + tid];
-      if (lw > 0.f) L += lw * fast_exp2(wm[w * NT * 8 + tid] - M);
+  if (!wide) {
+    __syncthreads();
+    if (tid < NT * 8) {
+      float M = NEG_INF;
+      for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + tid]);
+      float L = 0.f;
+      for (int w = 0; w < nwarps; ++w) {
+        const float lw = wl[w * NT * 8 + tid];
+        if (lw > 0.f) L += lw * fast_exp2(wm[w * NT * 8 + tid] - M);
+      }
+      Mh[tid] = M;
+      Lh[tid] = L;
     }
-    Mh[tid] = M;
-    Lh[tid] = L;
+    __syncthreads();
   }
-  __syncthreads();
-  for (int w = 0; w < nwarps; ++w) {
-    if (warp == w) {
+  for (int w = 0; w < (wide ? 1 : nwarps); ++w) {
+    if (wide || warp == w) {
+      float* slice = obuf + (wide ? warp * G * OS : 0);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int head = nt * 8 + 2 * t4 + c;
           if (head < G) {
-            const float sc = l_run[nt][c] > 0.f ? fast_exp2(m_run[nt][c] - Mh[head]) : 0.f;
+            const float sc = wide ? 1.f : (l_run[nt][c] > 0.f ? fast_exp2(m_run[nt][c] - Mh[head]) : 0.f);
 #pragma unroll
             for (int mt = 0; mt < NKS; ++mt)
 #pragma unroll
               for (int hi = 0; hi < 2; ++hi) {
-                float* dst = obuf + head * HD + mt * 16 + g + hi * 8;
+                float* dst = slice + head * OS + mt * 16 + g + hi * 8;
                 const float v = acc[mt][nt][c + 2 * hi] * sc;
-                *dst = (w == 0) ? v : *dst + v;
+                *dst = (wide || w == 0) ? v : *dst + v;
               }
           }
         }
     }
     __syncthreads();
   }
-  for (int i = tid; i < G * HD; i += blockDim.x) {
-    const int head = i / HD, d = i - head * HD;
-    store_result(multi, out, ws, B, Hq, nblk, b, h0 + head, blk, d, obuf[i], Mh[head], Lh[head]);
+  // Output: 4 consecutive dims per thread (16-byte loads and stores).
+  for (int i = tid; i < G * (HD / 4); i += blockDim.x) {
+    const int head = i / (HD / 4), d = 4 * (i - head * (HD / 4));
+    float4 v;
+    float M, L;
+    if (wide) {
+      M = NEG_INF;
+      for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + head]);
+      L = 0.f;
+      v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int w = 0; w < nwarps; ++w) {
+        const float lw = wl[w * NT * 8 + head];
+        const float sc = lw > 0.f ? fast_exp2(wm[w * NT * 8 + head] - M) : 0.f;
+        const float4 o = *(const float4*)(obuf + (w * G + head) * OS + d);
+        L += lw * sc;
+        v.x += sc * o.x; v.y += sc * o.y; v.z += sc * o.z; v.w += sc * o.w;
+      }
+    } else {
+      M = Mh[head];
+      L = Lh[head];
+      v = *(const float4*)(obuf + head * OS + d);
+    }
+    store_result4(multi, out, ws, B, Hq, nblk, b, h0 + head, blk, d, v, M, L);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128) decode_attn_single(
+extern "C" __global__ void __launch_bounds__(128, 1) decode_attn_single(
     const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
     const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
     float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
@@ -388,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(128) decode_attn_single(
   attn_mma(false, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
            smem_bytes, scale_log2);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_attn_multi(
+extern "C" __global__ void __launch_bounds__(128, 1) decode_attn_multi(
     const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
     const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
     float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
@@ -410,6 +500,7 @@ __device__ __forceinline__ void attn_simt(bool multi, const T* __restrict__ q, c
                                           int table_stride, const int* __restrict__ lens, float* __restrict__ out,
                                           float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
                                           int chunk_len, int nblk, int tile, float scale_log2) {
+  pdl_launch_dependents();
   const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   if (b >= B || kvh >= Hkv) return;
   const int G = Hq / Hkv, h0 = kvh * G;
@@ -509,48 +600,84 @@ extern "C" __global__ void __launch_bounds__(1024) decode_attn_multi(
 #endif
 
 // Log-sum-exp merge of the chunks: out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c.
-// The chunk weights are computed once per CTA into shared memory (tiles of RCH chunks), so the per-dim
-// accumulation is a plain unrolled loop of independent loads rather than a dependent chain.
-#define RCH 256
-extern "C" __global__ void decode_attn_reduce(const float* __restrict__ ws, float* __restrict__ out, int B, int Hq,
-                                              int nblk) {
-  __shared__ float wsh[RCH], lsh[RCH], red[32];
+// One CTA per (sequence, query head), RED_THREADS threads: HD/4 lanes cover the dims with float4 loads and
+// the NGRP = RED_THREADS / (HD/4) groups of them take every NGRP-th chunk, RBATCH chunks of loads in flight
+// per thread, each group keeping its own running max (no separate max pass); the groups are merged through
+// shared memory. Launched with PDL it starts while the attention grid runs and waits for its results here.
+#define RED_THREADS 512
+#define RBATCH 8
+#define DV (HD / 4)
+#define NGRP (RED_THREADS / DV)
+extern "C" __global__ void __launch_bounds__(RED_THREADS) decode_attn_reduce(const float* __restrict__ ws,
+                                                                          float* __restrict__ out, int B, int Hq,
+                                                                          int nblk) {
+  __shared__ float gm[NGRP], gl[NGRP], gscale[NGRP];
+  __shared__ __align__(16) float go[NGRP * HD];
+  pdl_wait_primary();
   const int b = blockIdx.x, h = blockIdx.y;
   if (b >= B || h >= Hq) return;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (blockDim.x + 31) >> 5;
+  const int tid = threadIdx.x, dv = tid % DV, grp = tid / DV;
   const size_t row = (size_t)b * Hq + h;
-  const float* po = ws + row * nblk * HD;
+  const float4* po = (const float4*)(ws + row * nblk * HD);
   const float* pm = ws + (size_t)B * Hq * nblk * HD + row * nblk;
   const float* pl = pm + (size_t)B * Hq * nblk;
-  float M = NEG_INF;
-  for (int c = tid; c < nblk; c += blockDim.x) M = fmaxf(M, pm[c]);
-  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if (lane == 0) red[warp] = M;
-  __syncthreads();
-  M = red[0];
-  for (int w = 1; w < nw; ++w) M = fmaxf(M, red[w]);
-  for (int d0 = 0; d0 < HD; d0 += blockDim.x) {
-    const int d = d0 + tid;
-    float acc = 0.f, L = 0.f;
-    for (int c0 = 0; c0 < nblk; c0 += RCH) {
-      const int n = min(RCH, nblk - c0);
-      __syncthreads();  // the previous tile's weights are consumed
-      for (int c = tid; c < n; c += blockDim.x) {
-        const float l = pl[c0 + c];
-        const float w = l > 0.f ? fast_exp2(pm[c0 + c] - M) : 0.f;
-        wsh[c] = w;
-        lsh[c] = l * w;
+  float m_run = NEG_INF, l_run = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (grp < NGRP) {
+    for (int c0 = grp; c0 < nblk; c0 += NGRP * RBATCH) {
+      float4 o[RBATCH];
+      float m[RBATCH], l[RBATCH];
+#pragma unroll
+      for (int i = 0; i < RBATCH; ++i) {  // all loads first: RBATCH independent requests in flight
+        const int c = c0 + i * NGRP;
+        const bool ok = c < nblk;
+        m[i] = ok ? pm[c] : NEG_INF;
+        l[i] = ok ? pl[c] : 0.f;
+        o[i] = ok ? po[(size_t)c * DV + dv] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      __syncthreads();
-      if (d < HD) {
-        const float* p = po + (size_t)c0 * HD + d;
-#pragma unroll 8
-        for (int c = 0; c < n; ++c) {
-          acc += p[(size_t)c * HD] * wsh[c];
-          L += lsh[c];
-        }
+      float mb = m_run;
+#pragma unroll
+      for (int i = 0; i < RBATCH; ++i) mb = l[i] > 0.f ? fmaxf(mb, m[i]) : mb;
+      if (mb == NEG_INF) continue;  // nothing but empty chunks so far
+      const float alpha = fast_exp2(m_run - mb);  // 0 when m_run is -inf
+      acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
+      l_run *= alpha;
+#pragma unroll
+      for (int i = 0; i < RBATCH; ++i) {
+        const float w = l[i] > 0.f ? fast_exp2(m[i] - mb) : 0.f;
+        acc.x += w * o[i].x; acc.y += w * o[i].y; acc.z += w * o[i].z; acc.w += w * o[i].w;
+        l_run += w * l[i];
       }
+      m_run = mb;
     }
-    if (d < HD) out[row * HD + d] = acc / L;
+    if (dv == 0) {
+      gm[grp] = m_run;
+      gl[grp] = l_run;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float M = NEG_INF;
+    for (int i = 0; i < NGRP; ++i) M = fmaxf(M, gm[i]);
+    float L = 0.f;
+    for (int i = 0; i < NGRP; ++i) {
+      const float sc = gm[i] == NEG_INF ? 0.f : fast_exp2(gm[i] - M);
+      gscale[i] = sc;
+      L += gl[i] * sc;
+    }
+    gl[0] = L;  // read after the barrier below; every other gl[i] is consumed already
+  }
+  __syncthreads();
+  if (grp < NGRP) {
+    const float sc = gscale[grp];
+    *(float4*)(go + grp * HD + 4 * dv) = make_float4(acc.x * sc, acc.y * sc, acc.z * sc, acc.w * sc);
+  }
+  __syncthreads();
+  const float inv = 1.f / gl[0];
+  for (int d = tid; d < HD; d += RED_THREADS) {
+    float v = 0.f;
+#pragma unroll 4
+    for (int i = 0; i < NGRP; ++i) v += go[i * HD + d];
+    out[row * HD + d] = v * inv;
   }
 }
