@@ -16,7 +16,6 @@ float32 / float16 / bfloat16, beam width 1.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections import Counter
@@ -34,9 +33,18 @@ log = logging.getLogger("hybrid_runtime.dispatcher")
 SINGLE, MULTI = "single_block", "multi_block"
 Mode = Literal["auto", "on", "off"]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-MIN_CHUNK_TOKENS = 256  # below this a chunk's fixed cost (partials + merge) outweighs the parallelism
-MAX_BLOCKS_PER_SEQ = 64  # bounds the merge width and the workspace
-KV_TILES = (64, 32, 16)  # tokens of K/V staged in shared memory per step, largest that fits wins
+# Shortest chunk worth a CTA of its own: 64 tokens = one 16-token block per warp of the tensor-core kernel
+# (on the H200 a 1k context decodes fastest split 16 ways; benchmarks/results/decode_attention_h200.md).
+MIN_CHUNK_TOKENS = 64
+MAX_BLOCKS_PER_SEQ = 128  # bounds the merge width and the workspace
+# Resident CTAs per SM the plan counts on. A wave of more co-resident CTAs only splits the same memory
+# bandwidth, while a second partial wave costs a whole extra chunk time.
+MAX_CTAS_PER_SM = 2
+SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver reserves per resident CTA (sm_80 and later)
+# Tokens of K/V staged in shared memory per CTA, largest that fits wins. The tensor-core kernel splits the
+# staging area into per-warp rings of 16-token stages (192 = 4 warps x 3 stages: 3 blocks in flight per warp).
+KV_TILES = (192, 128, 64, 32, 16)
+REDUCE_THREADS = 512  # the LSE reduction kernel is compiled for exactly this many threads
 BLOCK_THREADS = 128  # 4 warps per attention CTA
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
@@ -66,6 +74,7 @@ class DeviceLimits:
     max_threads_per_block: int = 1024
     max_shared_mem_per_block: int = 48 * 1024
     max_shared_mem_optin: int = 227 * 1024
+    max_shared_mem_per_sm: int = 228 * 1024
     optin_set: frozenset[str] = frozenset()
     # Shortest chunk worth splitting off: a tuning figure of the device's kernels, not a launch limit.
     min_chunk_tokens: int = MIN_CHUNK_TOKENS
@@ -177,9 +186,10 @@ class LaunchPlan:
 
 def smem_bytes(group: int, head_dim: int, dtype_bytes: int, kv_tile: int) -> int:
     """Dynamic shared memory of one CTA: Q of the GQA group, a K and a V tile, the tile's logits and
-    the float32 accumulators (hd + max + sum per query head)."""
+    the float32 accumulators (hd + max + sum per query head), plus 4 floats of row padding per query head
+    (the tensor-core kernel's merge rows are hd + 4 long; with them the area always holds its merge)."""
     return (group * head_dim * dtype_bytes + 2 * kv_tile * head_dim * dtype_bytes
-            + group * kv_tile * 4 + group * (head_dim + 2) * 4)
+            + group * kv_tile * 4 + group * (head_dim + 2) * 4 + group * 16)
 
 
 def partials_bytes_per_block(batch: DecodeBatch) -> int:
@@ -203,24 +213,33 @@ def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPl
     return LaunchPlan(kernel, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
                       smem_bytes(batch.group, hd, es, tile), tile, chunk,
                       partials_bytes_per_block(batch) * blocks if multi else 0,
-                      (B, hq, 1) if multi else None, 32 * -(-hd // 32) if multi else 0)
+                      (B, hq, 1) if multi else None, REDUCE_THREADS if multi else 0)
+
+
+def resident_ctas_per_sm(batch: DecodeBatch, limits: DeviceLimits) -> int:
+    """Attention CTAs of this batch one SM holds at once, by shared memory (1..MAX_CTAS_PER_SM)."""
+    need = make_plan(batch, 1, limits).smem_bytes + SMEM_RESERVED_PER_CTA
+    return max(1, min(MAX_CTAS_PER_SM, limits.max_shared_mem_per_sm // need))
 
 
 def plan(batch: DecodeBatch, mode: Mode, limits: DeviceLimits, workspace_capacity: int) -> LaunchPlan:
-    """Choose blocks per sequence. ``auto`` splits only when ``B * Hkv`` CTAs leave SMs idle and the
-    longest context has >= 2 chunks of ``limits.min_chunk_tokens``, aiming at about one full wave, capped by
-    context, grid x and workspace. ``on`` splits whenever there are >= 2 chunks' worth of tokens and
-    leaves the device caps to the guard. ``off`` never splits."""
+    """Choose blocks per sequence: as many chunks as make ``B * Hkv * blocks`` CTAs fill one wave
+    (``sm_count`` x resident CTAs per SM, never more: a partial second wave costs a whole chunk time),
+    with chunks of at least ``limits.min_chunk_tokens`` of the longest context. ``auto`` splits only when
+    that gives >= 2 chunks (``B * Hkv`` CTAs alone leave at least half the wave idle), capped by grid x and
+    workspace. ``on`` splits whenever there are >= 2 chunks' worth of tokens and leaves the device caps to
+    the guard. ``off`` never splits."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"multi_block_mode must be auto|on|off, got {mode!r}")
     ctas = max(1, batch.batch_size * batch.num_kv_heads)
+    wave = limits.sm_count * resident_ctas_per_sm(batch, limits)
     by_ctx = max(batch.context_lens, default=0) // max(1, limits.min_chunk_tokens)
-    blocks = min(by_ctx, MAX_BLOCKS_PER_SEQ, max(2, math.ceil(limits.sm_count / ctas)))
+    blocks = min(by_ctx, MAX_BLOCKS_PER_SEQ, max(2, wave // ctas))
     if mode == "off" or by_ctx < 2:
         blocks = 1
     elif mode == "auto":
         per_block = max(1, partials_bytes_per_block(batch))
-        blocks = 1 if ctas >= limits.sm_count else min(blocks, limits.max_grid_x, workspace_capacity // per_block)
+        blocks = 1 if wave // ctas < 2 else min(blocks, limits.max_grid_x, workspace_capacity // per_block)
     return make_plan(batch, blocks, limits)
 
 

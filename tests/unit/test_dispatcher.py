@@ -22,6 +22,8 @@ from hybrid_runtime.ops.dispatcher import (
     limits_for,
     make_plan,
     plan,
+    resident_ctas_per_sm,
+    smem_bytes,
     validate,
 )
 
@@ -80,16 +82,27 @@ def within_limits(p: LaunchPlan, batch: DecodeBatch, lim: DeviceLimits, ws: int)
 def test_plan_heuristic() -> None:
     b = DecodeBatch.from_arrays(*fake_inputs([32768], hq=16, hkv=2, hd=256)[:2], [np.arange(128)], [32768])
     auto = plan(b, "auto", H200, BIG_WS)
-    assert auto.kernel == MULTI and auto.blocks_per_seq == 64 and auto.grid == (64, 2, 1)
-    assert auto.workspace_bytes == 1 * 16 * 64 * 258 * 4 and auto.reduce_grid == (1, 16, 1)
-    assert plan(b, "auto", H200, auto.workspace_bytes // 2).blocks_per_seq == 32  # capped by workspace
+    # 210 KB of shared memory per CTA: one per SM, so 2 kv heads x 66 chunks = one wave of 132 SMs
+    assert resident_ctas_per_sm(b, H200) == 1
+    assert auto.kernel == MULTI and auto.blocks_per_seq == 66 and auto.grid == (66, 2, 1)
+    assert auto.workspace_bytes == 1 * 16 * 66 * 258 * 4 and auto.reduce_grid == (1, 16, 1)
+    assert plan(b, "auto", H200, auto.workspace_bytes // 2).blocks_per_seq == 33  # capped by workspace
     assert plan(b, "auto", replace(H200, sm_count=2), BIG_WS).kernel == SINGLE  # SMs already busy
     assert plan(b, "off", H200, BIG_WS).kernel == SINGLE
-    q, k, _, t, _ = fake_inputs([300] * 2, hd=64)
-    short = DecodeBatch.from_arrays(q, k, t, [300, 300])
+    # 32q/8kv/d128: 104 KB per CTA, two per SM: 8 kv heads x 33 chunks fill the 264 slots
+    b128 = DecodeBatch.from_arrays(*fake_inputs([32768], hq=32, hkv=8, hd=128, dtype="float16")[:2],
+                                   [np.arange(512)], [32768])
+    assert resident_ctas_per_sm(b128, H200) == 2 and plan(b128, "auto", H200, BIG_WS).blocks_per_seq == 33
+    # batch 64 x 2 kv heads = 128 CTAs already fill the wave: auto keeps one block, on still splits
+    q, k, _, t, lens = fake_inputs([8192] * 64, hq=16, hkv=2, hd=256, dtype="float16")
+    b64 = DecodeBatch.from_arrays(q, k, t, lens)
+    assert plan(b64, "auto", H200, BIG_WS).kernel == SINGLE and plan(b64, "on", H200, BIG_WS).blocks_per_seq == 2
+    # chunks of at least min_chunk_tokens (64 on the GPU): 100 tokens is one chunk
+    q, k, _, t, _ = fake_inputs([100] * 2, hd=64)
+    short = DecodeBatch.from_arrays(q, k, t, [100, 100])
     assert plan(short, "auto", H200, BIG_WS).kernel == SINGLE and plan(short, "on", H200, BIG_WS).kernel == SINGLE
-    q, k, _, t, _ = fake_inputs([512], hd=64)
-    on = plan(DecodeBatch.from_arrays(q, k, t, [512]), "on", H200, 0)
+    q, k, _, t, _ = fake_inputs([128], hd=64)
+    on = plan(DecodeBatch.from_arrays(q, k, t, [128]), "on", H200, 0)
     assert on.kernel == MULTI and on.blocks_per_seq == 2  # "on" leaves the workspace to the guard
     with pytest.raises(ValueError):
         plan(short, "sometimes", H200, BIG_WS)  # type: ignore[arg-type]
@@ -196,7 +209,8 @@ def test_bfloat16_supported() -> None:
     ml_dtypes = pytest.importorskip("ml_dtypes")
     d, rec = make("on")
     d.run(*fake_inputs([4096], dtype=ml_dtypes.bfloat16))
-    assert rec.calls[-1].kernel == MULTI and rec.calls[-1].smem_bytes < 48 * 1024
+    p = rec.calls[-1]
+    assert p.kernel == MULTI and p.smem_bytes == smem_bytes(4, 128, 2, p.kv_tile)  # sized for 2-byte K/V
 
 
 def test_validate_catches_inconsistent_hand_made_plans() -> None:
