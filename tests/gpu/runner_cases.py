@@ -15,12 +15,14 @@ from hybrid_runtime.engine import Phase
 from hybrid_runtime.runner import ModelRunner, SeqStep
 
 
-def build_default_bundle(root: Path, max_seq_len: int = 512, max_input_len: int = 384) -> Path:
-    """The default model (checkpoint written under ``root``) built with max batch 16, 256-token prefills."""
+def build_default_bundle(root: Path, max_seq_len: int = 512, max_input_len: int = 384,
+                         checkpoint: Path | None = None) -> Path:
+    """The default model built with max batch 16, 256-token prefills under ``root``, from ``checkpoint``
+    (default: the default checkpoint, written under ``root`` if missing)."""
     from builder.bundle import BuildOptions, build_bundle
     from builder.default_model import write_default_checkpoint
 
-    ckpt, out = root / "ckpt", root / f"bundle_{max_seq_len}"
+    ckpt, out = checkpoint or root / "ckpt", root / f"bundle_{max_seq_len}"
     if not (ckpt / "config.json").exists():
         write_default_checkpoint(ckpt, progress=lambda _m: None)
     build_bundle(ckpt, out, BuildOptions(max_batch_size=16, max_input_len=max_input_len, max_seq_len=max_seq_len,
