@@ -49,10 +49,13 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", raw)
             if n > 100_000_000:
                 raise WeightsFormatError(f"{self.path}: implausible safetensors header length {n}")
+            raw_header = f.read(n)
             try:
-                header = json.loads(f.read(n))
+                header = json.loads(raw_header)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise WeightsFormatError(f"{self.path}: malformed safetensors header: {e}") from e
+                at = getattr(e, "pos", getattr(e, "start", 0))
+                raise WeightsFormatError(f"{self.path}: malformed safetensors header ({n} bytes, {len(raw_header)} "
+                                         f"read): {e}; bytes there: {raw_header[max(0, at - 8):at + 16]!r}") from e
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._base = 8 + n
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}

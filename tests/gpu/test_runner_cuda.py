@@ -32,8 +32,7 @@ MARGIN = 1e-3  # a greedy divergence is accepted only where CPU's top-1/top-2 ma
 def long_bundle(default_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model with prompts up to 768 tokens, so contexts span many chunks of the GPU's
     ``min_chunk_tokens`` and multi_block_mode=on splits (prefill queries and decode steps). Built from the
-    session's default checkpoint (on the H200 image a second checkpoint written by the same process has
-    read back with a corrupt header; see the closing note of issue 5)."""
+    session's default checkpoint rather than writing a second copy of it."""
     return build_default_bundle(tmp_path_factory.mktemp("long"), max_seq_len=1024, max_input_len=768,
                                 checkpoint=default_checkpoint)
 
