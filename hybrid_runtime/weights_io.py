@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,7 +90,11 @@ class SafetensorsFile:
 
 def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: frozenset[str] = frozenset(),
                      metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``tensors`` to ``path``; names in ``bf16`` are stored as BF16 (given as float32 arrays)."""
+    """Write ``tensors`` to ``path``; names in ``bf16`` are stored as BF16 (given as float32 arrays).
+
+    Atomic and checked: the file is written next to ``path``, synced, its header read back and parsed,
+    and only then renamed onto ``path`` (a reader never sees a half-written file). A header that does
+    not read back as written is written once more, then reported as :class:`WeightsFormatError`."""
     header: dict[str, object] = {}
     blobs: list[bytes] = []
     offset = 0
@@ -108,8 +113,40 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: 
         header["__metadata__"] = dict(metadata)
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for b in blobs:
-            f.write(b)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    problem = ""
+    try:
+        for _attempt in range(2):
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(hb)))
+                f.write(hb)
+                for b in blobs:
+                    f.write(b)
+                f.flush()
+                os.fsync(f.fileno())
+            problem = _header_problem(tmp, header, 8 + len(hb) + offset)
+            if not problem:
+                os.replace(tmp, path)
+                return
+    finally:
+        tmp.unlink(missing_ok=True)
+    raise WeightsFormatError(f"{path}: the written file does not read back as written: {problem}")
+
+
+def _header_problem(path: Path, header: Mapping[str, object], size: int) -> str:
+    """Why the file at ``path`` is not ``header`` followed by ``size`` bytes in all; "" if it is."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        hb = f.read(max(n, 0))
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{actual} bytes on disk, {size} written"
+    try:
+        if json.loads(hb) != header:
+            return "the header differs"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        at = getattr(e, "pos", getattr(e, "start", 0))
+        return f"header of {n} bytes: {e}; bytes there: {hb[max(0, at - 8):at + 16]!r}"
+    return ""
