@@ -61,3 +61,11 @@ def time_calls(torch: Any, fn: Callable[[int], Any], reps: int = 3, target_s: fl
 
 def log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+def write_report(path: str, lines: list[str]) -> None:
+    """Write a result table (one line per item) to ``path`` and print it."""
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)

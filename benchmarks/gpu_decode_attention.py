@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import sys
 
 import numpy as np
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, time_calls
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_calls, write_report
 
 SHAPES = [(16, 2, 256), (32, 8, 128)]
 READ_SRC = r"""
@@ -40,11 +41,16 @@ extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* __res
 """
 
 
-def read_floor(torch, dev, nbytes: int) -> float:
-    """Seconds a plain streaming read of ``nbytes`` takes (rotating copies past 4x the L2)."""
+@functools.cache
+def _read_kernel(arch: str):
     from hybrid_runtime.cuda.kernels import Module, compile_cubin
 
-    kern = Module(compile_cubin(READ_SRC, "stream_read.cu", (), dev.arch)).kernel("stream_read")
+    return Module(compile_cubin(READ_SRC, "stream_read.cu", (), arch)).kernel("stream_read")
+
+
+def read_floor(torch, dev, nbytes: int) -> float:
+    """Seconds a plain streaming read of ``nbytes`` takes (rotating copies past 4x the L2)."""
+    kern = _read_kernel(dev.arch)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = int(min(32, max(1, math.ceil(4 * l2 / nbytes))))
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(copies)]
@@ -223,10 +229,7 @@ def main() -> int:
         lines.append(f"| {r['shape']} | {r['B']} | {r['ctx'] // 1024}k | {r['MB']:,.0f} | "
                      f"{fmt(r['single'], nb, copy_bw)} | {multi} | {r['auto']} | {auto_us} | {floor} | {sdpa} | "
                      f"{vs} |")
-    text = "\n".join(lines) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

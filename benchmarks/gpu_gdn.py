@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, time_calls
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_calls, write_report
 
 NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 SLOTS = 1024
@@ -158,10 +158,7 @@ def main() -> int:
                      f"{100 * moved / tf / copy_bw:.0f}% | {td * 1e6:,.1f} | {100 * moved_rec / td / copy_bw:.0f}% | "
                      f"{te * 1e6:,.1f} | {100 * moved / te / copy_bw:.0f}% | {te / tf:.1f}x | {anchor} | "
                      f"{eo:.1e}, {es:.1e} |")
-    text = "\n".join(lines) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

@@ -54,9 +54,8 @@ class SafetensorsFile:
             try:
                 header = json.loads(raw_header)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                at = getattr(e, "pos", getattr(e, "start", 0))
                 raise WeightsFormatError(f"{self.path}: malformed safetensors header ({n} bytes, {len(raw_header)} "
-                                         f"read): {e}; bytes there: {raw_header[max(0, at - 8):at + 16]!r}") from e
+                                         f"read): {_where(e, raw_header)}") from e
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._base = 8 + n
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
@@ -147,6 +146,11 @@ def _header_problem(path: Path, header: Mapping[str, object], size: int) -> str:
         if json.loads(hb) != header:
             return "the header differs"
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        at = getattr(e, "pos", getattr(e, "start", 0))
-        return f"header of {n} bytes: {e}; bytes there: {hb[max(0, at - 8):at + 16]!r}"
+        return f"header of {n} bytes: {_where(e, hb)}"
     return ""
+
+
+def _where(e: json.JSONDecodeError | UnicodeDecodeError, raw: bytes) -> str:
+    """A header parse error with the bytes around the place it stopped."""
+    at = getattr(e, "pos", getattr(e, "start", 0))
+    return f"{e}; bytes there: {raw[max(0, at - 8):at + 16]!r}"
