@@ -93,7 +93,8 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: 
 
     Atomic and checked: the file is written next to ``path``, synced, its header read back and parsed,
     and only then renamed onto ``path`` (a reader never sees a half-written file). A header that does
-    not read back as written is written once more, then reported as :class:`WeightsFormatError`."""
+    not read back as written is a :class:`WeightsFormatError` that says whether the disk or the bytes
+    handed to it were wrong, and the old file at ``path`` stays."""
     header: dict[str, object] = {}
     blobs: list[bytes] = []
     offset = 0
@@ -114,27 +115,25 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: 
     hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    problem = ""
     try:
-        for _attempt in range(2):
-            with open(tmp, "wb") as f:
-                f.write(struct.pack("<Q", len(hb)))
-                f.write(hb)
-                for b in blobs:
-                    f.write(b)
-                f.flush()
-                os.fsync(f.fileno())
-            problem = _header_problem(tmp, header, 8 + len(hb) + offset)
-            if not problem:
-                os.replace(tmp, path)
-                return
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(hb)))
+            f.write(hb)
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        if problem := _header_problem(tmp, header, 8 + len(hb) + offset, hb):
+            raise WeightsFormatError(f"{path}: the written file does not read back as written: {problem}")
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    raise WeightsFormatError(f"{path}: the written file does not read back as written: {problem}")
 
 
-def _header_problem(path: Path, header: Mapping[str, object], size: int) -> str:
-    """Why the file at ``path`` is not ``header`` followed by ``size`` bytes in all; "" if it is."""
+def _header_problem(path: Path, header: Mapping[str, object], size: int, written: bytes) -> str:
+    """Why the file at ``path`` is not ``header`` followed by ``size`` bytes in all; "" if it is.
+    ``written``: the header bytes handed to ``write``; a message says whether the file differs from them
+    (the disk did not keep them) or they were wrong already (the process's memory)."""
     with open(path, "rb") as f:
         raw = f.read(8)
         n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
@@ -146,7 +145,10 @@ def _header_problem(path: Path, header: Mapping[str, object], size: int) -> str:
         if json.loads(hb) != header:
             return "the header differs"
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return f"header of {n} bytes: {_where(e, hb)}"
+        diff = [i for i, (a, b) in enumerate(zip(hb, written)) if a != b]
+        where = (f"the file differs from the bytes written at {len(diff)} offsets from {diff[0]} to {diff[-1]}"
+                 if diff else "the file holds exactly the bytes written: they were wrong in memory")
+        return f"header of {n} bytes: {_where(e, hb)}; {where}; written tail {written[-12:]!r}"
     return ""
 
 

@@ -90,9 +90,11 @@ def program_log(prog: Any) -> str:
     from cuda.bindings import nvrtc
 
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * int(size)
+    # NVRTC writes into the buffer: it must be a fresh mutable one. ``b" " * 1`` is CPython's shared
+    # one-byte object, and writing the empty log's NUL into it turned every b" " of the process into b"\0".
+    buf = bytearray(int(size))
     nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.rstrip(b"\0 ").decode(errors="replace")
+    return bytes(buf).rstrip(b"\0 ").decode(errors="replace")
 
 
 def compile_cubin(src: str, name: str, options: Sequence[str] = (), arch: str = "sm_90",
@@ -118,8 +120,9 @@ def compile_cubin(src: str, name: str, options: Sequence[str] = (), arch: str = 
                          f"NVRTC compile of {name} {' '.join(options)}", prog)
             _logs[key] = program_log(prog)
             size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            cubin = b" " * int(size)
-            _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            buf = bytearray(int(size))  # written by NVRTC: never an (immutable, possibly shared) bytes
+            _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            cubin = bytes(buf)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
         _cubins[key] = cubin

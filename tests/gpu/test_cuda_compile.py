@@ -31,6 +31,21 @@ def check_log(log: str, max_spill: int = 0) -> None:
     assert max(spills, default=0) <= max_spill, log
 
 
+def test_compiling_leaves_python_bytes_alone() -> None:
+    """NVRTC writes its log and cubin into buffers we hand it. A clean compile has a one-byte log, and
+    ``b" " * 1`` is CPython's shared one-byte object: writing the log's NUL into it once turned every
+    b" " of the process into b"\\0" (safetensors headers written later got NUL padding)."""
+    nvrtc_or_skip()
+    import uuid
+
+    from hybrid_runtime.cuda.kernels import compile_cubin
+
+    src = f'// {uuid.uuid4()}\nextern "C" __global__ void k(float* x) {{ x[0] = 1.f; }}\n'  # never cached
+    cubin = compile_cubin(src, "empty_log.cu", (), "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    assert bytes([32, 32, 32]) == b" " * 3
+
+
 ATTENTION_VARIANTS = [("bfloat16", 256, 8), ("float16", 128, 4), ("bfloat16", 64, 1), ("float16", 80, 3),
                       ("bfloat16", 128, 16), ("float32", 128, 4), ("bfloat16", 256, 32), ("float16", 16, 2)]
 

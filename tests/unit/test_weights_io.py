@@ -16,19 +16,18 @@ TENSORS = {"a.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.on
            "c": np.array([1.5, -2.25, 3.0], np.float32)}
 
 
-def corrupting_fsync(times: int) -> tuple[list[int], object]:
-    """An os.fsync that, on its first ``times`` calls, overwrites the header's last byte with NUL (what a
-    fresh H200 machine once left on disk in place of the space padding) before syncing."""
+def corrupting_fsync() -> tuple[list[int], object]:
+    """An os.fsync that overwrites the header's last byte on disk with NUL before syncing (a disk that
+    did not keep what it was given)."""
     real = os.fsync
     calls: list[int] = []
 
     def fake(fd: int) -> None:
         calls.append(fd)
-        if len(calls) <= times:
-            with open(os.readlink(f"/proc/self/fd/{fd}"), "r+b") as f:  # the file behind the writer's fd
-                (n,) = struct.unpack("<Q", f.read(8))
-                f.seek(8 + n - 1)
-                f.write(b"\0")
+        with open(os.readlink(f"/proc/self/fd/{fd}"), "r+b") as f:  # the file behind the writer's fd
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(8 + n - 1)
+            f.write(b"\0")
         real(fd)
     return calls, fake
 
@@ -48,26 +47,16 @@ def test_round_trip_leaves_no_temporary(tmp_path: Path) -> None:
     np.testing.assert_array_equal(bf16_to_f32(c), TENSORS["c"])
 
 
-def test_a_header_that_reads_back_wrong_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls, fake = corrupting_fsync(times=1)
-    monkeypatch.setattr(weights_io.os, "fsync", fake)
-    p = tmp_path / "w.safetensors"
-    save_safetensors(p, TENSORS)
-    assert len(calls) == 2  # the first copy failed its check, the second passed
-    assert SafetensorsFile(p).header["b"]["dtype"] == "F16"
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]
-
-
-def test_a_persistently_bad_write_is_an_error_and_keeps_the_old_file(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_write_is_an_error_and_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = tmp_path / "w.safetensors"
     save_safetensors(p, {"old": np.zeros(2, np.float32)})
     before = p.read_bytes()
-    calls, fake = corrupting_fsync(times=99)
+    calls, fake = corrupting_fsync()
     monkeypatch.setattr(weights_io.os, "fsync", fake)
-    with pytest.raises(WeightsFormatError, match=r"does not read back as written: .*\\x00"):
+    with pytest.raises(WeightsFormatError, match=r"does not read back as written: .*\\x00.*the file differs from "
+                                                 r"the bytes written at 1 offsets"):
         save_safetensors(p, TENSORS)
-    assert len(calls) == 2
+    assert len(calls) == 1
     assert p.read_bytes() == before  # never replaced by the bad copy
     assert sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]
 
