@@ -61,15 +61,16 @@ def choose_variant(dtype: str, head_dim: int, group: int, block_threads: int = M
 def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                        page_size: int, q: int, k: int, v: int, tables: int, table_stride: int, lens: int,
                        out: int, workspace: int) -> list[Launch]:
-    """The launches of plan ``p`` (pointers are device addresses). Geometry is copied from the plan. The
-    reduction is a programmatic dependent launch: it is scheduled while the attention grid still runs and
-    waits in-kernel for its partials (saves the launch gap between the two; a no-op before sm_90)."""
+    """The launches of plan ``p`` (pointers are device addresses). Geometry is copied from the plan. Both
+    kernels are programmatic dependent launches (a no-op before sm_90): each may be scheduled while the
+    kernel before it on the stream still runs, and waits in-kernel (``griddepcontrol.wait``) for it to
+    finish before touching global memory, so its launch latency hides behind that kernel's tail."""
     nblk = p.blocks_per_seq
     args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", lens),
             ("ptr", out), ("ptr", workspace), ("i32", batch), ("i32", num_q_heads), ("i32", num_kv_heads),
             ("i32", page_size), ("i32", p.chunk_len), ("i32", nblk), ("i32", p.kv_tile), ("i32", p.smem_bytes),
             ("f32", math.log2(math.e) / math.sqrt(head_dim))]
-    launches = [Launch(ENTRY[p.kernel], p.grid, (p.block_threads, 1, 1), p.smem_bytes, args)]
+    launches = [Launch(ENTRY[p.kernel], p.grid, (p.block_threads, 1, 1), p.smem_bytes, args, pdl=True)]
     if p.kernel == MULTI:
         assert p.reduce_grid is not None
         launches.append(Launch(REDUCE, p.reduce_grid, (p.reduce_threads, 1, 1), 0,

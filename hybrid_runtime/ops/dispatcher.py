@@ -7,7 +7,8 @@ The only call into a kernel sits right after ``validate`` returned no reasons.
 
 Grid layout. Attention kernel: x = blocks_per_seq (chunks), y = num_kv_heads, z = batch; one CTA
 handles the whole GQA group of a kv head, so K/V are read once per group. Reduction kernel
-(multi-block only): x = batch, y = num_q_heads, threads over head_dim.
+(multi-block only): x = batch, y = num_q_heads, z = 64-wide slices of head_dim. Chunks are whole
+multiples of ``CHUNK_ALIGN`` tokens, so a plan may use fewer chunks than the heuristic asked for.
 
 Supported: head_dim a multiple of 16 in 16..256 (covers 64, 80, 96, 128, 160, 192, 256), dtype
 float32 / float16 / bfloat16, beam width 1.
@@ -44,7 +45,12 @@ SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver reserves per resident C
 # Tokens of K/V staged in shared memory per CTA, largest that fits wins. The tensor-core kernel splits the
 # staging area into per-warp rings of 16-token stages (192 = 4 warps x 3 stages: 3 blocks in flight per warp).
 KV_TILES = (192, 128, 64, 32, 16)
-REDUCE_THREADS = 512  # the LSE reduction kernel is compiled for exactly this many threads
+REDUCE_THREADS = 256  # the LSE reduction kernel is compiled for exactly this many threads
+REDUCE_DIMS_PER_CTA = 64  # head_dim columns one reduction CTA merges (16 float4 lanes)
+# Chunks are whole multiples of this many tokens (one 16-token block per warp of the tensor-core kernel),
+# so only a sequence's last chunk can end inside a block (on the H200, 64 aligned chunks of a 32k context
+# decode faster than 66 ragged ones).
+CHUNK_ALIGN = 64
 BLOCK_THREADS = 128  # 4 warps per attention CTA
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
@@ -178,7 +184,7 @@ class LaunchPlan:
     block_threads: int
     smem_bytes: int  # dynamic shared memory of the attention kernel
     kv_tile: int  # tokens of K/V staged in shared memory per step
-    chunk_len: int  # tokens per chunk of the longest sequence
+    chunk_len: int  # tokens per chunk (blocks_per_seq chunks cover the longest sequence)
     workspace_bytes: int  # partials: B * Hq * blocks * (hd + 2) * 4; 0 for single-block
     reduce_grid: tuple[int, int, int] | None = None
     reduce_threads: int = 0
@@ -199,10 +205,15 @@ def partials_bytes_per_block(batch: DecodeBatch) -> int:
 
 def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPlan:
     """Concrete plan for ``blocks`` chunks per sequence (1 = single-block)."""
-    kernel = SINGLE if blocks <= 1 else MULTI
+    longest = max(batch.context_lens, default=0)
     blocks = max(1, blocks)
+    chunk = -(-longest // blocks)
+    if blocks > 1:  # aligned chunks; alignment may leave fewer (never more) chunks than asked for
+        align = max(1, min(CHUNK_ALIGN, limits.min_chunk_tokens))
+        chunk = -(-chunk // align) * align
+        blocks = max(1, -(-longest // chunk))
+    kernel = SINGLE if blocks <= 1 else MULTI
     B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
-    chunk = -(-max(batch.context_lens, default=0) // blocks)
     es = DTYPE_BYTES.get(batch.dtype, 4)
     # Largest K/V tile whose shared memory fits this kernel's cap; the smallest if none does (the
     # guard then rejects it). Tiles never exceed the chunk: a short chunk needs no big staging area.
@@ -213,7 +224,8 @@ def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPl
     return LaunchPlan(kernel, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
                       smem_bytes(batch.group, hd, es, tile), tile, chunk,
                       partials_bytes_per_block(batch) * blocks if multi else 0,
-                      (B, hq, 1) if multi else None, REDUCE_THREADS if multi else 0)
+                      (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)) if multi else None,
+                      REDUCE_THREADS if multi else 0)
 
 
 def resident_ctas_per_sm(batch: DecodeBatch, limits: DeviceLimits) -> int:
@@ -251,6 +263,8 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
             or p.grid != (p.blocks_per_seq, batch.num_kv_heads, batch.batch_size) \
             or multi != (p.reduce_grid is not None):
         r.append("plan_inconsistent")
+    if p.blocks_per_seq * p.chunk_len < max(batch.context_lens, default=0):
+        r.append("plan_inconsistent")  # chunks that do not cover a sequence would drop tokens
     grids = [p.grid] + ([p.reduce_grid] if p.reduce_grid is not None else [])
     if any(d < 1 for g in grids for d in g):
         r.append("grid_zero")

@@ -73,7 +73,9 @@ def within_limits(p: LaunchPlan, batch: DecodeBatch, lim: DeviceLimits, ws: int)
             and (p.kernel == SINGLE or 1 <= p.reduce_threads <= lim.max_threads_per_block)
             and p.smem_bytes <= min(smem_cap, lim.max_shared_mem_optin)
             and (p.kernel == SINGLE or need_ws <= p.workspace_bytes <= ws)
-            and (p.kernel == MULTI) == (p.blocks_per_seq > 1))
+            and (p.kernel == MULTI) == (p.blocks_per_seq > 1)
+            and p.blocks_per_seq * p.chunk_len >= max(batch.context_lens)  # every token in some chunk
+            and (p.kernel == SINGLE or p.chunk_len % min(64, lim.min_chunk_tokens) == 0))
 
 
 # ---------------------------------------------------------------- heuristic
@@ -82,17 +84,19 @@ def within_limits(p: LaunchPlan, batch: DecodeBatch, lim: DeviceLimits, ws: int)
 def test_plan_heuristic() -> None:
     b = DecodeBatch.from_arrays(*fake_inputs([32768], hq=16, hkv=2, hd=256)[:2], [np.arange(128)], [32768])
     auto = plan(b, "auto", H200, BIG_WS)
-    # 210 KB of shared memory per CTA: one per SM, so 2 kv heads x 66 chunks = one wave of 132 SMs
+    # 210 KB of shared memory per CTA: one per SM, so 2 kv heads x 66 chunks would be one wave of 132 SMs;
+    # chunks are whole multiples of 64 tokens: 66 ragged chunks of 497 become 64 of 512
     assert resident_ctas_per_sm(b, H200) == 1
-    assert auto.kernel == MULTI and auto.blocks_per_seq == 66 and auto.grid == (66, 2, 1)
-    assert auto.workspace_bytes == 1 * 16 * 66 * 258 * 4 and auto.reduce_grid == (1, 16, 1)
-    assert plan(b, "auto", H200, auto.workspace_bytes // 2).blocks_per_seq == 33  # capped by workspace
+    assert auto.kernel == MULTI and auto.blocks_per_seq == 64 and auto.grid == (64, 2, 1)
+    assert auto.chunk_len == 512 and auto.chunk_len * auto.blocks_per_seq == 32768
+    assert auto.workspace_bytes == 1 * 16 * 64 * 258 * 4 and auto.reduce_grid == (1, 16, 4)
+    assert plan(b, "auto", H200, auto.workspace_bytes // 2).blocks_per_seq == 32  # capped by workspace
     assert plan(b, "auto", replace(H200, sm_count=2), BIG_WS).kernel == SINGLE  # SMs already busy
     assert plan(b, "off", H200, BIG_WS).kernel == SINGLE
-    # 32q/8kv/d128: 104 KB per CTA, two per SM: 8 kv heads x 33 chunks fill the 264 slots
+    # 32q/8kv/d128: 104 KB per CTA, two per SM: 8 kv heads x 33 chunks fill the 264 slots (32 once aligned)
     b128 = DecodeBatch.from_arrays(*fake_inputs([32768], hq=32, hkv=8, hd=128, dtype="float16")[:2],
                                    [np.arange(512)], [32768])
-    assert resident_ctas_per_sm(b128, H200) == 2 and plan(b128, "auto", H200, BIG_WS).blocks_per_seq == 33
+    assert resident_ctas_per_sm(b128, H200) == 2 and plan(b128, "auto", H200, BIG_WS).blocks_per_seq == 32
     # batch 64 x 2 kv heads = 128 CTAs already fill the wave: auto keeps one block, on still splits
     q, k, _, t, lens = fake_inputs([8192] * 64, hq=16, hkv=2, hd=256, dtype="float16")
     b64 = DecodeBatch.from_arrays(q, k, t, lens)
@@ -219,15 +223,16 @@ def test_validate_catches_inconsistent_hand_made_plans() -> None:
     good = make_plan(batch, 8, H200)
     assert validate(good, batch, H200, BIG_WS) == []
     for bad in (replace(good, grid=(8, 1, 1)), replace(good, workspace_bytes=16), replace(good, smem_bytes=64),
-                replace(good, kernel=SINGLE), replace(good, reduce_grid=None), replace(good, blocks_per_seq=0)):
+                replace(good, kernel=SINGLE), replace(good, reduce_grid=None), replace(good, blocks_per_seq=0),
+                replace(good, chunk_len=1)):
         assert "plan_inconsistent" in validate(bad, batch, H200, BIG_WS), bad
     assert "grid_zero" in validate(replace(good, grid=(0, 2, 1), blocks_per_seq=0), batch, H200, BIG_WS)
 
 
 def test_invalid_planner_output_never_reaches_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even a planner gone wrong (huge split) only ever launches validated plans."""
+    """Even a planner gone wrong (huge split: 512 chunks of 64 tokens) only ever launches validated plans."""
     monkeypatch.setattr(dmod, "plan", lambda b, m, lim, ws: make_plan(b, 1 << 20, lim))
-    lim = replace(H200, max_grid_x=1000)
+    lim = replace(H200, max_grid_x=100)
     d, rec = make("auto", lim, ws=1 << 20)
     args = fake_inputs([32768, 77], hq=4, hkv=2)
     d.run(*args)

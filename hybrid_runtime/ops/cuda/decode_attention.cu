@@ -6,11 +6,13 @@
 // Self-contained: no CUDA headers, so it compiles the same with any NVRTC (on a CPU too).
 //
 // Launch geometry is the dispatcher's LaunchPlan, unchanged: grid (blocks_per_seq, Hkv, B),
-// block_threads threads, smem_bytes of dynamic shared memory; reduction grid (B, Hq), reduce_threads.
-// One CTA owns the whole GQA group of its kv head, so K/V are read from HBM exactly once.
-// The reduction may be launched as a programmatic dependent (PDL, sm_90+): the attention kernels let it
-// start early (griddepcontrol.launch_dependents) and it waits for their results (griddepcontrol.wait)
-// before reading the workspace; launched normally, both instructions are no-ops.
+// block_threads threads, smem_bytes of dynamic shared memory; reduction grid (B, Hq, ceil(HD / 64)),
+// reduce_threads. One CTA owns the whole GQA group of its kv head, so K/V are read from HBM exactly once.
+// Every kernel here may be launched as a programmatic dependent (PDL, sm_90+) of the kernel before it:
+// each one first lets its own dependent be scheduled (griddepcontrol.launch_dependents; the reduction
+// only once its inputs are complete), then waits for the kernel before it to finish and flush
+// (griddepcontrol.wait) before it touches global memory. So a launch overlaps the tail of the previous
+// kernel and nothing else. Launched normally, both instructions are no-ops.
 //
 // Pools: k/v [num_pages, page_size, Hkv, HD]; tables int32 [B, table_stride]; lens int32 [B] (counting
 // the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
@@ -65,6 +67,11 @@ __device__ __forceinline__ void pdl_wait_primary() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+// Start of every attention kernel: let the reduction be scheduled, then wait for the previous kernel.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_launch_dependents();
+  pdl_wait_primary();
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
@@ -220,7 +227,7 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
                                          int table_stride, const int* __restrict__ lens, float* __restrict__ out,
                                          float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
                                          int chunk_len, int nblk, int smem_bytes, float scale_log2) {
-  pdl_launch_dependents();  // the reduction may be scheduled now; it waits for this grid's results
+  pdl_enter();  // nothing below reads or writes global memory before the previous kernel is done
   const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   if (b >= B || kvh >= Hkv) return;
   const int G = Hq / Hkv, h0 = kvh * G;
@@ -500,7 +507,7 @@ __device__ __forceinline__ void attn_simt(bool multi, const T* __restrict__ q, c
                                           int table_stride, const int* __restrict__ lens, float* __restrict__ out,
                                           float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
                                           int chunk_len, int nblk, int tile, float scale_log2) {
-  pdl_launch_dependents();
+  pdl_enter();
   const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   if (b >= B || kvh >= Hkv) return;
   const int G = Hq / Hkv, h0 = kvh * G;
@@ -600,84 +607,87 @@ extern "C" __global__ void __launch_bounds__(1024) decode_attn_multi(
 #endif
 
 // Log-sum-exp merge of the chunks: out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c.
-// One CTA per (sequence, query head), RED_THREADS threads: HD/4 lanes cover the dims with float4 loads and
-// the NGRP = RED_THREADS / (HD/4) groups of them take every NGRP-th chunk, RBATCH chunks of loads in flight
-// per thread, each group keeping its own running max (no separate max pass); the groups are merged through
-// shared memory. Launched with PDL it starts while the attention grid runs and waits for its results here.
-#define RED_THREADS 512
+// Grid (B, Hq, ceil(DV / RLANES)), RED_THREADS threads: each CTA owns RLANES float4 columns (64 dims) of one
+// (sequence, query head); its RGRP groups of RLANES threads take every RGRP-th chunk, RBATCH chunks of loads
+// in flight per thread, so up to RGRP * RBATCH = 128 chunks (MAX_BLOCKS_PER_SEQ) cost one round trip to L2.
+// Each group keeps a running max (no separate max pass); the groups are merged through shared memory.
+#define RED_THREADS 256
+#define RLANES 16
+#define RGRP (RED_THREADS / RLANES)
 #define RBATCH 8
 #define DV (HD / 4)
-#define NGRP (RED_THREADS / DV)
 extern "C" __global__ void __launch_bounds__(RED_THREADS) decode_attn_reduce(const float* __restrict__ ws,
                                                                           float* __restrict__ out, int B, int Hq,
                                                                           int nblk) {
-  __shared__ float gm[NGRP], gl[NGRP], gscale[NGRP];
-  __shared__ __align__(16) float go[NGRP * HD];
-  pdl_wait_primary();
+  __shared__ float gm[RGRP], gl[RGRP], gscale[RGRP + 1];
+  __shared__ __align__(16) float4 go[RGRP][RLANES];
+  pdl_wait_primary();       // the attention grid is complete and its partials are visible
+  pdl_launch_dependents();  // the next kernel may be scheduled now (it waits for this one in turn)
   const int b = blockIdx.x, h = blockIdx.y;
   if (b >= B || h >= Hq) return;
-  const int tid = threadIdx.x, dv = tid % DV, grp = tid / DV;
+  const int tid = threadIdx.x, lane = tid % RLANES, grp = tid / RLANES;
+  const int dv = blockIdx.z * RLANES + lane;
+  const bool dok = dv < DV;
   const size_t row = (size_t)b * Hq + h;
   const float4* po = (const float4*)(ws + row * nblk * HD);
   const float* pm = ws + (size_t)B * Hq * nblk * HD + row * nblk;
   const float* pl = pm + (size_t)B * Hq * nblk;
   float m_run = NEG_INF, l_run = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (grp < NGRP) {
-    for (int c0 = grp; c0 < nblk; c0 += NGRP * RBATCH) {
-      float4 o[RBATCH];
-      float m[RBATCH], l[RBATCH];
+  for (int c0 = grp; c0 < nblk; c0 += RGRP * RBATCH) {
+    float4 o[RBATCH];
+    float m[RBATCH], l[RBATCH];
 #pragma unroll
-      for (int i = 0; i < RBATCH; ++i) {  // all loads first: RBATCH independent requests in flight
-        const int c = c0 + i * NGRP;
-        const bool ok = c < nblk;
-        m[i] = ok ? pm[c] : NEG_INF;
-        l[i] = ok ? pl[c] : 0.f;
-        o[i] = ok ? po[(size_t)c * DV + dv] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float mb = m_run;
-#pragma unroll
-      for (int i = 0; i < RBATCH; ++i) mb = l[i] > 0.f ? fmaxf(mb, m[i]) : mb;
-      if (mb == NEG_INF) continue;  // nothing but empty chunks so far
-      const float alpha = fast_exp2(m_run - mb);  // 0 when m_run is -inf
-      acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
-      l_run *= alpha;
-#pragma unroll
-      for (int i = 0; i < RBATCH; ++i) {
-        const float w = l[i] > 0.f ? fast_exp2(m[i] - mb) : 0.f;
-        acc.x += w * o[i].x; acc.y += w * o[i].y; acc.z += w * o[i].z; acc.w += w * o[i].w;
-        l_run += w * l[i];
-      }
-      m_run = mb;
+    for (int i = 0; i < RBATCH; ++i) {  // all loads first: RBATCH independent requests in flight
+      const int c = c0 + i * RGRP;
+      const bool ok = c < nblk;
+      m[i] = ok ? pm[c] : NEG_INF;
+      l[i] = ok ? pl[c] : 0.f;
+      o[i] = ok && dok ? po[(size_t)c * DV + dv] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (dv == 0) {
-      gm[grp] = m_run;
-      gl[grp] = l_run;
+    float mb = m_run;
+#pragma unroll
+    for (int i = 0; i < RBATCH; ++i) mb = l[i] > 0.f ? fmaxf(mb, m[i]) : mb;
+    if (mb == NEG_INF) continue;  // nothing but empty chunks so far
+    const float alpha = fast_exp2(m_run - mb);  // 0 when m_run is -inf
+    acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
+    l_run *= alpha;
+#pragma unroll
+    for (int i = 0; i < RBATCH; ++i) {
+      const float w = l[i] > 0.f ? fast_exp2(m[i] - mb) : 0.f;
+      acc.x += w * o[i].x; acc.y += w * o[i].y; acc.z += w * o[i].z; acc.w += w * o[i].w;
+      l_run += w * l[i];
     }
+    m_run = mb;
+  }
+  if (lane == 0) {
+    gm[grp] = m_run;
+    gl[grp] = l_run;
   }
   __syncthreads();
   if (tid == 0) {
     float M = NEG_INF;
-    for (int i = 0; i < NGRP; ++i) M = fmaxf(M, gm[i]);
+    for (int i = 0; i < RGRP; ++i) M = fmaxf(M, gm[i]);
     float L = 0.f;
-    for (int i = 0; i < NGRP; ++i) {
+    for (int i = 0; i < RGRP; ++i) {
       const float sc = gm[i] == NEG_INF ? 0.f : fast_exp2(gm[i] - M);
       gscale[i] = sc;
       L += gl[i] * sc;
     }
-    gl[0] = L;  // read after the barrier below; every other gl[i] is consumed already
+    gscale[RGRP] = 1.f / L;  // every row has a non-empty chunk 0 (lengths >= 1), so L > 0
   }
   __syncthreads();
-  if (grp < NGRP) {
-    const float sc = gscale[grp];
-    *(float4*)(go + grp * HD + 4 * dv) = make_float4(acc.x * sc, acc.y * sc, acc.z * sc, acc.w * sc);
-  }
+  const float sc = gscale[grp];
+  go[grp][lane] = make_float4(acc.x * sc, acc.y * sc, acc.z * sc, acc.w * sc);
   __syncthreads();
-  const float inv = 1.f / gl[0];
-  for (int d = tid; d < HD; d += RED_THREADS) {
-    float v = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < NGRP; ++i) v += go[i * HD + d];
-    out[row * HD + d] = v * inv;
+  if (tid < RLANES && dok) {
+    float4 v = go[0][tid];
+#pragma unroll
+    for (int i = 1; i < RGRP; ++i) {
+      const float4 u = go[i][tid];
+      v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+    }
+    const float inv = gscale[RGRP];
+    *(float4*)(out + row * HD + 4 * dv) = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
   }
 }
