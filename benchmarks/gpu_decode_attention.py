@@ -10,6 +10,11 @@ size 16 with shuffled (non-contiguous) pages. Bandwidth counts the K/V bytes eac
 over enough copies to exceed 4x the L2, so no call re-reads KV from cache. "read floor" = a plain
 streaming-read kernel over the same number of bytes (contiguous, 4 CTAs per SM, 16-byte loads): what
 any kernel that reads that much can hope for, launch and ramp included.
+
+Calls run kernel after kernel with the page tables already on the device (``CudaDecodeAttention.launch``),
+as in a captured decode step: both kernels are programmatic dependents, so one call's launch overlaps the
+previous call's reduction. The runtime's per-layer ``run_plan`` uploads its tables first, and a launch that
+follows a copy gets no such overlap.
 """
 
 from __future__ import annotations
@@ -202,7 +207,9 @@ def main() -> int:
         f"Page size {args.page_size}, shuffled pages; every sequence has the full context. Time = median of 3 "
         "queue-filled runs of back-to-back calls (CUDA events), inputs rotated past 4x L2. Bandwidth = K/V bytes / "
         "time; % = share of the copy bandwidth. single = blocks_per_seq 1; multi = the dispatcher's `on` plan "
-        "(blocks in brackets; includes the LSE reduction kernel, launched as a programmatic dependent); auto = "
+        "(blocks in brackets; includes the LSE reduction kernel). Calls run kernel after kernel with the page "
+        "tables on the device, as in a captured decode step; both kernels are programmatic dependents (PDL), so "
+        "a call's launch overlaps the previous call's reduction. auto = "
         "the plan serving uses; read floor = a plain streaming-read kernel over the same bytes (contiguous, "
         "4 CTAs per SM). SDPA = `torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)` on "
         "gathered contiguous KV.  ",
