@@ -206,7 +206,7 @@ def partials_bytes_per_block(batch: DecodeBatch) -> int:
 def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPlan:
     """Concrete plan for ``blocks`` chunks per sequence (1 = single-block)."""
     longest = max(batch.context_lens, default=0)
-    blocks = max(1, blocks)
+    blocks = max(1, blocks) if longest > 0 else 1  # nothing to split (such a batch fails validation anyway)
     chunk = -(-longest // blocks)
     if blocks > 1:  # aligned chunks; alignment may leave fewer (never more) chunks than asked for
         align = max(1, min(CHUNK_ALIGN, limits.min_chunk_tokens))

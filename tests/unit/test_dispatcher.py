@@ -81,6 +81,16 @@ def within_limits(p: LaunchPlan, batch: DecodeBatch, lim: DeviceLimits, ws: int)
 # ---------------------------------------------------------------- heuristic
 
 
+def test_chunks_are_aligned_and_cover_every_token() -> None:
+    for lens in ([32768], [100, 7], [129], [64 * 65 + 1], [0]):
+        b = DecodeBatch(tuple(lens), tuple(np.arange(-(-max(n, 1) // 16)) for n in lens), 16, 2, 256, 16,
+                        "bfloat16", 4096)
+        for blocks in (2, 3, 66, 1 << 20):
+            p = make_plan(b, blocks, H200)
+            assert p.blocks_per_seq <= blocks and p.blocks_per_seq * p.chunk_len >= max(lens)
+            assert p.kernel == SINGLE or (p.chunk_len % 64 == 0 and (p.blocks_per_seq - 1) * p.chunk_len < max(lens))
+
+
 def test_plan_heuristic() -> None:
     b = DecodeBatch.from_arrays(*fake_inputs([32768], hq=16, hkv=2, hd=256)[:2], [np.arange(128)], [32768])
     auto = plan(b, "auto", H200, BIG_WS)
