@@ -63,8 +63,10 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
                        out: int, workspace: int) -> list[Launch]:
     """The launches of plan ``p`` (pointers are device addresses). Geometry is copied from the plan. Both
     kernels are programmatic dependent launches (a no-op before sm_90): each may be scheduled while the
-    kernel before it on the stream still runs, and waits in-kernel (``griddepcontrol.wait``) for it to
-    finish before touching global memory, so its launch latency hides behind that kernel's tail."""
+    kernel before it on the stream still runs (once that kernel lets it in: the tensor-core attention
+    kernel does so as its CTAs finish, the reduction right after its own wait), and waits in-kernel
+    (``griddepcontrol.wait``) for it to finish before touching global memory, so its launch latency
+    hides behind that kernel's tail."""
     nblk = p.blocks_per_seq
     args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", lens),
             ("ptr", out), ("ptr", workspace), ("i32", batch), ("i32", num_q_heads), ("i32", num_kv_heads),

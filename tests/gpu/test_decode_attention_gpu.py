@@ -156,6 +156,31 @@ def test_workspace_fallback_still_correct(torch, backend) -> None:
     assert rel_err(torch, out, ref) < TOL["float16"]
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_small_shared_memory_merges_serially(torch, backend, mode: str) -> None:
+    """Device limits of 30 KB of shared memory: the plan stages 16-token tiles, so one warp streams
+    K/V and the four warps merge one after another through a single slice (the kernel's serial path,
+    taken when the shared memory cannot hold a slice per warp). Still exact, single- and multi-block."""
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    rng = np.random.default_rng(23)
+    lens = [5000, 77, 1]
+    hq, hkv, hd = 16, 2, 256
+    q, k, v, tables = make_case(torch, rng, lens, hq, hkv, hd, 16, "bfloat16")
+    ref = reference(torch, q, k, v, tables, lens)
+    qa, ka, va = (DeviceArray.from_torch(t) for t in (q, k, v))
+    small = replace(backend.limits, max_shared_mem_optin=30 * 1024)
+    disp = DecodeAttentionDispatcher(mode, small, backend.workspace_bytes, backend.kernels())
+    p = disp.select(DecodeBatch.from_arrays(qa, ka, tables, lens))
+    G, warps = hq // hkv, 4
+    wide_bytes = (warps * G * (hd + 4) + 2 * warps * 8 + G * (warps + 2)) * 4  # the kernel's per-warp slices
+    assert p.kv_tile == 16 and p.smem_bytes < wide_bytes, p
+    assert p.smem_bytes < 2 * 2 * 16 * hd * 2, "more than one streaming warp"
+    out = torch.as_tensor(disp.run(qa, ka, va, tables, lens), device="cuda").clone()
+    assert (p.kernel == MULTI) == (mode == "on")
+    assert rel_err(torch, out, ref) < TOL["bfloat16"]
+
+
 def test_kv_written_by_kernel_then_attended(torch, dev, backend) -> None:
     """Tokens stored with the paged KV write kernel are what decode attention reads."""
     from hybrid_runtime.cuda.driver import DeviceArray

@@ -9,10 +9,11 @@
 // block_threads threads, smem_bytes of dynamic shared memory; reduction grid (B, Hq, ceil(HD / 64)),
 // reduce_threads. One CTA owns the whole GQA group of its kv head, so K/V are read from HBM exactly once.
 // Every kernel here may be launched as a programmatic dependent (PDL, sm_90+) of the kernel before it:
-// each one first lets its own dependent be scheduled (griddepcontrol.launch_dependents; the reduction
-// only once its inputs are complete), then waits for the kernel before it to finish and flush
-// (griddepcontrol.wait) before it touches global memory. So a launch overlaps the tail of the previous
-// kernel and nothing else. Launched normally, both instructions are no-ops.
+// it waits for the kernel before it to finish and flush (griddepcontrol.wait) before it touches global
+// memory, and lets its own dependent be scheduled (griddepcontrol.launch_dependents): the tensor-core
+// attention kernel once its results are stored, the SIMT one at its start, the reduction once its inputs
+// are complete. So a launch overlaps the tail of the previous kernel and nothing else. Launched
+// normally, both instructions are no-ops.
 //
 // Pools: k/v [num_pages, page_size, Hkv, HD]; tables int32 [B, table_stride]; lens int32 [B] (counting
 // the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
@@ -68,7 +69,7 @@ __device__ __forceinline__ void pdl_wait_primary() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// Start of every attention kernel: let the reduction be scheduled, then wait for the previous kernel.
+// Start of the SIMT attention kernel: let the reduction be scheduled, then wait for the previous kernel.
 __device__ __forceinline__ void pdl_enter() {
   pdl_launch_dependents();
   pdl_wait_primary();
@@ -133,6 +134,7 @@ extern __shared__ __align__(16) unsigned char smem[];
 // a running max / sum per head; warps are merged through shared memory at the end.
 // ================================================================================================
 
+#define NWARPS 4            // warps per CTA: the plan's block_threads (MMA_THREADS) is NWARPS * 32
 #define ROWB (HD * 2)       // bytes of one token row of one kv head
 #define CPR (HD / 8)        // 16-byte chunks per row
 #define SLOT (16 * ROWB)    // one 16-token block of K (or of V)
@@ -222,37 +224,57 @@ __device__ __forceinline__ void load_block(u32 sdst, const T* __restrict__ pool,
   }
 }
 
+// Warp-level weights of the merge: for each query head, the weight 2^(m_w - M) of every warp's partial and the
+// merged max M and sum L, into wsc[head][NWARPS + 2] (weights, M, L). Run by one warp: lane = head x warp.
+__device__ __forceinline__ void merge_weights(const float* wm, const float* wl, float* wsc, int G, int lane) {
+  constexpr int per = 32 / NWARPS;  // heads per pass
+#pragma unroll 1
+  for (int base = 0; base < G; base += per) {
+    const int head = base + lane / NWARPS, w = lane % NWARPS;
+    const bool ok = head < G;
+    const float mw = ok ? wm[w * NT * 8 + head] : NEG_INF;
+    const float lw = ok ? wl[w * NT * 8 + head] : 0.f;
+    float M = lw > 0.f ? mw : NEG_INF;
+#pragma unroll
+    for (int o = 1; o < NWARPS; o <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float sc = lw > 0.f ? fast_exp2(mw - M) : 0.f;
+    float L = lw * sc;
+#pragma unroll
+    for (int o = 1; o < NWARPS; o <<= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    if (ok) {
+      wsc[head * (NWARPS + 2) + w] = sc;
+      if (w == 0) {
+        wsc[head * (NWARPS + 2) + NWARPS] = M;
+        wsc[head * (NWARPS + 2) + NWARPS + 1] = L;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, const T* __restrict__ kpool,
                                          const T* __restrict__ vpool, const int* __restrict__ tables,
                                          int table_stride, const int* __restrict__ lens, float* __restrict__ out,
                                          float* __restrict__ ws, int B, int Hq, int Hkv, int page_size,
                                          int chunk_len, int nblk, int smem_bytes, float scale_log2) {
-  pdl_enter();  // nothing below reads or writes global memory before the previous kernel is done
   const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   if (b >= B || kvh >= Hkv) return;
   const int G = Hq / Hkv, h0 = kvh * G;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int nslots = smem_bytes / (2 * SLOT);
-  const int nact = min(nwarps, nslots);  // warps that stream K/V (>= 1: smem holds >= one K+V block)
+  const int nact = min(NWARPS, nslots);  // warps that stream K/V (>= 1: smem holds >= one K+V block)
   const int st = min(MAXST, nslots / nact);  // ring stages per streaming warp (>= 1)
   // CTA blk owns tokens [t0, t1) = [blk*chunk_len, +chunk_len) cut at the length; warp w takes its 16-token
   // blocks w, w + nact, w + 2 nact, ...
   const int t0 = blk * chunk_len;
   const int* table = tables + (size_t)b * table_stride;
-  // Page-table entries of the prologue blocks, read before the length is known so that the two loads
-  // overlap (in bounds of the table row; used only for tokens below the length, which the guard validated).
-  int pg[MAXST];
-#pragma unroll
-  for (int s = 0; s < MAXST; ++s) {
-    const int pi = (t0 + (warp + s * nact) * 16 + (lane & 15)) / page_size;
-    pg[s] = (warp < nact && s < st && pi < table_stride) ? table[pi] : 0;
-  }
+  pdl_wait_primary();  // nothing below reads or writes global memory before the previous kernel is done
   const int len = lens[b];
   const int t1 = min(t0 + chunk_len, len);
   if (t0 >= t1) {  // an empty chunk of a shorter sequence (multi-block only)
     for (int i = tid; i < G * HD; i += blockDim.x)
       store_result(multi, out, ws, B, Hq, nblk, b, h0 + i / HD, blk, i % HD, 0.f, NEG_INF, 0.f);
+    pdl_launch_dependents();
     return;
   }
   const int nb16 = (t1 - t0 + 15) >> 4;
@@ -273,19 +295,23 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
 
   if (warp < nact && warp < nb16) {
     const u32 ring = smem_u32(smem) + warp * st * 2 * SLOT;  // stage s: K at ring + 2s SLOT, V right after
-    // Prologue: blocks warp + s*nact into stages 0..st-1, one commit group each (empty past the end).
+    // Blocks in flight, oldest first (qid[0] is consumed next); -1 = none.
+    int qid[MAXST + 1];
 #pragma unroll
-    for (int s = 0; s < MAXST; ++s) {
-      if (s < st) {
-        const int j = warp + s * nact;
-        if (j < nb16) {
-          const int tok = t0 + j * 16 + lane, pi = tok / page_size;
-          const int off = (lane < 16 && tok < t1) ? (pg[s] * page_size + (tok - pi * page_size)) * Hkv + kvh : -1;
-          load_block(ring + s * 2 * SLOT, kpool, off, lane);
-          load_block(ring + s * 2 * SLOT + SLOT, vpool, off, lane);
-        }
-        cp_commit();
+    for (int s = 0; s <= MAXST; ++s) qid[s] = -1;
+    // Prologue: blocks warp + s*nact into stages 0..st-1, one commit group each (empty past the end).
+#pragma unroll 1
+    for (int s = 0; s < st; ++s) {
+      const int j = warp + s * nact;
+      const int id = j < nb16 ? j : -1;
+#pragma unroll
+      for (int i = 0; i < MAXST; ++i) qid[i] = i == s ? id : qid[i];
+      if (id >= 0) {
+        const int off = lane < 16 ? row_index(table, t0 + id * 16 + lane, t1, page_size, Hkv, kvh) : -1;
+        load_block(ring + s * 2 * SLOT, kpool, off, lane);
+        load_block(ring + s * 2 * SLOT + SLOT, vpool, off, lane);
       }
+      cp_commit();
     }
     // Q^T as B fragments: b0b1 = Q[head g][k 2t, 2t+1], b2b3 = Q[head g][k 2t+8, 2t+9] per k-step.
     u32 qf[NKS][NT][2];
@@ -304,11 +330,12 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
     const int v_row = (lane & 7) + (lane >> 4) * 8, v_c = (lane >> 3) & 1;
 
     int s = 0;
-    for (int j = warp; j < nb16; j += nact) {
-      // Iteration i consumes commit group i (block j, stage s) and refills stage s with block jr.
-      const int jr = j + st * nact;
+    while (qid[0] >= 0) {
+      // Consume block j (commit group of stage s) and refill stage s with block jr.
+      const int j = qid[0];
+      const int jr = j + st * nact < nb16 ? j + st * nact : -1;
       int off_n = -1;  // jr's rows, looked up now so the page-table load overlaps the wait and the math
-      if (jr < nb16 && lane < 16) off_n = row_index(table, t0 + jr * 16 + lane, t1, page_size, Hkv, kvh);
+      if (jr >= 0 && lane < 16) off_n = row_index(table, t0 + jr * 16 + lane, t1, page_size, Hkv, kvh);
       const u32 sK = ring + s * 2 * SLOT, sV = sK + SLOT;
 
       cp_wait_pending(st - 1);  // block j (K and V) has landed; the next st-1 blocks may be in flight
@@ -370,11 +397,13 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
       }
       __syncwarp();  // every lane is done reading stage s: refill it
-      if (jr < nb16) {
+      if (jr >= 0) {
         load_block(sK, kpool, off_n, lane);
         load_block(sV, vpool, off_n, lane);
       }
       cp_commit();  // exactly one group per iteration (possibly empty) keeps the wait count uniform
+#pragma unroll
+      for (int i = 0; i < MAXST; ++i) qid[i] = i == st - 1 ? jr : qid[i + 1];
       s = (s + 1 == st) ? 0 : s + 1;
     }
     cp_wait0();
@@ -391,19 +420,18 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
       l_run[nt][c] = l;
     }
 
-  // ---- merge the warps through shared memory (the staging area is free now) ----
-  __syncthreads();
-  float* wm = (float*)smem;                 // [nwarps][NT*8] per-warp max (log2 domain)
-  float* wl = wm + nwarps * NT * 8;         // [nwarps][NT*8] per-warp sum
-  float* Mh = wl + nwarps * NT * 8;         // [NT*8] merged max (serial path)
-  float* Lh = Mh + NT * 8;                  // [NT*8] merged sum (serial path)
-  float* obuf = Lh + NT * 8;                // [nwarps or 1][G][OS]
-  // Wide path (the staging area holds a slice [G][OS] per warp): every warp stores its raw accumulators
-  // into its own slice at once (OS = HD + 4 puts the 32 lanes of each store in 32 banks), one barrier, and
-  // the output loop merges the slices with their log-sum-exp weights. Serial path: merged max/sum first,
-  // then one slice accumulated warp after warp.
+  // ---- merge the warps through shared memory (the staging area is free after the barrier) ----
+  // Wide path: every warp stores its raw accumulators into its own slice [G][OS] (OS = HD + 4 puts the 32
+  // lanes of each store in 32 banks) and the output loop sums the slices with their weights. Serial path
+  // (shared memory too small for NWARPS slices): the warps add their weighted accumulators into one slice
+  // in turn. Weights (wsc) first come from the per-warp max / sum (wm, wl).
   const int OS = HD + 4;
-  const bool wide = (int)((obuf - (float*)smem) + nwarps * G * OS) * 4 <= smem_bytes;
+  const bool wide = (NWARPS * G * OS + 2 * NWARPS * NT * 8 + G * (NWARPS + 2)) * 4 <= smem_bytes;
+  float* obuf = (float*)smem;                     // [NWARPS or 1][G][OS]
+  float* wm = obuf + (wide ? NWARPS : 1) * G * OS;  // [NWARPS][NT*8] per-warp max (log2 domain)
+  float* wl = wm + NWARPS * NT * 8;              // [NWARPS][NT*8] per-warp sum
+  float* wsc = wl + NWARPS * NT * 8;             // [G][NWARPS + 2] per-warp weight, then M, L
+  __syncthreads();
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -413,71 +441,71 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         wl[warp * NT * 8 + nt * 8 + 2 * t4 + c] = l_run[nt][c];
       }
   }
-  if (!wide) {
-    __syncthreads();
-    if (tid < NT * 8) {
-      float M = NEG_INF;
-      for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + tid]);
-      float L = 0.f;
-      for (int w = 0; w < nwarps; ++w) {
-        const float lw = wl[w * NT * 8 + tid];
-        if (lw > 0.f) L += lw * fast_exp2(wm[w * NT * 8 + tid] - M);
-      }
-      Mh[tid] = M;
-      Lh[tid] = L;
-    }
-    __syncthreads();
-  }
-  for (int w = 0; w < (wide ? 1 : nwarps); ++w) {
-    if (wide || warp == w) {
-      float* slice = obuf + (wide ? warp * G * OS : 0);
+  if (wide) {
+    float* slice = obuf + warp * G * OS;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int head = nt * 8 + 2 * t4 + c;
-          if (head < G) {
-            const float sc = wide ? 1.f : (l_run[nt][c] > 0.f ? fast_exp2(m_run[nt][c] - Mh[head]) : 0.f);
+      for (int c = 0; c < 2; ++c) {
+        const int head = nt * 8 + 2 * t4 + c;
+        if (head < G) {
 #pragma unroll
-            for (int mt = 0; mt < NKS; ++mt)
+          for (int mt = 0; mt < NKS; ++mt)
 #pragma unroll
-              for (int hi = 0; hi < 2; ++hi) {
-                float* dst = slice + head * OS + mt * 16 + g + hi * 8;
-                const float v = acc[mt][nt][c + 2 * hi] * sc;
-                *dst = (wide || w == 0) ? v : *dst + v;
-              }
-          }
+            for (int hi = 0; hi < 2; ++hi) slice[head * OS + mt * 16 + g + hi * 8] = acc[mt][nt][c + 2 * hi];
         }
-    }
-    __syncthreads();
+      }
   }
-  // Output: 4 consecutive dims per thread (16-byte loads and stores).
-  for (int i = tid; i < G * (HD / 4); i += blockDim.x) {
+  __syncthreads();
+  if (warp == NWARPS - 1) merge_weights(wm, wl, wsc, G, lane);
+  __syncthreads();
+  if (!wide) {
+#pragma unroll 1
+    for (int w = 0; w < NWARPS; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int head = nt * 8 + 2 * t4 + c;
+            if (head < G) {
+              const float sc = wsc[head * (NWARPS + 2) + w];
+#pragma unroll
+              for (int mt = 0; mt < NKS; ++mt)
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+                  float* dst = obuf + head * OS + mt * 16 + g + hi * 8;
+                  const float v = acc[mt][nt][c + 2 * hi] * sc;
+                  *dst = w == 0 ? v : *dst + v;
+                }
+            }
+          }
+      }
+      __syncthreads();
+    }
+  }
+  // Output: 4 consecutive dims per thread (16-byte loads and stores); a plain loop keeps the code short.
+#pragma unroll 1
+  for (int i = tid; i < G * (HD / 4); i += NWARPS * 32) {
     const int head = i / (HD / 4), d = 4 * (i - head * (HD / 4));
-    float4 v;
-    float M, L;
+    const float* hs = wsc + head * (NWARPS + 2);
+    float4 v = *(const float4*)(obuf + head * OS + d);
     if (wide) {
-      M = NEG_INF;
-      for (int w = 0; w < nwarps; ++w) M = fmaxf(M, wm[w * NT * 8 + head]);
-      L = 0.f;
-      v = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int w = 0; w < nwarps; ++w) {
-        const float lw = wl[w * NT * 8 + head];
-        const float sc = lw > 0.f ? fast_exp2(wm[w * NT * 8 + head] - M) : 0.f;
+      const float s0 = hs[0];
+      v.x *= s0; v.y *= s0; v.z *= s0; v.w *= s0;
+#pragma unroll
+      for (int w = 1; w < NWARPS; ++w) {
+        const float sc = hs[w];
         const float4 o = *(const float4*)(obuf + (w * G + head) * OS + d);
-        L += lw * sc;
         v.x += sc * o.x; v.y += sc * o.y; v.z += sc * o.z; v.w += sc * o.w;
       }
-    } else {
-      M = Mh[head];
-      L = Lh[head];
-      v = *(const float4*)(obuf + head * OS + d);
     }
-    store_result4(multi, out, ws, B, Hq, nblk, b, h0 + head, blk, d, v, M, L);
+    store_result4(multi, out, ws, B, Hq, nblk, b, h0 + head, blk, d, v, hs[NWARPS], hs[NWARPS + 1]);
   }
+  pdl_launch_dependents();  // this CTA's results are stored: the next kernel may be scheduled
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1) decode_attn_single(
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, 1) decode_attn_single(
     const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
     const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
     float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
@@ -485,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) decode_attn_single(
   attn_mma(false, q, kpool, vpool, tables, table_stride, lens, out, ws, B, Hq, Hkv, page_size, chunk_len, nblk,
            smem_bytes, scale_log2);
 }
-extern "C" __global__ void __launch_bounds__(128, 1) decode_attn_multi(
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, 1) decode_attn_multi(
     const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
     const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, float* __restrict__ out,
     float* __restrict__ ws, int B, int Hq, int Hkv, int page_size, int chunk_len, int nblk, int kv_tile,
