@@ -251,6 +251,29 @@ __device__ __forceinline__ void merge_weights(const float* wm, const float* wl, 
   }
 }
 
+// This warp's accumulators into a merge slice [G][HD + 4]: raw (weights == nullptr), or times the warp's
+// per-head weight weights[head * (NWARPS + 2)] and stored (add = false) or added to what is there.
+__device__ __forceinline__ void warp_to_slice(float* slice, const float (&acc)[NKS][NT][4], const float* weights,
+                                              bool add, int G, int g, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int head = nt * 8 + 2 * t4 + c;
+      if (head < G) {
+        const float sc = weights ? weights[head * (NWARPS + 2)] : 1.f;
+#pragma unroll
+        for (int mt = 0; mt < NKS; ++mt)
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            float* dst = slice + head * (HD + 4) + mt * 16 + g + hi * 8;
+            const float v = weights ? acc[mt][nt][c + 2 * hi] * sc : acc[mt][nt][c + 2 * hi];
+            *dst = add ? *dst + v : v;
+          }
+      }
+    }
+}
+
 __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, const T* __restrict__ kpool,
                                          const T* __restrict__ vpool, const int* __restrict__ tables,
                                          int table_stride, const int* __restrict__ lens, float* __restrict__ out,
@@ -441,46 +464,14 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         wl[warp * NT * 8 + nt * 8 + 2 * t4 + c] = l_run[nt][c];
       }
   }
-  if (wide) {
-    float* slice = obuf + warp * G * OS;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int head = nt * 8 + 2 * t4 + c;
-        if (head < G) {
-#pragma unroll
-          for (int mt = 0; mt < NKS; ++mt)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) slice[head * OS + mt * 16 + g + hi * 8] = acc[mt][nt][c + 2 * hi];
-        }
-      }
-  }
+  if (wide) warp_to_slice(obuf + warp * G * OS, acc, nullptr, false, G, g, t4);
   __syncthreads();
   if (warp == NWARPS - 1) merge_weights(wm, wl, wsc, G, lane);
   __syncthreads();
   if (!wide) {
 #pragma unroll 1
     for (int w = 0; w < NWARPS; ++w) {
-      if (warp == w) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int head = nt * 8 + 2 * t4 + c;
-            if (head < G) {
-              const float sc = wsc[head * (NWARPS + 2) + w];
-#pragma unroll
-              for (int mt = 0; mt < NKS; ++mt)
-#pragma unroll
-                for (int hi = 0; hi < 2; ++hi) {
-                  float* dst = obuf + head * OS + mt * 16 + g + hi * 8;
-                  const float v = acc[mt][nt][c + 2 * hi] * sc;
-                  *dst = w == 0 ? v : *dst + v;
-                }
-            }
-          }
-      }
+      if (warp == w) warp_to_slice(obuf, acc, wsc + w, w > 0, G, g, t4);
       __syncthreads();
     }
   }
