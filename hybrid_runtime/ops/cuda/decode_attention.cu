@@ -318,19 +318,13 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
 
   if (warp < nact && warp < nb16) {
     const u32 ring = smem_u32(smem) + warp * st * 2 * SLOT;  // stage s: K at ring + 2s SLOT, V right after
-    // Blocks in flight, oldest first (qid[0] is consumed next); -1 = none.
-    int qid[MAXST + 1];
-#pragma unroll
-    for (int s = 0; s <= MAXST; ++s) qid[s] = -1;
     // Prologue: blocks warp + s*nact into stages 0..st-1, one commit group each (empty past the end).
+    // One loop, not unrolled: one copy of the load code.
 #pragma unroll 1
     for (int s = 0; s < st; ++s) {
       const int j = warp + s * nact;
-      const int id = j < nb16 ? j : -1;
-#pragma unroll
-      for (int i = 0; i < MAXST; ++i) qid[i] = i == s ? id : qid[i];
-      if (id >= 0) {
-        const int off = lane < 16 ? row_index(table, t0 + id * 16 + lane, t1, page_size, Hkv, kvh) : -1;
+      if (j < nb16) {
+        const int off = lane < 16 ? row_index(table, t0 + j * 16 + lane, t1, page_size, Hkv, kvh) : -1;
         load_block(ring + s * 2 * SLOT, kpool, off, lane);
         load_block(ring + s * 2 * SLOT + SLOT, vpool, off, lane);
       }
@@ -353,9 +347,8 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
     const int v_row = (lane & 7) + (lane >> 4) * 8, v_c = (lane >> 3) & 1;
 
     int s = 0;
-    while (qid[0] >= 0) {
+    for (int j = warp; j < nb16; j += nact) {
       // Consume block j (commit group of stage s) and refill stage s with block jr.
-      const int j = qid[0];
       const int jr = j + st * nact < nb16 ? j + st * nact : -1;
       int off_n = -1;  // jr's rows, looked up now so the page-table load overlaps the wait and the math
       if (jr >= 0 && lane < 16) off_n = row_index(table, t0 + jr * 16 + lane, t1, page_size, Hkv, kvh);
@@ -425,8 +418,6 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
         load_block(sV, vpool, off_n, lane);
       }
       cp_commit();  // exactly one group per iteration (possibly empty) keeps the wait count uniform
-#pragma unroll
-      for (int i = 0; i < MAXST; ++i) qid[i] = i == st - 1 ? jr : qid[i + 1];
       s = (s + 1 == st) ? 0 : s + 1;
     }
     cp_wait0();
