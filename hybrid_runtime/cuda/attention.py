@@ -31,8 +31,10 @@ from .kernels import Kernel, Launch, load_module
 SOURCE = "decode_attention.cu"
 DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ENTRY = {SINGLE: "decode_attn_single", MULTI: "decode_attn_multi"}
-REDUCE = "decode_attn_reduce"
-FAMILY = {ENTRY[SINGLE]: SINGLE, ENTRY[MULTI]: MULTI, REDUCE: REDUCE}  # entry point -> key of kernels_for()
+# The LSE reduction's builds by CTA size (the plan's reduce_threads): 8 or 16 groups of 16 threads.
+REDUCE_ENTRY = {128: "decode_attn_reduce", 256: "decode_attn_reduce_wide"}
+# entry point -> key of kernels_for()
+FAMILY = {ENTRY[SINGLE]: SINGLE, ENTRY[MULTI]: MULTI, **{e: e for e in REDUCE_ENTRY.values()}}
 MMA_THREADS = 128  # the tensor-core kernel is compiled with __launch_bounds__(128)
 
 
@@ -75,7 +77,7 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
     launches = [Launch(ENTRY[p.kernel], p.grid, (p.block_threads, 1, 1), p.smem_bytes, args, pdl=True)]
     if p.kernel == MULTI:
         assert p.reduce_grid is not None
-        launches.append(Launch(REDUCE, p.reduce_grid, (p.reduce_threads, 1, 1), 0,
+        launches.append(Launch(REDUCE_ENTRY[p.reduce_threads], p.reduce_grid, (p.reduce_threads, 1, 1), 0,
                                [("ptr", workspace), ("ptr", out), ("i32", batch), ("i32", num_q_heads),
                                 ("i32", nblk)], pdl=True))
     return launches
@@ -117,7 +119,8 @@ class CudaDecodeAttention:
         ks = self._variants.get(variant)
         if ks is None:
             m = load_module(SOURCE, variant.options, self.device.arch)
-            ks = {SINGLE: m.kernel(ENTRY[SINGLE]), MULTI: m.kernel(ENTRY[MULTI]), REDUCE: m.kernel(REDUCE)}
+            ks = {SINGLE: m.kernel(ENTRY[SINGLE]), MULTI: m.kernel(ENTRY[MULTI]),
+                  **{e: m.kernel(e) for e in REDUCE_ENTRY.values()}}
             for fam in self._optin_families:
                 if ks[fam].optin_bytes(self.device) is None:
                     ks[fam].set_max_dynamic_smem(self.device)

@@ -45,8 +45,12 @@ SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver reserves per resident C
 # Tokens of K/V staged in shared memory per CTA, largest that fits wins. The tensor-core kernel splits the
 # staging area into per-warp rings of 16-token stages (192 = 4 warps x 3 stages: 3 blocks in flight per warp).
 KV_TILES = (192, 128, 64, 32, 16)
-REDUCE_THREADS = 256  # the LSE reduction kernel is compiled for exactly this many threads
-REDUCE_DIMS_PER_CTA = 64  # head_dim columns one reduction CTA merges (16 float4 lanes)
+# The LSE reduction kernel: CTAs of 16-thread groups, each CTA merging 64 head_dim columns (16 float4 lanes);
+# a thread loads 8 chunks per round trip to L2. It is built for 8 groups (128 threads) and for 16 (256).
+REDUCE_LANES = 16
+REDUCE_BATCH = 8
+REDUCE_GROUPS = (8, 16)
+REDUCE_DIMS_PER_CTA = 4 * REDUCE_LANES
 # Chunks are whole multiples of this many tokens (one 16-token block per warp of the tensor-core kernel),
 # so only a sequence's last chunk can end inside a block (on the H200, 64 aligned chunks of a 32k context
 # decode faster than 66 ragged ones).
@@ -225,7 +229,15 @@ def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPl
                       smem_bytes(batch.group, hd, es, tile), tile, chunk,
                       partials_bytes_per_block(batch) * blocks if multi else 0,
                       (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)) if multi else None,
-                      REDUCE_THREADS if multi else 0)
+                      reduce_threads(blocks) if multi else 0)
+
+
+def reduce_threads(blocks: int) -> int:
+    """Threads of a reduction CTA merging ``blocks`` chunks: 8 groups up to 64 chunks, 16 groups above, so
+    every chunk's loads go out in one round trip. On the H200 the 128-thread CTA merges 64 chunks 0.1-0.2 µs
+    sooner than a 256-thread one (benchmarks/results/decode_attention_notes.md)."""
+    groups = next((g for g in REDUCE_GROUPS if g * REDUCE_BATCH >= blocks), REDUCE_GROUPS[-1])
+    return REDUCE_LANES * groups
 
 
 def resident_ctas_per_sm(batch: DecodeBatch, limits: DeviceLimits) -> int:
@@ -274,6 +286,8 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
     if not 1 <= p.block_threads <= limits.max_threads_per_block \
             or (multi and not 1 <= p.reduce_threads <= limits.max_threads_per_block):
         r.append("threads")
+    if multi and p.reduce_threads not in [g * REDUCE_LANES for g in REDUCE_GROUPS]:
+        r.append("plan_inconsistent")  # the reduction kernel is built for these thread counts only
     es = DTYPE_BYTES.get(batch.dtype, 4)
     if p.smem_bytes < smem_bytes(batch.group, batch.head_dim, es, p.kv_tile):
         r.append("plan_inconsistent")  # a plan that under-sizes its own shared memory

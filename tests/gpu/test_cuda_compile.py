@@ -91,7 +91,7 @@ def test_variant_choice() -> None:
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_launches_follow_the_plan_exactly(mode: str) -> None:
-    from hybrid_runtime.cuda.attention import ENTRY, REDUCE, attention_launches
+    from hybrid_runtime.cuda.attention import ENTRY, REDUCE_ENTRY, attention_launches
 
     lim = DeviceLimits("fake-h200", sm_count=132, optin_set=frozenset({SINGLE, MULTI}))
     batch = DecodeBatch((32768, 100), (np.arange(512), np.arange(512, 514)), 16, 2, 256, 64, "bfloat16", 600)
@@ -106,7 +106,7 @@ def test_launches_follow_the_plan_exactly(mode: str) -> None:
         (p.chunk_len, p.blocks_per_seq, p.kv_tile, p.smem_bytes)
     assert ls[0].pdl  # may start under the previous kernel's tail; griddepcontrol.wait before any memory access
     if p.kernel == MULTI:
-        assert len(ls) == 2 and ls[1].kernel == REDUCE
+        assert len(ls) == 2 and ls[1].kernel == REDUCE_ENTRY[p.reduce_threads]
         assert (ls[1].grid, ls[1].block, ls[1].smem) == (p.reduce_grid, (p.reduce_threads, 1, 1), 0)
         assert ls[1].pdl  # programmatic dependent: waits in-kernel (griddepcontrol.wait) for the partials
     else:

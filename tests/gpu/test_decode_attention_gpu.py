@@ -127,15 +127,18 @@ def test_random_cases_match_reference(torch, backend, seed: int) -> None:
         assert sum(plans.values()) == 1
 
 
-def test_long_context_multi_block_uses_many_chunks(torch, backend) -> None:
-    """32k tokens at batch 1: the auto plan splits (about one wave of CTAs) and still matches."""
+@pytest.mark.parametrize("hq,hkv,threads", [(16, 2, 128), (8, 1, 256)])
+def test_long_context_multi_block_uses_many_chunks(torch, backend, hq: int, hkv: int, threads: int) -> None:
+    """32k tokens at batch 1: the auto plan splits (about one wave of CTAs) and still matches. Two kv heads
+    give 64 chunks (8-group reduction CTAs), one kv head 128 (16 groups)."""
     rng = np.random.default_rng(7)
     lens = [32768]
-    q, k, v, tables = make_case(torch, rng, lens, 16, 2, 256, 16, "bfloat16")
+    q, k, v, tables = make_case(torch, rng, lens, hq, hkv, 256, 16, "bfloat16")
     ref = reference(torch, q, k, v, tables, lens)
     outs = run_modes(torch, backend, q, k, v, tables, lens, modes=("auto",))
     out, plans, p = outs["auto"]
     assert p.kernel == MULTI and p.blocks_per_seq >= 32, p
+    assert p.reduce_threads == threads, p
     assert plans[MULTI] == 1
     assert rel_err(torch, out, ref) < TOL["bfloat16"]
 

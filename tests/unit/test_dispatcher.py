@@ -71,6 +71,7 @@ def within_limits(p: LaunchPlan, batch: DecodeBatch, lim: DeviceLimits, ws: int)
             and p.grid == (p.blocks_per_seq, batch.num_kv_heads, batch.batch_size)
             and 1 <= p.block_threads <= lim.max_threads_per_block
             and (p.kernel == SINGLE or 1 <= p.reduce_threads <= lim.max_threads_per_block)
+            and (p.kernel == SINGLE or p.reduce_threads in (128, 256))  # whole 16-thread groups, 8 or 16
             and p.smem_bytes <= min(smem_cap, lim.max_shared_mem_optin)
             and (p.kernel == SINGLE or need_ws <= p.workspace_bytes <= ws)
             and (p.kernel == MULTI) == (p.blocks_per_seq > 1)
@@ -100,6 +101,7 @@ def test_plan_heuristic() -> None:
     assert auto.kernel == MULTI and auto.blocks_per_seq == 64 and auto.grid == (64, 2, 1)
     assert auto.chunk_len == 512 and auto.chunk_len * auto.blocks_per_seq == 32768
     assert auto.workspace_bytes == 1 * 16 * 64 * 258 * 4 and auto.reduce_grid == (1, 16, 4)
+    assert auto.reduce_threads == 128  # 8 groups of 16 threads load 64 chunks in one round trip
     assert plan(b, "auto", H200, auto.workspace_bytes // 2).blocks_per_seq == 32  # capped by workspace
     assert plan(b, "auto", replace(H200, sm_count=2), BIG_WS).kernel == SINGLE  # SMs already busy
     assert plan(b, "off", H200, BIG_WS).kernel == SINGLE
@@ -107,6 +109,10 @@ def test_plan_heuristic() -> None:
     b128 = DecodeBatch.from_arrays(*fake_inputs([32768], hq=32, hkv=8, hd=128, dtype="float16")[:2],
                                    [np.arange(512)], [32768])
     assert resident_ctas_per_sm(b128, H200) == 2 and plan(b128, "auto", H200, BIG_WS).blocks_per_seq == 32
+    # one kv head: 128 chunks, merged by 16 groups
+    b1kv = DecodeBatch.from_arrays(*fake_inputs([32768], hq=8, hkv=1, hd=128)[:2], [np.arange(128)], [32768])
+    p1kv = plan(b1kv, "auto", H200, BIG_WS)
+    assert p1kv.blocks_per_seq == 128 and p1kv.reduce_threads == 256
     # batch 64 x 2 kv heads = 128 CTAs already fill the wave: auto keeps one block, on still splits
     q, k, _, t, lens = fake_inputs([8192] * 64, hq=16, hkv=2, hd=256, dtype="float16")
     b64 = DecodeBatch.from_arrays(q, k, t, lens)
@@ -234,7 +240,7 @@ def test_validate_catches_inconsistent_hand_made_plans() -> None:
     assert validate(good, batch, H200, BIG_WS) == []
     for bad in (replace(good, grid=(8, 1, 1)), replace(good, workspace_bytes=16), replace(good, smem_bytes=64),
                 replace(good, kernel=SINGLE), replace(good, reduce_grid=None), replace(good, blocks_per_seq=0),
-                replace(good, chunk_len=1)):
+                replace(good, chunk_len=1), replace(good, reduce_threads=100), replace(good, reduce_threads=512)):
         assert "plan_inconsistent" in validate(bad, batch, H200, BIG_WS), bad
     assert "grid_zero" in validate(replace(good, grid=(0, 2, 1), blocks_per_seq=0), batch, H200, BIG_WS)
 
