@@ -18,7 +18,7 @@
 //
 // Pools: k/v [num_pages, page_size, Hkv, HD]; tables int32 [B, table_stride]; lens int32 [B] (counting
 // the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
-//   o[B][Hq][nblk][HD] (unnormalised) | m[B][Hq][nblk] (log2 domain) | l[B][Hq][nblk].
+//   o[B][Hq][nblk][HD] (unnormalised) | (m, l)[B][Hq][nblk] (max in the log2 domain, sum; one float2 each).
 // Chunk c of sequence b covers tokens [c*chunk_len, min((c+1)*chunk_len, len_b)); it may be empty for
 // sequences shorter than the longest one (m = -inf, l = 0 then).
 
@@ -95,10 +95,8 @@ __device__ __forceinline__ void store_result(bool multi, float* __restrict__ out
     size_t row = (size_t)b * Hq + h;
     ws[(row * nblk + blk) * HD + d] = acc;
     if (d == 0) {
-      float* wm = ws + (size_t)B * Hq * nblk * HD;
-      float* wl = wm + (size_t)B * Hq * nblk;
-      wm[row * nblk + blk] = m;
-      wl[row * nblk + blk] = l;
+      float2* ml = (float2*)(ws + (size_t)B * Hq * nblk * HD);
+      ml[row * nblk + blk] = make_float2(m, l);
     }
   }
 }
@@ -114,10 +112,8 @@ __device__ __forceinline__ void store_result4(bool multi, float* __restrict__ ou
   } else {
     *(float4*)(ws + (row * nblk + blk) * HD + d) = acc;
     if (d == 0) {
-      float* wm = ws + (size_t)B * Hq * nblk * HD;
-      float* wl = wm + (size_t)B * Hq * nblk;
-      wm[row * nblk + blk] = m;
-      wl[row * nblk + blk] = l;
+      float2* ml = (float2*)(ws + (size_t)B * Hq * nblk * HD);
+      ml[row * nblk + blk] = make_float2(m, l);
     }
   }
 }
@@ -631,7 +627,7 @@ extern "C" __global__ void __launch_bounds__(1024) decode_attn_multi(
 template <int RGRP>
 __device__ __forceinline__ void reduce_chunks(const float* __restrict__ ws, float* __restrict__ out, int B, int Hq,
                                               int nblk) {
-  __shared__ float gm[RGRP], gl[RGRP], gscale[RGRP + 1];
+  __shared__ float gm[RGRP], gl[RGRP];
   __shared__ __align__(16) float4 go[RGRP][RLANES];
   pdl_wait_primary();       // the attention grid is complete and its partials are visible
   pdl_launch_dependents();  // the next kernel may be scheduled now (it waits for this one in turn)
@@ -642,8 +638,7 @@ __device__ __forceinline__ void reduce_chunks(const float* __restrict__ ws, floa
   const bool dok = dv < DV;
   const size_t row = (size_t)b * Hq + h;
   const float4* po = (const float4*)(ws + row * nblk * HD);
-  const float* pm = ws + (size_t)B * Hq * nblk * HD + row * nblk;
-  const float* pl = pm + (size_t)B * Hq * nblk;
+  const float2* pml = (const float2*)(ws + (size_t)B * Hq * nblk * HD) + row * nblk;
   float m_run = NEG_INF, l_run = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int c0 = grp; c0 < nblk; c0 += RGRP * RBATCH) {
@@ -653,8 +648,9 @@ __device__ __forceinline__ void reduce_chunks(const float* __restrict__ ws, floa
     for (int i = 0; i < RBATCH; ++i) {  // all loads first: RBATCH independent requests in flight
       const int c = c0 + i * RGRP;
       const bool ok = c < nblk;
-      m[i] = ok ? pm[c] : NEG_INF;
-      l[i] = ok ? pl[c] : 0.f;
+      const float2 ml = ok ? pml[c] : make_float2(NEG_INF, 0.f);
+      m[i] = ml.x;
+      l[i] = ml.y;
       o[i] = ok && dok ? po[(size_t)c * DV + dv] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float mb = m_run;
@@ -677,29 +673,23 @@ __device__ __forceinline__ void reduce_chunks(const float* __restrict__ ws, floa
     gl[grp] = l_run;
   }
   __syncthreads();
-  if (tid == 0) {
-    float M = NEG_INF;
-    for (int i = 0; i < RGRP; ++i) M = fmaxf(M, gm[i]);
-    float L = 0.f;
-    for (int i = 0; i < RGRP; ++i) {
-      const float sc = gm[i] == NEG_INF ? 0.f : fast_exp2(gm[i] - M);
-      gscale[i] = sc;
-      L += gl[i] * sc;
-    }
-    gscale[RGRP] = 1.f / L;  // every row has a non-empty chunk 0 (lengths >= 1), so L > 0
-  }
-  __syncthreads();
-  const float sc = gscale[grp];
+  // Every thread finds the overall max itself (RGRP shared loads) and scales its group's sum by it.
+  float M = NEG_INF;
+#pragma unroll
+  for (int i = 0; i < RGRP; ++i) M = fmaxf(M, gm[i]);
+  const float sc = m_run == NEG_INF ? 0.f : fast_exp2(m_run - M);
   go[grp][lane] = make_float4(acc.x * sc, acc.y * sc, acc.z * sc, acc.w * sc);
   __syncthreads();
   if (tid < RLANES && dok) {
     float4 v = go[0][tid];
+    float L = gm[0] == NEG_INF ? 0.f : gl[0] * fast_exp2(gm[0] - M);
 #pragma unroll
     for (int i = 1; i < RGRP; ++i) {
       const float4 u = go[i][tid];
       v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+      L += gm[i] == NEG_INF ? 0.f : gl[i] * fast_exp2(gm[i] - M);
     }
-    const float inv = gscale[RGRP];
+    const float inv = 1.f / L;  // every row has a non-empty chunk 0 (lengths >= 1), so L > 0
     *(float4*)(out + row * HD + 4 * dv) = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
   }
 }
