@@ -77,6 +77,7 @@ ANCHORS = "FlashInfer paged decode, 16q/2kv/d256, batch 1, 32k: ~40 us (39% of 4
 
 def bench_case(torch, dev, be, hq: int, hkv: int, hd: int, B: int, ctx: int, ps: int, copy_bw: float,
                sdpa_too: bool = True) -> dict:
+    from hybrid_runtime.cuda.attention import pack_tables
     from hybrid_runtime.cuda.driver import DeviceArray
     from hybrid_runtime.ops.dispatcher import DecodeBatch, make_plan, validate
 
@@ -93,10 +94,11 @@ def bench_case(torch, dev, be, hq: int, hkv: int, hd: int, B: int, ctx: int, ps:
     lens = [ctx] * B
     ka, va = DeviceArray.from_torch(k), DeviceArray.from_torch(v)
     qa = [DeviceArray.from_torch(q[c]) for c in range(copies)]
-    dev_tables = []
+    dev_tables = []  # (lens, tables) pointers per copy, in the layout the runtime uploads (pack_tables)
     for c in range(copies):
-        host = np.concatenate([np.array(lens, np.int32), np.stack(tables[c]).astype(np.int32).ravel()])
-        dev_tables.append(dev.upload(host))
+        host, off, _ = pack_tables(tables[c], lens)
+        a = dev.upload(host)
+        dev_tables.append((a, a.ptr, a.ptr + 4 * off))
     out = dev.empty((B, hq, hd), "float32")
 
     batch = DecodeBatch.from_arrays(qa[0], ka, tables[0], lens)
@@ -110,7 +112,8 @@ def bench_case(torch, dev, be, hq: int, hkv: int, hd: int, B: int, ctx: int, ps:
     def ours(p):
         def fn(i: int) -> None:
             c = i % copies
-            be.launch(p, qa[c], ka, va, dev_tables[c].ptr + 4 * B, pps, dev_tables[c].ptr, out)
+            _, lens_ptr, tables_ptr = dev_tables[c]
+            be.launch(p, qa[c], ka, va, tables_ptr, pps, lens_ptr, out)
         return fn
 
     res = {"shape": f"{hq}q/{hkv}kv/d{hd}", "B": B, "ctx": ctx, "MB": kv_bytes / 1e6}

@@ -36,6 +36,7 @@ REDUCE_ENTRY = {128: "decode_attn_reduce", 256: "decode_attn_reduce_wide"}
 # entry point -> key of kernels_for()
 FAMILY = {ENTRY[SINGLE]: SINGLE, ENTRY[MULTI]: MULTI, **{e: e for e in REDUCE_ENTRY.values()}}
 MMA_THREADS = 128  # the tensor-core kernel is compiled with __launch_bounds__(128)
+TABLE_ALIGN_INTS = 32  # page tables start on a 128-byte line (pack_tables)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,26 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
                                [("ptr", workspace), ("ptr", out), ("i32", batch), ("i32", num_q_heads),
                                 ("i32", nblk)], pdl=True))
     return launches
+
+
+def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> tuple[np.ndarray, int, int]:
+    """Lengths and page tables in one int32 host array, for one upload: ``(host, tables_offset, stride)``.
+
+    ``host[:B]`` = lengths; table ``b`` starts at ``tables_offset + b * stride`` (ints; stride = the longest
+    table, rows zero-padded). The tables start on a 128-byte line of their own (``tables_offset`` is a multiple
+    of 32): on the H200, tables right behind the lengths (sharing their line) made batch 1 / 32k 0.6 µs slower.
+    """
+    B = len(context_lens)
+    stride = max(1, max((len(t) for t in page_tables), default=1))
+    offset = -(-max(B, 1) // TABLE_ALIGN_INTS) * TABLE_ALIGN_INTS
+    host = np.zeros(offset + B * stride, np.int32)
+    host[:B] = np.asarray(context_lens, np.int64)
+    for b, t in enumerate(page_tables):
+        t = np.asarray(t, np.int64)
+        if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):
+            raise IndexError("page index does not fit int32")
+        host[offset + b * stride:offset + b * stride + len(t)] = t
+    return host, offset, stride
 
 
 class CudaDecodeAttention:
@@ -147,21 +168,13 @@ class CudaDecodeAttention:
 
     def upload_tables(self, page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> tuple[int, int, int]:
         """Lengths and page tables as int32 on the device: ``(lens_ptr, tables_ptr, table_stride)``."""
-        B = len(context_lens)
-        stride = max(1, max((len(t) for t in page_tables), default=1))
-        host = np.zeros(B + B * stride, np.int32)
-        host[:B] = np.asarray(context_lens, np.int64)
-        for b, t in enumerate(page_tables):
-            t = np.asarray(t, np.int64)
-            if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):
-                raise IndexError("page index does not fit int32")
-            host[B + b * stride:B + b * stride + len(t)] = t
+        host, offset, stride = pack_tables(page_tables, context_lens)
         if self._staging is None or self._staging.nbytes < host.nbytes:
             if self._staging is not None:
                 self._staging.free()  # stream-ordered: after the launches that still read it
             self._staging = self.device.alloc(max(host.nbytes, 1 << 16), stream_ordered=True)
         self.device.copy_htod(self._staging.ptr, host)
-        return self._staging.ptr, self._staging.ptr + 4 * B, stride
+        return self._staging.ptr, self._staging.ptr + 4 * offset, stride
 
     def run_plan(self, p: LaunchPlan, q: DeviceArray, k_buf: DeviceArray, v_buf: DeviceArray,
                  page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> DeviceArray:

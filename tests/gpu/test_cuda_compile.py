@@ -190,3 +190,21 @@ def test_no_gpu_gives_typed_errors() -> None:
     assert available() is False
     with pytest.raises(CudaError):
         CudaDevice(0)
+
+
+def test_pack_tables_layout() -> None:
+    """Lengths first, then each page table on a 128-byte-aligned start (the runtime's one upload per call)."""
+    from hybrid_runtime.cuda.attention import pack_tables
+
+    tables = [np.array([5, 3, 9]), np.array([7]), np.array([], np.int64)]
+    host, off, stride = pack_tables(tables, [40, 12, 0])
+    assert host.dtype == np.int32 and off % 32 == 0 and off >= 3 and stride == 3
+    assert host[:3].tolist() == [40, 12, 0] and not host[3:off].any()
+    assert host[off:off + 3].tolist() == [5, 3, 9] and host[off + 3:off + 6].tolist() == [7, 0, 0]
+    assert len(host) == off + 3 * stride
+    _, off40, _ = pack_tables([np.arange(2)] * 40, [2] * 40)
+    assert off40 == 64
+    with pytest.raises(IndexError):
+        pack_tables([np.array([-1])], [1])
+    with pytest.raises(IndexError):
+        pack_tables([np.array([2**31])], [1])
