@@ -24,7 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from ..ops.dispatcher import MULTI, SINGLE, DecodeAttentionDispatcher, DeviceLimits, LaunchPlan, Mode
+from ..ops.dispatcher import (
+    MULTI,
+    REDUCE_GROUPS,
+    REDUCE_LANES,
+    SINGLE,
+    DecodeAttentionDispatcher,
+    DeviceLimits,
+    LaunchPlan,
+    Mode,
+)
 from .driver import CudaDevice, DeviceArray, DeviceBuffer
 from .kernels import Kernel, Launch, load_module
 
@@ -32,7 +41,8 @@ SOURCE = "decode_attention.cu"
 DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ENTRY = {SINGLE: "decode_attn_single", MULTI: "decode_attn_multi"}
 # The LSE reduction's builds by CTA size (the plan's reduce_threads): 8 or 16 groups of 16 threads.
-REDUCE_ENTRY = {128: "decode_attn_reduce", 256: "decode_attn_reduce_wide"}
+REDUCE_ENTRY = dict(zip((REDUCE_LANES * g for g in REDUCE_GROUPS), ("decode_attn_reduce", "decode_attn_reduce_wide"),
+                        strict=True))
 # entry point -> key of kernels_for()
 FAMILY = {ENTRY[SINGLE]: SINGLE, ENTRY[MULTI]: MULTI, **{e: e for e in REDUCE_ENTRY.values()}}
 MMA_THREADS = 128  # the tensor-core kernel is compiled with __launch_bounds__(128)
