@@ -1,22 +1,25 @@
-"""Turn each :class:`hybrid_runtime.pipeline.SegmentPlan` into a stateless ONNX graph.
+"""Lower each segment program (:mod:`hybrid_runtime.program`) to a stateless ONNX graph.
 
 Stateless means token-parallel: every output row depends only on the same input row (projections,
 norms, gates, RoPE from explicit positions, dense MLP, lm_head). The stateful parts (conv window and
-delta rule, paged attention, MoE routing) run in the runtime between segments.
+delta rule, paged attention, MoE routing) run in the runtime between segments. The program is the one
+description of what a segment computes; the ``cuda`` backend executes the same ops on the GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import numpy as np
 import onnx
 
-from hybrid_runtime.config import DENSE, LINEAR, ModelConfig
+from hybrid_runtime.config import ModelConfig
 from hybrid_runtime.pipeline import SegmentPlan
-from hybrid_runtime.reference import rope_tables
+from hybrid_runtime.program import Op, derive_weight, output_names, segment_program
 
 from .onnx_graph import GraphBuilder
 
-Weights = dict[str, np.ndarray]
+Weights = Mapping[str, np.ndarray]
 
 
 def _rope(g: GraphBuilder, x3: str, cos: str, sin: str, rd: int, hd: int) -> str:
@@ -30,80 +33,77 @@ def _rope(g: GraphBuilder, x3: str, cos: str, sin: str, rd: int, hd: int) -> str
     return g.op("Concat", out, sl(x3, rd, hd), axis=2) if rd < hd else out
 
 
-def _pre_mixer(g: GraphBuilder, cfg: ModelConfig, w: Weights, i: int, x: str, positions: str | None,
-               rope_len: int) -> dict[str, str]:
-    h = g.rmsnorm1p(x, w[f"layers.{i}.input_layernorm"], cfg.rms_norm_eps, f"layers.{i}.input_layernorm")
-    if cfg.layer_types[i] == LINEAR:
-        p = f"layers.{i}.linear_attn."
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        fused = np.concatenate([w[p + n] for n in names], axis=0)
-        u, z, b, a = g.split(g.linear(h, fused, p + "in_proj"), [w[p + n].shape[0] for n in names])
-        neg_a = g.weight(p + "neg_exp_A_log", (-np.exp(w[p + "A_log"])).astype(np.float32))
-        gate = g.op("Mul", g.op("Softplus", g.op("Add", a, g.weight(p + "dt_bias", w[p + "dt_bias"]))), neg_a)
-        return {"u": u, "z": z, "g": gate, "beta": g.op("Sigmoid", b)}
-    p = f"layers.{i}.self_attn."
-    H, Hkv, hd, rd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
-    ws = [w[p + n] for n in ("q_proj", "k_proj", "v_proj")]
-    bias = (np.concatenate([w[p + n + "_bias"] for n in ("q_proj", "k_proj", "v_proj")])
-            if cfg.attention_bias else None)
-    qg, k, v = g.split(g.linear(h, np.concatenate(ws, axis=0), p + "qkv_proj", bias), [m.shape[0] for m in ws])
-    q3, gate3 = g.split(g.reshape(qg, [-1, H, 2 * hd]), [hd, hd], axis=2)
-    q3 = g.rmsnorm1p(q3, w[p + "q_norm"], cfg.rms_norm_eps, p + "q_norm")
-    k3 = g.rmsnorm1p(g.reshape(k, [-1, Hkv, hd]), w[p + "k_norm"], cfg.rms_norm_eps, p + "k_norm")
-    assert positions is not None
-    cos_t, sin_t = rope_tables(np.arange(rope_len), rd, cfg.rope_theta)
-    axes1 = g.const_i64([1])
-    cos = g.op("Unsqueeze", g.op("Gather", g.weight(p + "rope_cos", cos_t), positions, axis=0), axes1)
-    sin = g.op("Unsqueeze", g.op("Gather", g.weight(p + "rope_sin", sin_t), positions, axis=0), axes1)
-    q = g.reshape(_rope(g, q3, cos, sin, rd, hd), [-1, H * hd])
-    k = g.reshape(_rope(g, k3, cos, sin, rd, hd), [-1, Hkv * hd])
-    return {"q": q, "k": k, "v": v, "gate": g.reshape(gate3, [-1, H * hd])}
-
-
-def _post_mixer(g: GraphBuilder, cfg: ModelConfig, w: Weights, i: int, ins: dict[str, str]) -> str:
-    x = ins["x"]
-    if cfg.layer_types[i] == LINEAR:
-        p = f"layers.{i}.linear_attn."
-        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        core = g.reshape(ins["mix_core"], [-1, nv, dv])
-        o = g.op("Mul", g.rms(core, cfg.rms_norm_eps), g.weight(p + "norm", w[p + "norm"]))
-        o = g.op("Mul", o, g.silu(g.reshape(ins["mix_z"], [-1, nv, dv])))
-        out = g.linear(g.reshape(o, [-1, nv * dv]), w[p + "out_proj"], p + "out_proj")
-    else:
-        p = f"layers.{i}.self_attn."
-        o = g.op("Mul", ins["mix_attn"], g.op("Sigmoid", ins["mix_gate"]))
-        out = g.linear(o, w[p + "o_proj"], p + "o_proj", w.get(p + "o_proj_bias") if cfg.attention_bias else None)
-    x = g.op("Add", x, out, hint="residual")
-    if cfg.ffn_types[i] == DENSE:
-        h = g.rmsnorm1p(x, w[f"layers.{i}.post_attention_layernorm"], cfg.rms_norm_eps,
-                        f"layers.{i}.post_attention_layernorm")
-        p = f"layers.{i}.mlp."
-        x = g.op("Add", x, g.swiglu(h, w[p + "gate_proj"], w[p + "up_proj"], w[p + "down_proj"], p.rstrip(".")))
-    return x
+def _lower(g: GraphBuilder, op: Op, env: dict[str, str], weight: Callable[[str], str],
+           matrix: Callable[[str], np.ndarray]) -> None:
+    """Append the ONNX nodes of one program op (``env``: program tensor -> ONNX value name)."""
+    a, ins = op.attrs, [env[n] for n in op.inputs]
+    norm = lambda x, wname: g.op("Mul", g.rms(x, a["eps"]), weight(wname))  # noqa: E731
+    if op.kind == "embed":
+        outs = [g.op("Gather", weight(op.weights[0]), ins[0], axis=0)]
+    elif op.kind == "rmsnorm":
+        outs = [norm(ins[0], op.weights[0])]
+    elif op.kind == "add":
+        outs = [g.op("Add", ins[0], ins[1], hint="residual")]
+    elif op.kind == "add_rmsnorm":
+        x2 = g.op("Add", ins[0], ins[1], hint="residual")
+        outs = [x2, norm(x2, op.weights[0])]
+    elif op.kind == "linear":
+        name = op.weights[0]
+        bias = matrix(op.weights[1]) if len(op.weights) > 1 else None
+        y = g.linear(ins[0], matrix(name), name, bias)
+        outs = [g.op("Add", y, ins[1], hint="residual") if len(ins) > 1 else y]
+    elif op.kind == "gdn_gates":
+        C, vd, nv = a["conv_dim"], a["value_dim"], a["nv"]
+        u, z, b, aa = g.split(ins[0], [C, vd, nv, nv])
+        gate = g.op("Mul", g.op("Softplus", g.op("Add", aa, weight(op.weights[1]))), weight(op.weights[0]))
+        outs = [u, z, gate, g.op("Sigmoid", b)]
+    elif op.kind == "attn_qkv":
+        H, Hkv, hd, rd = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["rotary_dim"]
+        qg, k, v = g.split(ins[0], [2 * H * hd, Hkv * hd, Hkv * hd])
+        q3, gate3 = g.split(g.reshape(qg, [-1, H, 2 * hd]), [hd, hd], axis=2)
+        q3 = norm(q3, op.weights[0])
+        k3 = norm(g.reshape(k, [-1, Hkv, hd]), op.weights[1])
+        axes1 = g.const_i64([1])
+        cos = g.op("Unsqueeze", g.op("Gather", weight(op.weights[2]), ins[1], axis=0), axes1)
+        sin = g.op("Unsqueeze", g.op("Gather", weight(op.weights[3]), ins[1], axis=0), axes1)
+        outs = [g.reshape(_rope(g, q3, cos, sin, rd, hd), [-1, H * hd]),
+                g.reshape(_rope(g, k3, cos, sin, rd, hd), [-1, Hkv * hd]), v, g.reshape(gate3, [-1, H * hd])]
+    elif op.kind == "gated_rmsnorm":
+        nv, dv = a["nv"], a["dv"]
+        o = g.op("Mul", norm(g.reshape(ins[0], [-1, nv, dv]), op.weights[0]), g.silu(g.reshape(ins[1], [-1, nv, dv])))
+        outs = [g.reshape(o, [-1, nv * dv])]
+    elif op.kind == "sigmoid_mul":
+        outs = [g.op("Mul", ins[0], g.op("Sigmoid", ins[1]))]
+    elif op.kind == "swiglu":
+        gate, up = g.split(ins[0], [a["inter"], a["inter"]])
+        outs = [g.op("Mul", g.silu(gate), up)]
+    else:  # pragma: no cover - Op validates its kind
+        raise ValueError(op.kind)
+    env.update(zip(op.outputs, outs))
 
 
 def build_segment(cfg: ModelConfig, w: Weights, plan: SegmentPlan, rope_len: int) -> onnx.ModelProto:
-    """The ONNX graph of one segment (see :mod:`hybrid_runtime.pipeline` for its inputs and outputs)."""
+    """The ONNX graph of one segment, from canonical checkpoint weights ``w`` (see :mod:`builder.checkpoint`)."""
     g = GraphBuilder(plan.name)
-    ins = {n: g.input(n, dt, width) for n, dt, width in plan.inputs}
-    kind, i = plan.entry
-    if kind == "embed":
-        x = g.op("Gather", g.weight("embed_tokens", w["embed_tokens"]), ins["input_ids"], axis=0)
-    elif kind == "mixer":
-        x = _post_mixer(g, cfg, w, i, ins)
-    elif kind == "moe":
-        x = g.op("Add", ins["x"], ins["ffn_out"], hint="residual")
-    else:  # final -> head
-        hn = g.rmsnorm1p(ins["x"], w["norm"], cfg.rms_norm_eps, "norm")
-        g.output(g.linear(hn, w["lm_head"], "lm_head"), "logits", "float32", cfg.vocab_size)
-        return g.model(f"{plan.name}: final norm + lm_head")
-    ekind, j = plan.exit
-    outs: dict[str, str] = {"x_next": x}
-    if ekind == "mixer":
-        outs.update(_pre_mixer(g, cfg, w, j, x, ins.get("positions"), rope_len))
-    elif ekind == "moe":
-        outs["h"] = g.rmsnorm1p(x, w[f"layers.{j}.post_attention_layernorm"], cfg.rms_norm_eps,
-                                f"layers.{j}.post_attention_layernorm")
-    for name, dt, width in plan.outputs:
-        g.output(outs[name], name, dt, width)
+    program = segment_program(cfg, plan)
+    env = {n: g.input(n, dt, width) for n, dt, width in plan.inputs}
+    cache: dict[str, np.ndarray] = {}
+    added: set[str] = set()
+
+    def matrix(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = derive_weight(cfg, name, w.__getitem__, rope_len)
+        return cache[name]
+
+    def weight(name: str) -> str:
+        if name not in added:
+            g.weight(name, matrix(name))
+            added.add(name)
+        return name
+
+    for op in program:
+        _lower(g, op, env, weight, matrix)
+    dtypes = {n: (dt, width) for n, dt, width in plan.outputs}
+    for out, src in output_names(plan, program).items():
+        g.output(env[src], out, *dtypes[out])
     return g.model(f"{plan.name}: entry={plan.entry} exit={plan.exit}")
