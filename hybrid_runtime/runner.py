@@ -1,47 +1,52 @@
-"""Model runner: executes one batch (PREFILL or DECODE) through the segment pipeline.
+"""Model runner: executes one batch (PREFILL or DECODE) through the segment pipeline, on a backend.
 
-It owns the engine contexts and, through its :class:`~hybrid_runtime.ops.base.StatefulOps` (``ops``: numpy
-on ``device="cpu"``, CUDA kernels on ``"cuda"`` / ``"cuda:N"``), the state and KV caches; it makes no policy
-decisions: the scheduler decides which sequences, slots and pages; the runner computes logits. Only the
-engine thread calls it (invariant 1). MoE FFNs run in numpy on the host for every device.
+One pipeline for every backend (:meth:`ModelRunner._forward`): the segments of
+:func:`~hybrid_runtime.pipeline.plan_segments` in order, with the stateful operator named by each segment's
+``exit`` after it (GDN, attention, MoE), then the head; the backend (:mod:`hybrid_runtime.backend`) executes
+each piece on its own device and tensor type: :class:`~hybrid_runtime.backend.HostBackend` for onnxruntime /
+TensorRT bundles (host tensors, numpy or CUDA stateful operators), :class:`~hybrid_runtime.cuda.backend.CudaBackend`
+for ``cuda`` bundles (everything on the GPU, decode steps replayed as CUDA graphs). The runner makes no
+policy decisions: the scheduler decides which sequences, slots and pages; the runner computes logits or
+next tokens. Only the engine thread calls it (invariant 1).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .backend import Backend, HostBackend, SampleRow, StepResult
 from .config import LINEAR, BundleError, Manifest
-from .engine import Engine, Phase, load_engine
-from .kv_cache import KVCache, KVLayout
-from .ops.base import SeqStep, StatefulOps, make_ops
+from .engine import Engine, Phase
+from .kv_cache import KVCache
+from .ops.base import SeqStep
 from .ops.cpu import CpuOps
 from .ops.dispatcher import DecodeAttentionDispatcher
-from .ops.moe import MoE
-from .pipeline import plan_segments, state_weight_names
+from .pipeline import plan_segments
 from .state_cache import StateCache
-from .weights_io import SafetensorsFile
 
-__all__ = ["ModelRunner", "SeqStep"]  # SeqStep lives in ops.base (the operators take it too)
+__all__ = ["ModelRunner", "SampleRow", "SeqStep", "StepResult"]  # SeqStep lives in ops.base
 
 log = logging.getLogger("hybrid_runtime.runner")
 
 
 class ModelRunner:
-    """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run`. ``device`` picks the stateful
-    operators: ``"cpu"`` (numpy) or ``"cuda"`` / ``"cuda:N"`` (CUDA kernels on that GPU)."""
+    """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run` and :meth:`step`. ``device`` picks where
+    the work runs: for onnxruntime / TensorRT bundles the stateful operators' device (``"cpu"``: numpy,
+    ``"cuda"`` / ``"cuda:N"``: CUDA kernels); a ``cuda`` bundle runs whole on ``"cuda"`` / ``"cuda:N"`` (its
+    ``cuda_graphs`` option: capture decode steps as CUDA graphs at load)."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
-                 intra_op_threads: int = 0, engine: Engine | None = None, device: str = "cpu") -> None:
+                 intra_op_threads: int = 0, engine: Engine | None = None, device: str = "cpu",
+                 cuda_graphs: bool = True, backend: Backend | None = None) -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
-        lim = manifest.limits
-        self.engine = engine or load_engine(bundle_dir, manifest, pinning, intra_op_threads)
         self.plans = plan_segments(cfg)
         if [p.name for p in self.plans] != [s.name for s in manifest.segments]:
             raise BundleError("bundle segments do not match this runtime's pipeline for the model config; "
@@ -49,32 +54,52 @@ class ModelRunner:
         if cfg.attention_layers and not (16 <= cfg.head_dim <= 256 and cfg.head_dim % 16 == 0):
             raise BundleError(f"head_dim={cfg.head_dim}: the decode-attention kernels support multiples of 16 "
                               f"in 16..256")
-        sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
-        self.conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
-        state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}
-        self.moe = {i: MoE(cfg, state_w, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
-        pages = num_kv_pages or lim.num_kv_pages
-        self.kv_layout = KVLayout(pages, lim.page_size, cfg.num_kv_heads, cfg.head_dim, np.float32,
-                                  len(cfg.attention_layers))
-        self.ops: StatefulOps = make_ops(device, cfg, self.conv_w, lim.num_state_slots, self.kv_layout,
-                                         multi_block_mode)
-        # Seconds spent inside engine segments and inside each stateful operator (for the benchmarks'
-        # "time outside numpy/onnxruntime" figure); a few perf_counter calls per segment.
-        self.timings: Counter[str] = Counter()
+        if backend is not None:
+            self.backend = backend
+        elif manifest.backend == "cuda":
+            from .cuda.backend import CudaBackend
 
-    # ---- the operators' state ---------------------------------------------------------------------
+            self.backend = CudaBackend(bundle_dir, manifest, device=device, multi_block_mode=multi_block_mode,
+                                       num_kv_pages=num_kv_pages)
+        else:
+            self.backend = HostBackend(bundle_dir, manifest, pinning=pinning, multi_block_mode=multi_block_mode,
+                                       num_kv_pages=num_kv_pages, intra_op_threads=intra_op_threads,
+                                       engine=engine, device=device)
+        self.ops = self.backend.ops
+        if manifest.backend == "cuda" and cuda_graphs:
+            self.backend.capture_graphs(self._forward)  # type: ignore[attr-defined]
+
+    # ---- what the serving loop and the tests read ---------------------------------------------
     @property
     def device(self) -> str:
-        return self.ops.device
+        return self.backend.device
 
     @property
     def dispatcher(self) -> DecodeAttentionDispatcher:
-        """The decode-attention dispatcher of the operators' device (plans, fallbacks, errors)."""
+        """The decode-attention dispatcher of the backend's device (plans, fallbacks, errors)."""
         return self.ops.dispatcher
+
+    @property
+    def timings(self) -> Counter:
+        """Seconds per piece (segments, gdn, attention, moe, sampler) on host backends."""
+        return self.backend.timings
+
+    @property
+    def profile_switches(self) -> int:
+        return self.backend.profile_switches
+
+    @property
+    def engine(self) -> Any:
+        """The segment engine of a host backend (onnxruntime / TensorRT); None for a ``cuda`` bundle."""
+        return getattr(self.backend, "engine", None)
+
+    @property
+    def kv_layout(self) -> Any:
+        return self.ops.kv_layout
 
     def _cpu_ops(self, what: str) -> CpuOps:
         if not isinstance(self.ops, CpuOps):
-            raise AttributeError(f"runner.{what} holds host buffers of the cpu operators; on {self.ops.device} use "
+            raise AttributeError(f"runner.{what} holds host buffers of the cpu operators; on {self.device} use "
                                  f"runner.ops (reset_slot, state_arrays, kv_arrays)")
         return self.ops
 
@@ -90,57 +115,37 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     def run(self, phase: Phase, steps: list[SeqStep]) -> np.ndarray:
-        """Logits ``[n, vocab]`` float32 for the steps with ``need_logits`` (in order; n may be 0).
+        """Logits ``[n, vocab]`` float32 (host) for the steps with ``need_logits`` (in order; n may be 0).
 
         PREFILL: each step is a chunk of one prompt. DECODE: each step is exactly one token.
         """
-        lens = [len(s.token_ids) for s in steps]
-        if phase == Phase.DECODE and any(n != 1 for n in lens):
-            raise ValueError("a DECODE batch carries exactly one token per sequence")
-        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        ids = np.fromiter((t for s in steps for t in s.token_ids), np.int64, count=int(bounds[-1]))
-        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(steps, lens)])
-        pages, offsets = self._slot_mapping(steps, positions, bounds)
-        env: dict[str, np.ndarray] = {"input_ids": ids, "positions": positions}
-        clock, tm = time.perf_counter, self.timings
+        ctx = self.backend.prepare(phase, steps, None, True)
+        res = self.backend.execute(ctx, self._forward)
+        assert res.logits is not None
+        return res.logits
+
+    def step(self, phase: Phase, steps: list[SeqStep], rows: Sequence[SampleRow],
+             want_logits: bool = False) -> StepResult:
+        """Run the batch and draw the next token of every step with ``need_logits`` (``rows``: one
+        :class:`SampleRow` per such step, in order). ``want_logits`` also returns the logits (an extra copy
+        on the GPU backend)."""
+        ctx = self.backend.prepare(phase, steps, rows, want_logits)
+        return self.backend.execute(ctx, self._forward)
+
+    def _forward(self, ctx: Any) -> Any:
+        """The one pipeline: segments and their exits' operators, then the head (backend tensors)."""
+        be, cfg = self.backend, self.cfg
+        env = be.inputs(ctx)
         for si, plan in enumerate(self.plans[:-1]):
-            t0 = clock()
-            out = self.engine.run(si, phase, {n: env[n] for n, _, _ in plan.inputs})
-            t1 = clock()
-            tm["segments"] += t1 - t0
+            out = be.segment(si, ctx, env)
             env["x"] = out["x_next"]
             kind, layer = plan.exit
-            if kind == "mixer" and self.cfg.layer_types[layer] == LINEAR:
-                env["mix_core"] = self.ops.gdn(layer, phase, steps, bounds, out["u"], out["g"], out["beta"])
+            if kind == "mixer" and cfg.layer_types[layer] == LINEAR:
+                env["mix_core"] = be.gdn(layer, ctx, out)
                 env["mix_z"] = out["z"]
-                tm["gdn"] += clock() - t1
             elif kind == "mixer":
-                env["mix_attn"] = self.ops.attention(layer, phase, steps, bounds, positions, pages, offsets,
-                                                     out["q"], out["k"], out["v"])
+                env["mix_attn"] = be.attention(layer, ctx, out)
                 env["mix_gate"] = out["gate"]
-                tm["attention"] += clock() - t1
             elif kind == "moe":
-                env["ffn_out"] = self.moe[layer](out["h"])
-                tm["moe"] += clock() - t1
-        rows = [int(bounds[i + 1]) - 1 for i, s in enumerate(steps) if s.need_logits]
-        if not rows:
-            return np.zeros((0, self.cfg.vocab_size), np.float32)
-        t0 = clock()
-        logits = self.engine.run(len(self.plans) - 1, phase, {"x": np.ascontiguousarray(env["x"][rows])})["logits"]
-        tm["segments"] += clock() - t0
-        return logits.copy()
-
-    def _slot_mapping(self, steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """(page, offset) of every token of the batch, computed once per step for all attention layers."""
-        ps = self.kv_layout.page_size
-        pages = np.empty(len(positions), np.int64)
-        for i, s in enumerate(steps):
-            a, b = int(bounds[i]), int(bounds[i + 1])
-            need = -(-(s.start_pos + b - a) // ps)
-            if need > len(s.page_table):
-                raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} tokens")
-            pages[a:b] = np.asarray(s.page_table, np.int64)[positions[a:b] // ps]
-        if len(pages) and (pages.min() < 0 or pages.max() >= self.kv_layout.num_pages):
-            raise IndexError(f"page index outside the pool of {self.kv_layout.num_pages} pages")
-        return pages, positions % ps
+                env["ffn_out"] = be.moe(layer, ctx, out["h"])
+        return be.head(ctx, env["x"])

@@ -9,11 +9,13 @@ sampled rows are processed one at a time (each one consumes exactly one uniform 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from hybrid_runtime.sampling import SamplingParams
 
+MAX_TOP_LOGPROBS = 20
 _TOP_K_STRIDE = 16  # subsampling stride used to bound the top-k threshold cheaply
 _DRAW_BLOCK = 1024  # block size of the two-level inverse-CDF draw
 
@@ -131,3 +133,37 @@ def _nucleus(w: np.ndarray, cand: np.ndarray | None, top_p: float) -> tuple[np.n
     ties = ties[np.argsort(ids[ties], kind="stable")]  # tie-break by id, not by sort order
     sel[ties[: keep - int(sel.sum())]] = True
     return ids[sel], wl[sel]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The drawn token's logprob and the ``top`` most likely tokens as ``(id, logprob)``, by descending
+    logprob (ties: lower id)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: Sequence[int]) -> list[TokenLogprobs | None]:
+    """Logprobs of the drawn ``tokens [B]`` and the ``top_n[b]`` (-1: none, else 0..20) most likely tokens.
+
+    They are the log-softmax of the RAW logits ``[B, V]`` (before temperature, top-k or top-p, as vLLM
+    returns by default); the normaliser is summed in float64.
+    """
+    out: list[TokenLogprobs | None] = []
+    for b, n in enumerate(top_n):
+        if n is None or n < 0:
+            out.append(None)
+            continue
+        x = np.asarray(logits[b], np.float64)
+        lse = float(x.max() + np.log(np.exp(x - x.max()).sum()))
+        k = min(int(n), MAX_TOP_LOGPROBS, x.shape[0])
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            cand = np.argpartition(-x, k - 1)[:k] if k < x.shape[0] else np.arange(x.shape[0])
+            cut = x[cand].min()
+            pool = np.flatnonzero(x >= cut)  # every tie at the cut, then by (logprob desc, id asc)
+            order = pool[np.lexsort((pool, -x[pool]))][:k]
+            top = tuple((int(i), float(x[i] - lse)) for i in order)
+        out.append(TokenLogprobs(float(x[int(tokens[b])] - lse), top))
+    return out

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from .backend import SampleRow
 from .config import BundleError, ConfigError, Manifest
 from .engine.base import PINNING_MODES
 from .kv_cache import KVLayout
 from .metrics import Metrics
 from .ops.base import parse_device
 from .runner import ModelRunner
-from .sampler import make_rng, sample
+from .sampler import make_rng
 from .sampling import RequestValidationError, SamplingParams
 from .scheduler import Batch, Scheduler, Sequence
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -101,6 +102,7 @@ class _Live:
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     rng: np.random.Generator
+    seed: int  # the device sampler's counter-based generator key (the request's seed, or a random one)
     eos: frozenset[int]
     t_submit: float
     t_last: float = 0.0
@@ -254,8 +256,10 @@ class ServingEngine:
             return
         seq = Sequence(req.request_id, ids, req.params, max_len=len(ids) + req.params.max_tokens)
         eos = frozenset() if req.params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        seed = req.params.seed if req.params.seed is not None else int(
+            self._seeds.spawn(1)[0].generate_state(2, np.uint32).astype(np.uint64) @ np.array([1, 1 << 32], np.uint64))
         live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(req.params.stop),
-                     make_rng(req.params.seed, self._seeds), eos, t0)
+                     make_rng(req.params.seed, self._seeds), seed, eos, t0)
         self._live[req.request_id] = live
         self.scheduler.add(seq)
         with self.metrics.lock:
@@ -263,20 +267,21 @@ class ServingEngine:
 
     def _step(self, batch: Batch) -> None:
         t0 = time.perf_counter()
+        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
+        lives = [self._live[s.request_id] for s in need]
+        rows = [SampleRow(lv.seq.params, lv.rng, lv.seed, len(lv.seq.prompt_ids) + len(lv.seq.output_ids),
+                          getattr(lv.seq.params, "logprobs", None)) for lv in lives]
         try:
-            logits = self.runner.run(batch.phase, batch.steps)
+            result = self.runner.step(batch.phase, batch.steps, rows)
         except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
             log.error("%s step failed for %d sequences: %s", batch.phase.name, len(batch.seqs), e)
             for seq in batch.seqs:
                 self._final(self._live[seq.request_id], "error", f"{type(e).__name__}: {e}")
             return
         self.scheduler.advance(batch)
-        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
-        if need:
-            lives = [self._live[s.request_id] for s in need]
-            tokens = sample(logits, [lv.seq.params for lv in lives], [lv.rng for lv in lives])
+        if lives:
             now = time.perf_counter()
-            for live, tok in zip(lives, tokens.tolist()):
+            for live, tok in zip(lives, result.tokens.tolist()):
                 self._on_token(live, int(tok), now)
         phase = batch.phase.name.lower()
         with self.metrics.lock:
@@ -335,7 +340,7 @@ class ServingEngine:
         with m.lock:
             m.requests_running, m.requests_waiting = len(s.running), len(s.waiting)
             m.slots_in_use, m.kv_pages_in_use = s.slots.num_used, s.pages.num_used
-            m.profile_switches = self.runner.engine.profile_switches
+            m.profile_switches = self.runner.profile_switches
             m.attention_plans, m.attention_fallbacks = d.plans.copy(), d.fallbacks.copy()
 
 

@@ -81,7 +81,7 @@ def test_runner_calls_each_mixer_once_per_layer(default_bundle: Path) -> None:
     runner = ModelRunner(default_bundle, Manifest.load(default_bundle))
     cfg = runner.cfg
     rec = Recorder(runner.ops)  # type: ignore[arg-type]
-    runner.ops = rec  # type: ignore[assignment]
+    runner.ops = runner.backend.ops = rec  # type: ignore[assignment,attr-defined]
     for s in (2, 7):
         rec.reset_slot(s)
     steps = [SeqStep(2, [4, 9], 0, [5, 6, 7]), SeqStep(7, [1], 0, [8, 9])]
