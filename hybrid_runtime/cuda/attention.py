@@ -94,18 +94,31 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
     return launches
 
 
-def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> tuple[np.ndarray, int, int]:
+def tables_offset(batch: int) -> int:
+    """Where the page tables start in :func:`pack_tables`' layout (ints): after ``batch`` lengths and the
+    chunk-length word, rounded up to a 128-byte line."""
+    return -(-(batch + 1) // TABLE_ALIGN_INTS) * TABLE_ALIGN_INTS
+
+
+def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], chunk_len: int = 0,
+                stride: int = 0) -> tuple[np.ndarray, int, int]:
     """Lengths and page tables in one int32 host array, for one upload: ``(host, tables_offset, stride)``.
 
-    ``host[:B]`` = lengths; table ``b`` starts at ``tables_offset + b * stride`` (ints; stride = the longest
-    table, rows zero-padded). The tables start on a 128-byte line of their own (``tables_offset`` is a multiple
-    of 32): on the H200, tables right behind the lengths (sharing their line) made batch 1 / 32k 0.6 µs slower.
+    ``host[:B]`` = lengths, ``host[B]`` = ``chunk_len`` (what kernels launched with chunk length 0 read: a
+    captured graph's plan keeps its grid while the chunk length is step data); table ``b`` starts at
+    ``tables_offset + b * stride`` (ints; stride = the longest table unless given, rows zero-padded). The
+    tables start on a 128-byte line of their own (``tables_offset`` is a multiple of 32): on the H200, tables
+    right behind the lengths (sharing their line) made batch 1 / 32k 0.6 µs slower.
     """
     B = len(context_lens)
-    stride = max(1, max((len(t) for t in page_tables), default=1))
-    offset = -(-max(B, 1) // TABLE_ALIGN_INTS) * TABLE_ALIGN_INTS
+    longest = max((len(t) for t in page_tables), default=1)
+    stride = stride or max(1, longest)
+    if longest > stride:
+        raise ValueError(f"a page table of {longest} pages does not fit the stride {stride}")
+    offset = tables_offset(B)
     host = np.zeros(offset + B * stride, np.int32)
     host[:B] = np.asarray(context_lens, np.int64)
+    host[B] = chunk_len
     for b, t in enumerate(page_tables):
         t = np.asarray(t, np.int64)
         if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):

@@ -101,12 +101,13 @@ class CudaGdn:
         return o
 
     def conv_decode(self, conv: DeviceArray, slots_ptr: int, u: DeviceArray, conv_w: DeviceArray, x: DeviceArray,
-                    B: int) -> None:
-        """Launch only the conv step (slots already on the device and checked)."""
+                    B: int, u_stride: int | None = None) -> None:
+        """Launch only the conv step (slots already on the device and checked). ``u_stride``: elements
+        between u's rows (default C; larger when u is the first C columns of a fused projection)."""
         self.module.kernel("gdn_conv_decode").launch(
             self.device, (-(-self.C // CONV_THREADS), B, 1), (CONV_THREADS, 1, 1), 0,
             [("ptr", u.ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", slots_ptr),
-             ("ptr", x.ptr), ("i32", B), ("i32", self.C)])
+             ("ptr", x.ptr), ("i32", B), ("i32", self.C), ("i64", u_stride or self.C)])
 
     def delta_decode(self, rec: DeviceArray, slots_ptr: int, x: DeviceArray, g: DeviceArray, beta: DeviceArray,
                      o: DeviceArray, B: int) -> None:
@@ -136,22 +137,32 @@ class CudaGdn:
         d = self.device
         meta = np.concatenate([np.concatenate([[0], np.cumsum(lens)]), idx]).astype(np.int32)
         meta_dev = d.upload(meta, stream_ordered=True)
-        starts_ptr, slots_ptr = meta_dev.ptr, meta_dev.ptr + 4 * (S + 1)
         x = d.empty((N, self.C), "float32", stream_ordered=True)
         o = d.empty((N, self.nv * self.dv), self.act_dtype, stream_ordered=True)
+        self.prefill_launch(conv, rec, meta_dev.ptr, meta_dev.ptr + 4 * (S + 1), S, int(lens.max()), u.ptr, self.C,
+                            g.ptr, beta.ptr, conv_w, x.ptr, o.ptr)
+        return o
+
+    def prefill_launch(self, conv: DeviceArray, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int,
+                       max_len: int, u_ptr: int, u_stride: int, g_ptr: int, beta_ptr: int, conv_w: DeviceArray,
+                       x_ptr: int, o_ptr: int) -> None:
+        """The three prefill launches on data already on the device (checked by the caller): ``starts``
+        int32 ``[S+1]`` token offsets, ``slots`` int32 ``[S]`` (distinct), u rows of ``u_stride`` elements,
+        g/beta float32 ``[N, nv]``, x a float32 ``[N, C]`` work area, o ``[N, nv*dv]`` (act dtype)."""
+        d = self.device
         cblocks = -(-self.C // CONV_THREADS)
         self.module.kernel("gdn_conv_prefill").launch(
-            d, (cblocks, -(-int(lens.max()) // PREFILL_TOK_TILE), S), (CONV_THREADS, 1, 1), 0,
-            [("ptr", u.ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
-             ("ptr", slots_ptr), ("ptr", x.ptr), ("i32", S), ("i32", self.C), ("i32", PREFILL_TOK_TILE)])
+            d, (cblocks, -(-max_len // PREFILL_TOK_TILE), S), (CONV_THREADS, 1, 1), 0,
+            [("ptr", u_ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
+             ("ptr", slots_ptr), ("ptr", x_ptr), ("i32", S), ("i32", self.C), ("i32", PREFILL_TOK_TILE),
+             ("i64", u_stride)])
         self.module.kernel("gdn_conv_window").launch(
             d, (cblocks, S, 1), (CONV_THREADS, 1, 1), 0,
-            [("ptr", u.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr), ("ptr", slots_ptr),
-             ("i32", S), ("i32", self.C)])
+            [("ptr", u_ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr), ("ptr", slots_ptr),
+             ("i32", S), ("i32", self.C), ("i64", u_stride)])
         smem = self.chunk * (2 * self.dk + 32 + 3) * 4
         self.module.kernel("gdn_prefill").launch(
             d, (-(-self.dv // 32), self.nv, S), (128, 1, 1), smem,
-            [("ptr", x.ptr), ("ptr", g.ptr), ("ptr", beta.ptr), ("ptr", starts_ptr), ("ptr", slots_ptr),
-             ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", o.ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv),
+            [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", slots_ptr),
+             ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv),
              ("i32", self.chunk)])
-        return o

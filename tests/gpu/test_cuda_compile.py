@@ -204,6 +204,11 @@ def test_pack_tables_layout() -> None:
     assert len(host) == off + 3 * stride
     _, off40, _ = pack_tables([np.arange(2)] * 40, [2] * 40)
     assert off40 == 64
+    # the word after the lengths is the chunk length kernels launched with chunk_len 0 read (graph replays)
+    host32, off32, _ = pack_tables([np.arange(2)] * 32, [2] * 32, chunk_len=192, stride=4)
+    assert off32 == 64 and host32[32] == 192 and len(host32) == 64 + 32 * 4
+    with pytest.raises(ValueError, match="stride"):
+        pack_tables([np.arange(5)], [70], stride=4)
     with pytest.raises(IndexError):
         pack_tables([np.array([-1])], [1])
     with pytest.raises(IndexError):

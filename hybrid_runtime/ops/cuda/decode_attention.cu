@@ -20,7 +20,8 @@
 // the new token); q [B, Hq, HD]; out float32 [B, Hq, HD]. Workspace (multi-block), float32:
 //   o[B][Hq][nblk][HD] (unnormalised) | (m, l)[B][Hq][nblk] (max in the log2 domain, sum; one float2 each).
 // Chunk c of sequence b covers tokens [c*chunk_len, min((c+1)*chunk_len, len_b)); it may be empty for
-// sequences shorter than the longest one (m = -inf, l = 0 then).
+// sequences shorter than the longest one (m = -inf, l = 0 then). chunk_len 0 means "read it from lens[B]":
+// a captured CUDA graph keeps its grid (the plan class) while each replay's chunk length is step data.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -286,11 +287,12 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
   const int st = min(MAXST, nslots / nact);  // ring stages per streaming warp (>= 1)
   // CTA blk owns tokens [t0, t1) = [blk*chunk_len, +chunk_len) cut at the length; warp w takes its 16-token
   // blocks w, w + nact, w + 2 nact, ...
-  const int t0 = blk * chunk_len;
   const int* table = tables + (size_t)b * table_stride;
   pdl_wait_primary();  // nothing below reads or writes global memory before the previous kernel is done
   const int len = lens[b];
-  const int t1 = min(t0 + chunk_len, len);
+  const int chunk = chunk_len > 0 ? chunk_len : lens[B];  // 0: the plan's chunk is stored after the lengths
+  const int t0 = blk * chunk;
+  const int t1 = min(t0 + chunk, len);
   if (t0 >= t1) {  // an empty chunk of a shorter sequence (multi-block only)
     for (int i = tid; i < G * HD; i += blockDim.x)
       store_result(multi, out, ws, B, Hq, nblk, b, h0 + i / HD, blk, i % HD, 0.f, NEG_INF, 0.f);
@@ -521,8 +523,9 @@ __device__ __forceinline__ void attn_simt(bool multi, const T* __restrict__ q, c
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int nth = blockDim.x;
   const int len = lens[b];
-  const int t0 = blk * chunk_len;
-  const int t1 = min(t0 + chunk_len, len);
+  const int chunk = chunk_len > 0 ? chunk_len : lens[B];  // 0: the plan's chunk is stored after the lengths
+  const int t0 = blk * chunk;
+  const int t1 = min(t0 + chunk, len);
   const int* table = tables + (size_t)b * table_stride;
 
   T* Qs = (T*)smem;

@@ -4,6 +4,7 @@
 // Compiled by NVRTC once per variant with
 //   -DDT=<0 float32 | 1 float16 | 2 bfloat16>  (activations u and the output o)
 //   -DDK=<key head dim> -DDV=<value head dim, multiple of 4> -DKW=<conv kernel width K >= 1>
+// The conv inputs u are rows of u_stride elements (>= C: u may be the first C columns of a wider projection).
 // State is float32 and laid out as hybrid_runtime.state_cache.StateLayout says:
 //   conv  [rows, K-1, C]     (row stride conv_row elements, passed in from the layout)
 //   rec   [rows, nv, DK, DV] (row stride rec_row elements)
@@ -55,14 +56,14 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
                                            float* __restrict__ conv, long long conv_row,
                                            const int* __restrict__ slots, float* __restrict__ x_out, int B,
-                                           int C) {
+                                           int C, long long u_stride) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= C || b >= B) return;
   float* win = conv + (long long)slots[b] * conv_row + c;
   float xs[KW];
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) xs[j] = win[(long long)j * C];
-  xs[KW - 1] = to_f32(u[(size_t)b * C + c]);
+  xs[KW - 1] = to_f32(u[(size_t)b * u_stride + c]);
   float acc = 0.f;
 #pragma unroll
   for (int j = 0; j < KW; ++j) acc += conv_w[(size_t)c * KW + j] * xs[j];
@@ -78,7 +79,8 @@ extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float*
 extern "C" __global__ void gdn_conv_prefill(const T* __restrict__ u, const float* __restrict__ conv_w,
                                             const float* __restrict__ conv, long long conv_row,
                                             const int* __restrict__ seq_start, const int* __restrict__ slots,
-                                            float* __restrict__ x_out, int S, int C, int tok_tile) {
+                                            float* __restrict__ x_out, int S, int C, int tok_tile,
+                                            long long u_stride) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.z;
   if (c >= C || s >= S) return;
   const int start = seq_start[s], T_len = seq_start[s + 1] - start;
@@ -93,10 +95,10 @@ extern "C" __global__ void gdn_conv_prefill(const T* __restrict__ u, const float
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) {
     const int p = p0 - (KW - 1) + j;  // position of xs[j] for the first token
-    xs[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * C + c]) : win[(long long)(KW - 1 + p) * C];
+    xs[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * u_stride + c]) : win[(long long)(KW - 1 + p) * C];
   }
   for (int p = p0; p < p1; ++p) {
-    xs[KW - 1] = to_f32(u[(size_t)(start + p) * C + c]);
+    xs[KW - 1] = to_f32(u[(size_t)(start + p) * u_stride + c]);
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < KW; ++j) acc += w[j] * xs[j];
@@ -110,7 +112,7 @@ extern "C" __global__ void gdn_conv_prefill(const T* __restrict__ u, const float
 // grid (ceil(C/blockDim), S); each thread reads all it needs before it writes.
 extern "C" __global__ void gdn_conv_window(const T* __restrict__ u, float* __restrict__ conv, long long conv_row,
                                            const int* __restrict__ seq_start, const int* __restrict__ slots, int S,
-                                           int C) {
+                                           int C, long long u_stride) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
   if (c >= C || s >= S) return;
   const int start = seq_start[s], T_len = seq_start[s + 1] - start;
@@ -119,7 +121,7 @@ extern "C" __global__ void gdn_conv_window(const T* __restrict__ u, float* __res
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) {
     const int p = T_len - (KW - 1) + j;
-    nw[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * C + c]) : win[(long long)(KW - 1 + p) * C];
+    nw[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * u_stride + c]) : win[(long long)(KW - 1 + p) * C];
   }
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) win[(long long)j * C] = nw[j];
