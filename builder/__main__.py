@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build an engine bundle from a checkpoint folder")
     b.add_argument("--checkpoint", type=Path, required=True, help="HF folder: config.json, *.safetensors, tokenizer")
     b.add_argument("--output", type=Path, required=True, help="bundle folder to write (replaced if present)")
-    b.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
-    b.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="activation/weight precision (the onnxruntime CPU backend always uses float32)")
+    b.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt", "cuda"],
+                   help="onnxruntime (CPU), tensorrt (plans), cuda (the native GPU runtime: kernels + cuBLASLt)")
+    b.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="weight/activation precision (default: bfloat16 for --backend cuda, else float32; the "
+                        "onnxruntime CPU backend always uses float32)")
     b.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (DECODE profile max)")
     b.add_argument("--max-input-len", type=int, default=1024, help="longest prompt accepted, in tokens")
     b.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + generation, in tokens")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             write_default_checkpoint(args.out, seed=args.seed, progress=_progress)
             _progress(f"default checkpoint written to {args.out}")
         elif args.cmd == "build":
-            opts = BuildOptions(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size,
+            dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
+            opts = BuildOptions(backend=args.backend, dtype=dtype, max_batch_size=args.max_batch_size,
                                 max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
                                 max_num_tokens=args.max_num_tokens, page_size=args.page_size,
                                 num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots,

@@ -26,7 +26,7 @@ from . import workarounds
 from .checkpoint import Checkpoint, load_weights
 from .segments import build_segment
 
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "cuda")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 STATE_WEIGHTS = "state_weights.safetensors"
 
@@ -90,6 +90,8 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
     trt_target = None
+    if opts.backend == "cuda":
+        return _build_cuda(ckpt, Path(checkpoint), Path(output), opts, limits, progress, t0)
     if opts.backend == "tensorrt":  # fails here, before any work, when TensorRT is missing or cannot target
         from . import tensorrt as trt_builder
 
@@ -155,6 +157,50 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     progress(f"engine built: {out} ({len(specs)} segments, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
     return manifest
+
+
+def _finish(tmp: Path, out: Path, ckpt_dir: Path, manifest_kw: dict, progress: Callable[[str], None],
+            t0: float, what: str) -> Manifest:
+    """Tokenizer files, checksums, manifest, then the rename into place."""
+    cfg = manifest_kw["model"]
+    tok = _tokenizer_info(ckpt_dir, cfg.eos_token_ids)
+    for name in tok["files"]:
+        shutil.copyfile(ckpt_dir / name, tmp / name)
+    shutil.copyfile(ckpt_dir / "config.json", tmp / "hf_config.json")
+    checksums = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = Manifest(version=MANIFEST_VERSION, checksums=checksums, tokenizer=tok, **manifest_kw)
+    manifest.save(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    progress(f"engine built: {out} ({what}, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
+    return manifest
+
+
+def _build_cuda(ckpt: Checkpoint, ckpt_dir: Path, out: Path, opts: BuildOptions, limits: Limits,
+                progress: Callable[[str], None], t0: float) -> Manifest:
+    """``--backend cuda``: the native GPU runtime's weights (see :mod:`builder.cuda_bundle`), no ONNX."""
+    from .cuda_bundle import WEIGHTS, write_cuda_weights
+
+    cfg = ckpt.config
+    applied = workarounds.select("cuda", "1", "any")
+    progress(f"model: {cfg.model_type}, {cfg.num_layers} layers ({len(cfg.linear_layers)} linear, "
+             f"{len(cfg.attention_layers)} full attention), {cfg.num_parameters() / 1e6:.1f}M parameters; "
+             f"backend cuda, {opts.dtype}")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        toolkit = write_cuda_weights(ckpt, tmp, opts.dtype, limits.max_seq_len, progress)
+        specs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
+        return _finish(tmp, out, ckpt_dir, dict(
+            model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs, state_weights=WEIGHTS,
+            toolkit=toolkit, target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
+            workarounds=tuple(w.record() for w in applied)), progress, t0, "cuda weights")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def verify_checksums(bundle_dir: str | Path, manifest: Manifest) -> list[str]:

@@ -6,6 +6,7 @@ The format: an 8-byte little-endian header length, a JSON header mapping names t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -156,3 +157,81 @@ def _where(e: json.JSONDecodeError | UnicodeDecodeError, raw: bytes) -> str:
     """A header parse error with the bytes around the place it stopped."""
     at = getattr(e, "pos", getattr(e, "start", 0))
     return f"{e}; bytes there: {raw[max(0, at - 8):at + 16]!r}"
+
+
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+class SafetensorsWriter:
+    """Streams tensors into a safetensors file whose header is known up front, one tensor at a time (a
+    70 GB checkpoint never sits in memory whole). ``specs``: ``(name, dtype, shape)`` in file order, dtype
+    ``F32`` / ``F16`` / ``BF16``; :meth:`write` takes float arrays in that order and converts them.
+    Written next to ``path`` and renamed into place by :meth:`close` after an fsync and a header read-back,
+    like :func:`save_safetensors`; :meth:`abort` removes the partial file."""
+
+    def __init__(self, path: str | Path, specs: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        offset = 0
+        self._order: list[tuple[str, str, tuple[int, ...], int]] = []
+        for name, dtype, shape in specs:
+            if dtype not in _ITEMSIZE:
+                raise WeightsFormatError(f"cannot stream {name} as {dtype}; supported: {sorted(_ITEMSIZE)}")
+            n = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._order.append((name, dtype, tuple(shape), n))
+            offset += n
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        self._header = header
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        self._hb = hb + b" " * (-len(hb) % 8)
+        self._size = 8 + len(self._hb) + offset
+        self._next = 0
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._f.write(struct.pack("<Q", len(self._hb)))
+        self._f.write(self._hb)
+
+    @property
+    def remaining(self) -> list[str]:
+        return [o[0] for o in self._order[self._next:]]
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        if self._next >= len(self._order):
+            raise WeightsFormatError(f"{self.path}: {name} written after the last tensor")
+        want, dtype, shape, n = self._order[self._next]
+        if name != want:
+            raise WeightsFormatError(f"{self.path}: expected {want} next, got {name}")
+        a = np.asarray(arr)
+        if tuple(a.shape) != shape:
+            raise WeightsFormatError(f"{self.path}: {name} has shape {a.shape}, the header says {shape}")
+        if dtype == "BF16":
+            data = f32_to_bf16_bits(a.astype(np.float32, copy=False))
+        else:
+            data = np.ascontiguousarray(a, np.float32 if dtype == "F32" else np.float16)
+        assert data.nbytes == n
+        self._f.write(memoryview(data.reshape(-1).view(np.uint8)))
+        self._next += 1
+
+    def close(self) -> None:
+        """Finish: every tensor must have been written; then sync, check and rename."""
+        if self._next != len(self._order):
+            self.abort()
+            raise WeightsFormatError(f"{self.path}: closed with {len(self._order) - self._next} tensors unwritten "
+                                     f"(next: {self._order[self._next][0]})")
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            if problem := _header_problem(self._tmp, self._header, self._size, self._hb):
+                raise WeightsFormatError(f"{self.path}: the written file does not read back as written: {problem}")
+            os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+        self._tmp.unlink(missing_ok=True)
