@@ -35,15 +35,23 @@ __all__ = ["ModelRunner", "SampleRow", "SeqStep", "StepResult"]  # SeqStep lives
 log = logging.getLogger("hybrid_runtime.runner")
 
 
+def resolve_device(device: str | None, manifest: Manifest) -> str:
+    """``auto`` (or None): ``cuda`` for a ``cuda`` bundle, ``cpu`` otherwise; anything else as given."""
+    if device in (None, "auto"):
+        return "cuda" if manifest.backend == "cuda" else "cpu"
+    return device
+
+
 class ModelRunner:
     """Runs batches of :class:`SeqStep` on one bundle; see :meth:`run` and :meth:`step`. ``device`` picks where
     the work runs: for onnxruntime / TensorRT bundles the stateful operators' device (``"cpu"``: numpy,
     ``"cuda"`` / ``"cuda:N"``: CUDA kernels); a ``cuda`` bundle runs whole on ``"cuda"`` / ``"cuda:N"`` (its
-    ``cuda_graphs`` option: capture decode steps as CUDA graphs at load)."""
+    ``cuda_graphs`` option: capture decode steps as CUDA graphs at load). ``device`` None or ``"auto"``: the
+    bundle's own device (``cuda`` for a cuda bundle, else ``cpu``)."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
-                 intra_op_threads: int = 0, engine: Engine | None = None, device: str = "cpu",
+                 intra_op_threads: int = 0, engine: Engine | None = None, device: str | None = None,
                  cuda_graphs: bool = True, backend: Backend | None = None) -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
@@ -54,6 +62,7 @@ class ModelRunner:
         if cfg.attention_layers and not (16 <= cfg.head_dim <= 256 and cfg.head_dim % 16 == 0):
             raise BundleError(f"head_dim={cfg.head_dim}: the decode-attention kernels support multiples of 16 "
                               f"in 16..256")
+        device = resolve_device(device, manifest)
         if backend is not None:
             self.backend = backend
         elif manifest.backend == "cuda":
@@ -66,7 +75,7 @@ class ModelRunner:
                                        num_kv_pages=num_kv_pages, intra_op_threads=intra_op_threads,
                                        engine=engine, device=device)
         self.ops = self.backend.ops
-        if manifest.backend == "cuda" and cuda_graphs:
+        if backend is None and manifest.backend == "cuda" and cuda_graphs:
             self.backend.capture_graphs(self._forward)  # type: ignore[attr-defined]
 
     # ---- what the serving loop and the tests read ---------------------------------------------

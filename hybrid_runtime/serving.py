@@ -52,11 +52,13 @@ class RuntimeOptions:
     # BLAS threads for the numpy operators. 1 by default: decode-sized matmuls are microseconds of work,
     # and handing them to a BLAS thread pool costs more than it saves (measured 20x slower on 2 cores).
     numpy_threads: int = 1
-    # Where the stateful operators (GDN state, KV cache, attention) run: "cpu" (numpy) | "cuda" | "cuda:N".
-    device: str = "cpu"
+    # Where the work runs: "auto" (a cuda bundle on the GPU, any other bundle's stateful operators on the
+    # CPU) | "cpu" (numpy operators) | "cuda" | "cuda:N" (the GPU; for an onnxruntime bundle: its operators).
+    device: str = "auto"
 
     def __post_init__(self) -> None:
-        parse_device(self.device)  # ConfigError unless cpu | cuda | cuda:N
+        if self.device != "auto":
+            parse_device(self.device)  # ConfigError unless auto | cpu | cuda | cuda:N
         if self.multi_block_mode not in MULTI_BLOCK_MODES:
             raise ConfigError(f"multi_block_mode={self.multi_block_mode!r}: choose one of "
                               f"{', '.join(MULTI_BLOCK_MODES)}")
@@ -126,8 +128,9 @@ class ServingEngine:
         num_pages = lim.num_kv_pages
         if opts.kv_cache_bytes:
             cfg = m.model
+            kv_dtype = np.float16 if m.backend == "cuda" and m.dtype != "float32" else np.float32  # bytes per value
             num_pages = KVLayout.pages_for_budget(opts.kv_cache_bytes, len(cfg.attention_layers), lim.page_size,
-                                                  cfg.num_kv_heads, cfg.head_dim).num_pages
+                                                  cfg.num_kv_heads, cfg.head_dim, kv_dtype).num_pages
         # Process-wide (BLAS pools are global); this process serves one model instance.
         self._blas_limit = threadpool_limits(limits=opts.numpy_threads, user_api="blas")
         self.tokenizer = Tokenizer.from_dir(self.bundle_dir, eos_token_ids=m.model.eos_token_ids)

@@ -73,7 +73,7 @@ def choose_variant(dtype: str, head_dim: int, group: int, block_threads: int = M
 
 def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                        page_size: int, q: int, k: int, v: int, tables: int, table_stride: int, lens: int,
-                       out: int, workspace: int) -> list[Launch]:
+                       out: int, workspace: int, device_chunk: bool = False) -> list[Launch]:
     """The launches of plan ``p`` (pointers are device addresses). Geometry is copied from the plan. Both
     kernels are programmatic dependent launches (a no-op before sm_90): each may be scheduled while the
     kernel before it on the stream still runs (once that kernel lets it in: the tensor-core attention
@@ -83,7 +83,8 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
     nblk = p.blocks_per_seq
     args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", lens),
             ("ptr", out), ("ptr", workspace), ("i32", batch), ("i32", num_q_heads), ("i32", num_kv_heads),
-            ("i32", page_size), ("i32", p.chunk_len), ("i32", nblk), ("i32", p.kv_tile), ("i32", p.smem_bytes),
+            ("i32", page_size), ("i32", 0 if device_chunk else p.chunk_len), ("i32", nblk), ("i32", p.kv_tile),
+            ("i32", p.smem_bytes),
             ("f32", math.log2(math.e) / math.sqrt(head_dim))]
     launches = [Launch(ENTRY[p.kernel], p.grid, (p.block_threads, 1, 1), p.smem_bytes, args, pdl=True)]
     if p.kernel == MULTI:
@@ -209,9 +210,10 @@ class CudaDecodeAttention:
         return out
 
     def launch(self, p: LaunchPlan, q: DeviceArray, k_buf: DeviceArray, v_buf: DeviceArray, tables_ptr: int,
-               table_stride: int, lens_ptr: int, out: DeviceArray) -> None:
-        """Launch plan ``p`` on tables already on the device (the benchmark's path; no host work but the
-        argument packing)."""
+               table_stride: int, lens_ptr: int, out: DeviceArray, device_chunk: bool = False) -> None:
+        """Launch plan ``p`` on tables already on the device (the benchmark's and the ``cuda`` backend's path;
+        no host work but the argument packing). ``device_chunk``: the kernels read the chunk length from
+        ``lens[B]`` (a graph's launches stay valid while the contexts grow)."""
         B, Hq, hd = q.shape
         if k_buf.size // hd >= 2**31:
             raise ValueError(f"KV pool of {k_buf.size // hd} rows: the kernels index rows with 32 bits")
@@ -220,5 +222,5 @@ class CudaDecodeAttention:
         for launch in attention_launches(p, batch=B, num_q_heads=Hq, num_kv_heads=k_buf.shape[2], head_dim=hd,
                                          page_size=k_buf.shape[1], q=q.ptr, k=k_buf.ptr, v=v_buf.ptr,
                                          tables=tables_ptr, table_stride=table_stride, lens=lens_ptr, out=out.ptr,
-                                         workspace=self.workspace.ptr):
+                                         workspace=self.workspace.ptr, device_chunk=device_chunk):
             ks[FAMILY[launch.kernel]].run(self.device, launch)

@@ -13,9 +13,11 @@ tests and benchmarks can view it from PyTorch or CuPy without a copy.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import weakref
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +288,9 @@ class CudaDevice:
             self.stream = drv.CUstream(int(stream))
             self.owns_stream = False
         self.limits = query_limits(self.ordinal)
+        # Host<->device copies issued through this object ("htod", "dtoh"): the GPU backend's tests count
+        # them per step (one up, one down).
+        self.copies: Counter[str] = Counter()
         cc = compute_capability(self.ordinal)
         self.compute_capability = cc
         self.arch = f"sm_{cc[0]}{cc[1]}"
@@ -326,8 +331,22 @@ class CudaDevice:
         h = np.ascontiguousarray(host)
         if h.nbytes:
             self.activate()
+            self.copies["htod"] += 1
             call("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync, drv.CUdeviceptr(dst), h.ctypes.data, h.nbytes,
                  self.stream)
+
+    def copy_dtoh(self, host_ptr: int, src: int, nbytes: int) -> None:
+        """Queue a device-to-host copy into ``host_ptr`` (pinned memory: truly asynchronous)."""
+        if nbytes:
+            drv = bindings()
+            self.activate()
+            self.copies["dtoh"] += 1
+            call("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync, host_ptr, drv.CUdeviceptr(src), int(nbytes), self.stream)
+
+    def pinned(self, nbytes: int) -> PinnedBuffer:
+        """Page-locked host memory (copies from and to it need no staging and overlap the host)."""
+        self.activate()
+        return PinnedBuffer(self, nbytes)
 
     def download(self, arr: DeviceArray) -> np.ndarray:
         """Device array -> host numpy (bfloat16 comes back as float32). Synchronises the stream."""
@@ -335,6 +354,7 @@ class CudaDevice:
         raw = np.empty(arr.nbytes, np.uint8)
         if arr.nbytes:
             self.activate()
+            self.copies["dtoh"] += 1
             call("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync, raw.ctypes.data, drv.CUdeviceptr(arr.ptr), arr.nbytes,
                  self.stream)
         self.synchronize()
@@ -383,3 +403,68 @@ class CudaDevice:
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.ordinal}, {self.limits.name}, {self.arch})"
+
+
+class PinnedBuffer:
+    """Page-locked host memory from ``cuMemHostAlloc``; ``array`` is a uint8 numpy view of all of it."""
+
+    def __init__(self, device: CudaDevice, nbytes: int) -> None:
+        drv = bindings()
+        self.nbytes = max(1, int(nbytes))
+        self.ptr = int(call("cuMemHostAlloc", drv.cuMemHostAlloc, self.nbytes, 0))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
+        self._finalizer = weakref.finalize(self, _free_host, device.ctx, self.ptr)
+
+    def free(self) -> None:
+        self._finalizer()
+
+
+def _free_host(ctx: Any, ptr: int) -> None:
+    try:
+        drv = bindings()
+        drv.cuCtxSetCurrent(ctx)
+        drv.cuMemFreeHost(ptr)
+    except Exception:  # pragma: no cover
+        pass
+
+
+class GraphCaptureError(CudaError):
+    """Stream capture failed; the stream is out of capture mode again and nothing was instantiated."""
+
+
+class CudaGraph:
+    """One instantiated CUDA graph captured from ``fn()`` on ``device``'s stream (thread-local capture mode:
+    a forbidden call on this thread fails the capture instead of corrupting it)."""
+
+    def __init__(self, device: CudaDevice, fn: Callable[[], Any]) -> None:
+        drv = bindings()
+        self.device = device
+        device.activate()
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        call("cuStreamBeginCapture", drv.cuStreamBeginCapture, device.stream, mode)
+        graph = None
+        try:
+            fn()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                res = drv.cuStreamEndCapture(device.stream)
+                if isinstance(res, tuple) and len(res) > 1 and res[1] is not None:
+                    drv.cuGraphDestroy(res[1])
+            raise
+        graph = call("cuStreamEndCapture", drv.cuStreamEndCapture, device.stream)
+        try:
+            self.exec = call("cuGraphInstantiate", drv.cuGraphInstantiate, graph, 0)
+            self.num_nodes = int(call("cuGraphGetNodes", drv.cuGraphGetNodes, graph, 0)[1])
+        finally:
+            call("cuGraphDestroy", drv.cuGraphDestroy, graph)
+        self.launches = 0
+
+    def launch(self) -> None:
+        drv = bindings()
+        self.device.activate()
+        call("cuGraphLaunch", drv.cuGraphLaunch, self.exec, self.device.stream)
+        self.launches += 1
+
+    def destroy(self) -> None:
+        with contextlib.suppress(Exception):
+            bindings().cuGraphExecDestroy(self.exec)

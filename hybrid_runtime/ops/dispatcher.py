@@ -232,6 +232,36 @@ def make_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPl
                       reduce_threads(blocks) if multi else 0)
 
 
+def fixed_grid_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> LaunchPlan:
+    """A plan whose launch geometry depends only on (batch size, ``blocks``), for CUDA graphs: exactly
+    ``blocks`` chunks (trailing ones may be empty), the largest K/V tile whose shared memory fits whatever the
+    chunk, and the chunk length (the only part that follows the contexts) a kernel argument of 0 that the
+    kernels read from device memory. ``validate`` checks it like any plan."""
+    longest = max(batch.context_lens, default=0)
+    blocks = max(1, int(blocks))
+    chunk = -(-longest // blocks)
+    if blocks > 1:
+        align = max(1, min(CHUNK_ALIGN, limits.min_chunk_tokens))
+        chunk = -(-chunk // align) * align
+    kernel = SINGLE if blocks == 1 else MULTI
+    B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
+    es = DTYPE_BYTES.get(batch.dtype, 4)
+    cap = limits.max_shared_mem_optin if kernel in limits.optin_set else limits.max_shared_mem_per_block
+    tile = next((t for t in KV_TILES if smem_bytes(batch.group, hd, es, t) <= cap), KV_TILES[-1])
+    multi = kernel == MULTI
+    return LaunchPlan(kernel, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
+                      smem_bytes(batch.group, hd, es, tile), tile, chunk,
+                      partials_bytes_per_block(batch) * blocks if multi else 0,
+                      (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)) if multi else None,
+                      reduce_threads(blocks) if multi else 0)
+
+
+def graph_blocks(blocks: int) -> int:
+    """The plan class of a chunk count for graphs: the largest power of two not above it (1 = single-block),
+    so a bucket needs at most log2(MAX_BLOCKS_PER_SEQ) + 1 graphs."""
+    return 1 << (max(1, int(blocks)).bit_length() - 1)
+
+
 def reduce_threads(blocks: int) -> int:
     """Threads of a reduction CTA merging ``blocks`` chunks: 8 groups up to 64 chunks, 16 groups above, so
     every chunk's loads go out in one round trip. On the H200 the 128-thread CTA merges 64 chunks 0.1-0.2 µs

@@ -26,7 +26,7 @@ def test_parse_device() -> None:
             parse_device(bad)
     with pytest.raises(ConfigError, match="device='tpu'"):
         RuntimeOptions(device="tpu")
-    assert RuntimeOptions().device == "cpu"
+    assert RuntimeOptions().device == "auto"  # a cuda bundle on the GPU, any other on the CPU
 
 
 def test_cpu_runner_exposes_its_operators(default_bundle: Path) -> None:

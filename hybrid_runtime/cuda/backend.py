@@ -1,0 +1,715 @@
+"""The ``cuda`` backend: a whole step on one GPU — segment programs as fused kernels and cuBLASLt GEMMs,
+GDN and decode attention kernels on device state, MoE and sampling on the device, decode steps replayed
+as CUDA graphs.
+
+Per step the host validates and packs the step's small inputs (:mod:`.stepio`) into pinned memory, sends
+them in ONE copy, replays a graph (decode) or launches eagerly (prefill, or a decode step no graph fits),
+and receives the sampled tokens (and logprobs) in ONE copy. Nothing else crosses; activations live in a
+static arena allocated at load (the first ``n`` rows of each buffer are a step's), so a graph reads and
+writes the same addresses on every replay. Only the engine thread calls it (invariant 1).
+
+Precision: weights and the activations GEMMs read are the bundle dtype (bfloat16 / float16 / float32, the
+last true float32 for parity tests); the residual stream, norms, gates, attention outputs, router logits
+and logits are float32; the KV pool is the bundle dtype (bf16 KV for bf16 bundles); GDN conv and recurrent
+state are float32.
+
+Invariants kept here: one owner (the engine thread); slots bounds-checked and distinct, one sink slot and
+one sink KV page for padding rows, slots zeroed on admission (:meth:`reset_slot`); the decode-attention
+plan of every launch — captured or eager — validated by the guarded dispatcher right before it is enqueued
+or captured; every kernel launch re-checked against the device limits (:meth:`Kernel.launch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..backend import SampleRow, StepResult, check_steps, slot_mapping
+from ..config import BundleError, ConfigError, Manifest
+from ..engine.base import Phase
+from ..kv_cache import KVLayout
+from ..ops.base import SeqStep, parse_device
+from ..ops.dispatcher import DecodeBatch, LaunchPlan, validate
+from ..ops.gdn import _check_slots
+from ..pipeline import plan_segments
+from ..program import PROGRAM_VERSION, Op, output_names, segment_program
+from ..sampler import TokenLogprobs
+from ..sampling import SamplingParams
+from ..state_cache import StateLayout
+from .attention import CudaDecodeAttention
+from .blas import Blas
+from .driver import CudaDevice, CudaError, CudaGraph, DeviceArray
+from .gdn import CudaGdn
+from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
+from .kernels import load_module
+from .sampler import DeviceSampler, row_params
+from .state import DeviceKVCache, DeviceStateCache
+from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
+from .weights import DeviceWeights
+
+log = logging.getLogger("hybrid_runtime.cuda")
+
+DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+SMEM_DEFAULT = 48 * 1024
+GEMV_MAX_M = 16  # decode GEMMs of at most this many rows run the fused gemv kernel
+MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x 2 rows
+
+
+def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 host values as the raw bits of ``dtype`` (bfloat16 as uint16), for uploads."""
+    from ..weights_io import f32_to_bf16_bits
+
+    a = np.asarray(a, np.float32)
+    if dtype == "bfloat16":
+        return f32_to_bf16_bits(a)
+    return a.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+@dataclass(frozen=True)
+class Mat:
+    """Rows of a row-major device matrix: ``rows x cols`` elements of ``dtype``, ``ld`` elements apart."""
+
+    ptr: int
+    rows: int
+    cols: int
+    ld: int
+    dtype: str
+
+    def col(self, start: int, width: int) -> Mat:
+        return Mat(self.ptr + start * ITEMSIZE[self.dtype], self.rows, width, self.ld, self.dtype)
+
+    def first(self, rows: int) -> Mat:
+        return Mat(self.ptr, rows, self.cols, self.ld, self.dtype)
+
+
+@dataclass(frozen=True)
+class MoEOut:
+    """The MoE's output as the next add reads it: ``y [n, ny, H]`` float32 (slot sums = the FFN output;
+    the last slot times sigmoid(sg) when ``sg`` is set: a shared expert run as GEMMs)."""
+
+    y: int
+    ny: int
+    sg: int = 0
+    sg_stride: int = 0
+
+
+@dataclass
+class CudaCtx:
+    phase: Phase
+    n: int  # token rows the kernels run (decode: the bucket, padding included)
+    n_real: int
+    S: int  # sequences (decode: rows, padding included)
+    R: int  # logit rows (decode: n)
+    R_real: int
+    max_len: int  # longest prefill chunk (GDN prefill grid)
+    plan: LaunchPlan | None
+    batch: DecodeBatch | None
+    queries: int
+    rows: Sequence[SampleRow] | None
+    want_logits: bool
+    upload_bytes: int = 0
+    graph: CudaGraph | None = None
+    want_top: bool = False
+    logits: Mat | None = None
+
+
+@dataclass
+class _Arena:
+    bufs: dict[str, DeviceArray] = field(default_factory=dict)
+
+    def mat(self, name: str, rows: int, cols: int | None = None) -> Mat:
+        a = self.bufs[name]
+        c = a.shape[1] if cols is None else cols
+        return Mat(a.ptr, rows, c, a.shape[1], a.dtype.name)
+
+
+class CudaBackend:
+    """Loads a ``cuda`` bundle onto one GPU and runs its steps (see the module docstring)."""
+
+    kind = "cuda"
+
+    def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
+                 multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
+                 weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
+                 gemv_decode: bool = True, progress: Callable[[str], None] | None = None) -> None:
+        kind, ordinal = parse_device(device)
+        if kind != "cuda":
+            raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
+                              f"(or 'auto')")
+        if manifest.backend != "cuda":
+            raise BundleError(f"CudaBackend needs a cuda bundle, got backend {manifest.backend!r}")
+        if manifest.toolkit.get("program") not in (None, str(PROGRAM_VERSION)):
+            raise BundleError(f"bundle built for segment program version {manifest.toolkit.get('program')}, this "
+                              f"runtime runs version {PROGRAM_VERSION}: rebuild it")
+        if manifest.dtype not in DT_CODES:
+            raise BundleError(f"cuda bundle dtype {manifest.dtype!r} is not one of {sorted(DT_CODES)}")
+        t0 = time.perf_counter()
+        cfg, lim = manifest.model, manifest.limits
+        self.cfg, self.lim, self.manifest = cfg, lim, manifest
+        self.dtype = manifest.dtype
+        self.es = ITEMSIZE[self.dtype]
+        try:
+            self.dev = cuda_device or CudaDevice(ordinal)
+        except CudaError as e:
+            raise ConfigError(f"device={device!r}: the CUDA backend cannot start: {e}") from e
+        self.device = f"cuda:{self.dev.ordinal}"
+        self.batch_invariant_gemm = batch_invariant_gemm
+        self.gemv_decode = gemv_decode
+        arch = self.dev.arch
+        self.fused = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}",), arch)
+        self.sampling = load_module("sampling.cu", (), arch)
+        self.blas = Blas(self.dev)
+        if weights is None:
+            if bundle_dir is None:
+                raise ValueError("need a bundle directory or preloaded weights")
+            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress)
+        self.w = weights
+        # Biases in the activation dtype too (cuBLASLt's bias epilogue reads the output's dtype), made here:
+        # never during a graph capture.
+        self._bias_t: dict[int, DeviceArray] = {}
+        for name, a in self.w.arrays.items():
+            if name.endswith(("qkv_bias", "o_bias")) and self.dtype != "float32":
+                self._bias_t[a.ptr] = self.dev.upload(to_dtype(self.dev.download(a), self.dtype), dtype=self.dtype)
+        # ---- state: GDN slots (+ sink row), KV pages (+ one sink page for padding rows)
+        self.num_pages = num_kv_pages or lim.num_kv_pages
+        self.sink_page = self.num_pages
+        self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
+        self.state = DeviceStateCache(self.dev, self.state_layout, cfg.linear_layers)
+        kv_np = np.float32 if self.dtype == "float32" else np.float16  # itemsize only (bf16 has no numpy type)
+        nattn = max(1, len(cfg.attention_layers))
+        self.kv_layout = KVLayout(self.num_pages, lim.page_size, cfg.num_kv_heads, max(1, cfg.head_dim), kv_np, nattn)
+        self.kv = None
+        if cfg.attention_layers:
+            pool = KVLayout(self.num_pages + 1, lim.page_size, cfg.num_kv_heads, cfg.head_dim, kv_np, nattn)
+            self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
+        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype=self.dtype)
+                      if cfg.linear_layers else None)
+        group = cfg.num_heads // max(1, cfg.num_kv_heads)
+        prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
+        self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare)
+        self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
+        # ---- static buffers
+        self.buckets = decode_buckets(lim.max_batch_size)
+        self.T_max = max(lim.max_num_tokens, self.buckets[-1])
+        self.R_max = max(lim.max_batch_size, self.buckets[-1])
+        self.table_stride = -(-lim.max_seq_len // lim.page_size)
+        self.in_layout = InputLayout(self.T_max, self.R_max, self.table_stride)
+        self.out_layout = OutputLayout(self.R_max)
+        self.inp = self.dev.empty((self.in_layout.nbytes,), "uint8")
+        self.out = self.dev.empty((self.out_layout.nbytes,), "uint8")
+        self.host_in = self.dev.pinned(self.in_layout.nbytes)
+        self.host_out = self.dev.pinned(self.out_layout.nbytes)
+        self._alloc_arena()
+        self.sampler = DeviceSampler(self.dev, self.sampling, self.R_max, cfg.vocab_size)
+        self.programs = [(p, segment_program(cfg, p)) for p in plan_segments(cfg)]
+        self.graphs: dict[tuple[int, int], CudaGraph] = {}
+        self.graph_stats = GraphStats()
+        self.graphs_on = False
+        self.timings: Counter[str] = Counter()
+        self.ops = self  # the state owner the scheduler and tests talk to
+        self.load_seconds = time.perf_counter() - t0
+        log.info("cuda backend on %s: %s weights %.2f GB, KV pool %d pages (+1 sink) x %d tokens (%s), %d state "
+                 "slots, arena %.1f MB, loaded in %.1f s", self.dev.limits.name, self.dtype, self.w.nbytes / 1e9,
+                 self.num_pages, lim.page_size, self.dtype, lim.num_state_slots, self.arena_bytes / 1e6,
+                 self.load_seconds)
+
+    # ------------------------------------------------------------------ allocation
+
+    def _alloc_arena(self) -> None:
+        cfg, T, R, d = self.cfg, self.T_max, self.R_max, self.dtype
+        H = cfg.hidden_size
+        widths = [cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads if cfg.linear_layers else 0,
+                  (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim if cfg.attention_layers else 0]
+        qd = cfg.num_heads * cfg.head_dim if cfg.attention_layers else 0
+        inter = max([cfg.intermediate_size if "dense" in cfg.ffn_types else 0,
+                     cfg.shared_expert_intermediate_size if "moe" in cfg.ffn_types else 0, 1])
+        moe = "moe" in cfg.ffn_types
+        self.kk = cfg.num_experts_per_tok + int(moe and 0 < cfg.shared_expert_intermediate_size
+                                                == cfg.moe_intermediate_size)
+        self.ny = cfg.num_experts_per_tok + int(moe and cfg.shared_expert_intermediate_size > 0)
+        e_pad = -(-(cfg.num_experts + 1) // 8) * 8 if moe else 8
+        shapes: dict[str, tuple[tuple[int, int], str]] = {
+            "x": ((T, H), "float32"), "h": ((T, H), d), "proj": ((T, max([*widths, 1])), d),
+            "q": ((T, max(qd, 1)), d), "attn": ((T, max(qd, 1)), "float32"), "o": ((T, max(qd, cfg.value_dim, 1)), d),
+            "gdn_x": ((T, max(cfg.conv_dim, 1)), "float32"), "core": ((T, max(cfg.value_dim, 1)), d),
+            "g": ((T, max(cfg.linear_num_value_heads, 1)), "float32"),
+            "beta": ((T, max(cfg.linear_num_value_heads, 1)), "float32"),
+            "gu": ((T, 2 * inter), d), "act": ((T, inter), d),
+            "h_out": ((R, H), d), "logits": ((R, cfg.vocab_size), "float32"),
+        }
+        if moe:
+            E_all = cfg.num_experts + 1
+            shapes.update({
+                "router": ((T, e_pad), "float32"), "pair_w": ((T, self.kk), "float32"),
+                "pair_e": ((T, self.kk), "int32"), "pair_list": ((T, self.kk), "int32"),
+                "expert_off": ((1, E_all + 1), "int32"), "active": ((1, E_all + 1), "int32"),
+                "moe_act": ((T * self.kk, cfg.moe_intermediate_size), d), "y": ((T, self.ny * H), "float32"),
+            })
+        self.arena = _Arena()
+        for name, (shape, dt) in shapes.items():
+            self.arena.bufs[name] = self.dev.empty(shape, dt)
+        self.arena_bytes = sum(a.nbytes for a in self.arena.bufs.values())
+
+    # ------------------------------------------------------------------ state owner (scheduler, tests)
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero ``slot``'s conv and recurrent state in every GDN layer (stream-ordered before the next step)."""
+        self.state.reset(slot)
+
+    def state_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.state.download_layer(layer)
+
+    def kv_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies (float32) of ``layer``'s K and V pools, the allocator's pages only (no sink page)."""
+        assert self.kv is not None
+        k, v = self.kv.buffers(layer)
+        return self.dev.download(k)[:self.num_pages], self.dev.download(v)[:self.num_pages]
+
+    def synchronize(self) -> None:
+        self.dev.synchronize()
+
+    @property
+    def profile_switches(self) -> int:
+        return 0  # no execution contexts: nothing ever switches
+
+    # ------------------------------------------------------------------ launching
+
+    def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[tuple[str, Any]],
+                smem: int = 0, module: Any = None) -> None:
+        (module or self.fused).kernel(name).launch(self.dev, grid, (block, 1, 1), smem, args)
+
+    def _gemm(self, x: Mat, weight: DeviceArray, out: Mat, residual: Mat | None = None,
+              bias: DeviceArray | None = None, decode: bool = False) -> None:
+        """``out = x @ weight.T (+ bias) (+ residual)``. Decode steps of <= GEMV_MAX_M rows use the fused
+        ``gemv`` kernel (reads the weight once per 4 rows, batch invariant by construction); everything else
+        cuBLASLt, with the algorithm pinned to the largest M of its kind when ``batch_invariant_gemm``."""
+        N, K = weight.shape[0], weight.shape[-1]
+        vec = 16 // self.es
+        if decode and self.gemv_decode and x.rows <= GEMV_MAX_M and K % vec == 0 and x.ld % vec == 0:
+            self._launch("gemv", (-(-N // 32), 1, 1), 256,
+                         [("ptr", x.ptr), ("i64", x.ld), ("ptr", weight.ptr), ("i32", N), ("i32", K),
+                          ("ptr", bias.ptr if bias is not None else 0),
+                          ("ptr", residual.ptr if residual is not None else 0),
+                          ("i64", residual.ld if residual is not None else 0), ("ptr", out.ptr), ("i64", out.ld),
+                          ("i32", int(out.dtype == "float32")), ("i32", x.rows)])
+            return
+        pin = 0
+        if self.batch_invariant_gemm:
+            pin = self.buckets[-1] if decode else self.T_max
+        b = None
+        if bias is not None:  # cuBLASLt's bias epilogue reads the bias in the output's dtype
+            b = bias if out.dtype == "float32" else self._bias_t[bias.ptr]
+        self.blas.gemm(x.rows, N, K, x.ptr, weight.ptr, out.ptr, dtype=self.dtype, out_dtype=out.dtype, ldx=x.ld,
+                       ldy=out.ld, c=residual.ptr if residual is not None else 0,
+                       bias=b.ptr if b is not None else 0, pin_m=pin)
+
+    def _rmsnorm(self, x: Mat, w: DeviceArray | None, h: Mat | None, n: int, *, y: MoEOut | Mat | None = None,
+                 x_out: Mat | None = None, rows_ptr: int = 0) -> None:
+        H = self.cfg.hidden_size
+        if isinstance(y, MoEOut):
+            yp, ny, sg, sgs = y.y, y.ny, y.sg, y.sg_stride
+        elif y is not None:
+            yp, ny, sg, sgs = y.ptr, 1, 0, 0
+        else:
+            yp, ny, sg, sgs = 0, 0, 0, 0
+        self._launch("rmsnorm_rows", (n, 1, 1), 256,
+                     [("ptr", x.ptr), ("ptr", yp), ("i32", ny), ("ptr", sg), ("i64", sgs),
+                      ("ptr", w.ptr if w is not None else 0), ("ptr", x_out.ptr if x_out is not None else 0),
+                      ("ptr", h.ptr if h is not None else 0), ("ptr", rows_ptr), ("i32", n), ("i32", H),
+                      ("f32", self.cfg.rms_norm_eps)])
+
+    # ------------------------------------------------------------------ prepare (host only)
+
+    def prepare(self, phase: Phase, steps: list[SeqStep], rows: Sequence[SampleRow] | None,
+                want_logits: bool) -> CudaCtx:
+        """Validate the step and pack its inputs into the pinned upload buffer (no device work)."""
+        check_steps(phase, steps)
+        cfg, lim = self.cfg, self.lim
+        if not steps:
+            raise ValueError("an empty batch")
+        lens = [len(s.token_ids) for s in steps]
+        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        n_real = int(bounds[-1])
+        ids = np.fromiter((t for s in steps for t in s.token_ids), np.int64, count=n_real)
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"token id outside the vocabulary 0..{cfg.vocab_size - 1}")
+        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + k) for s, k in zip(steps, lens)])
+        if positions.min() < 0 or positions.max() >= lim.max_seq_len:
+            raise ValueError(f"positions must lie in 0..{lim.max_seq_len - 1} (max_seq_len)")
+        pages, offsets = slot_mapping(steps, positions, bounds, lim.page_size, self.num_pages)
+        kv_rows = pages * lim.page_size + offsets
+        slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
+        sink = self.state_layout.sink
+        decode = phase == Phase.DECODE
+        if decode:
+            bucket = bucket_for(len(steps), self.buckets)
+            if bucket is None:
+                raise ValueError(f"a decode batch of {len(steps)} exceeds max_batch_size={lim.max_batch_size}")
+            pad = bucket - len(steps)
+            n = bucket
+            ids = np.concatenate([ids, np.zeros(pad, np.int64)])
+            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+            kv_rows = np.concatenate([kv_rows, np.full(pad, self.sink_page * lim.page_size, np.int64)])
+            slots = np.concatenate([slots, np.full(pad, sink, np.int64)])
+            _check_slots(slots, self.state_layout.rows, n)
+            logit_rows = np.arange(n)
+            R_real = len(steps)
+            S = n
+        else:
+            n = n_real
+            if n > self.T_max:
+                raise ValueError(f"a prefill step of {n} tokens exceeds max_num_tokens={lim.max_num_tokens}")
+            _check_slots(slots, self.state_layout.rows, len(steps))
+            if np.unique(slots).size != slots.size:
+                raise ValueError(f"prefill sequences need distinct slots, got {slots.tolist()}")
+            logit_rows = np.array([int(bounds[i + 1]) - 1 for i, s in enumerate(steps) if s.need_logits], np.int64)
+            R_real = len(logit_rows)
+            S = len(steps)
+        R = n if decode else R_real
+        if rows is not None and len(rows) != R_real:
+            raise ValueError(f"{len(rows)} sampling rows for {R_real} rows that need logits")
+        params = np.zeros((R, ROW_WORDS), np.int32)
+        params[:, 0] = 1  # greedy: padding rows
+        params[:, 7] = -1
+        want_top = False
+        for r, sr in enumerate(rows or ()):
+            params[r] = row_params(sr.params, sr.seed, sr.counter, sr.logprobs)
+            want_top |= bool(sr.logprobs)
+        # attention: decode = one query per (padded) row; prefill = one query per token over its prefix
+        batch: DecodeBatch | None = None
+        plan_: LaunchPlan | None = None
+        graph = None
+        chunk = 0
+        if decode:
+            attn_lens = [s.start_pos + 1 for s in steps] + [1] * (n - len(steps))
+            tables = [np.asarray(s.page_table, np.int64) for s in steps] + [np.array([self.sink_page])] * (
+                n - len(steps))
+        else:
+            attn_lens, tables = [], []
+            for i, s in enumerate(steps):
+                t = np.asarray(s.page_table, np.int64)
+                tables += [t] * lens[i]
+                attn_lens += range(s.start_pos + 1, s.start_pos + lens[i] + 1)
+        if any(len(t) > self.table_stride for t in tables):
+            raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
+        if cfg.attention_layers:
+            batch = DecodeBatch(tuple(int(x) for x in attn_lens), tuple(tables), cfg.num_heads, cfg.num_kv_heads,
+                                cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
+        if decode:
+            choice = choose(batch, n, self.dispatcher, lambda k: k in self.graphs, self.graphs_on)
+            plan_ = choice.plan
+            if choice.key is not None:
+                graph = self.graphs[choice.key]
+                self.graph_stats.replays[choice.key] += 1
+            else:
+                self.graph_stats.eager[choice.reason] += 1
+        elif batch is not None:
+            plan_ = self.dispatcher.select(batch)
+        if plan_ is not None:
+            chunk = plan_.chunk_len
+            self.dispatcher.plans[plan_.kernel] += len(cfg.attention_layers)
+        seq_start = bounds if not decode else np.arange(n + 1)
+        inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk)
+        upload = pack(self.in_layout, self.host_in.array, inputs)
+        return CudaCtx(phase, n, n_real, S, R, R_real, max(lens), plan_, batch, len(attn_lens), rows, want_logits,
+                       upload, graph, want_top)
+
+    # ------------------------------------------------------------------ the pipeline pieces (device work)
+
+    def _ptr(self, field_offset: int) -> int:
+        return self.inp.ptr + field_offset
+
+    def inputs(self, ctx: CudaCtx) -> dict[str, Any]:
+        return {}
+
+    def segment(self, index: int, ctx: CudaCtx, env: dict[str, Any]) -> dict[str, Any]:
+        plan, program = self.programs[index]
+        local = dict(env)
+        for op in program:
+            self._op(op, ctx, local, plan.exit)
+        return {out: local[src] for out, src in output_names(plan, program).items()}
+
+    def _op(self, op: Op, ctx: CudaCtx, env: dict[str, Any], exit_: tuple[str, int]) -> None:
+        cfg, a, n, A = self.cfg, op.attrs, ctx.n, self.arena
+        decode = ctx.phase == Phase.DECODE
+        W = [self.w[name] for name in op.weights]
+        if op.kind == "embed":
+            x = A.mat("x", n)
+            self._launch("embed_rows", (n, 1, 1), 256,
+                         [("ptr", self._ptr(self.in_layout.ids)), ("ptr", W[0].ptr), ("ptr", x.ptr), ("i32", n),
+                          ("i32", cfg.hidden_size)])
+            env[op.outputs[0]] = x
+        elif op.kind == "rmsnorm":
+            h = A.mat("h", n)
+            self._rmsnorm(env[op.inputs[0]], W[0], h, n)
+            env[op.outputs[0]] = h
+        elif op.kind in ("add", "add_rmsnorm"):
+            x = env[op.inputs[0]]
+            h = A.mat("h", n) if op.kind == "add_rmsnorm" else None
+            self._rmsnorm(x, W[0] if W else None, h, n, y=env[op.inputs[1]], x_out=x)
+            env[op.outputs[0]] = x
+            if h is not None:
+                env[op.outputs[1]] = h
+        elif op.kind == "linear":
+            inp = env[op.inputs[0]]
+            bias = W[1] if len(W) > 1 else None
+            if len(op.inputs) > 1:  # residual: D = C in place (float32)
+                res = env[op.inputs[1]]
+                self._gemm(inp, W[0], res, residual=res, bias=bias, decode=decode)
+                env[op.outputs[0]] = res
+            else:
+                name = {"proj": "proj", "gu": "gu"}[op.outputs[0]]
+                out = A.mat(name, n, W[0].shape[0])
+                self._gemm(inp, W[0], out, bias=bias, decode=decode)
+                env[op.outputs[0]] = out
+        elif op.kind == "gdn_gates":
+            p = env[op.inputs[0]]
+            C, vd, nv = a["conv_dim"], a["value_dim"], a["nv"]
+            g, beta = A.mat("g", n, nv), A.mat("beta", n, nv)
+            self._launch("gdn_gates", (-(-n * nv // 256), 1, 1), 256,
+                         [("ptr", p.ptr), ("i64", p.ld), ("i32", C + vd), ("i32", C + vd + nv), ("ptr", W[0].ptr),
+                          ("ptr", W[1].ptr), ("ptr", g.ptr), ("ptr", beta.ptr), ("i32", n), ("i32", nv)])
+            env.update(u=p.col(0, C), z=p.col(C, vd), g=g, beta=beta)
+        elif op.kind == "attn_qkv":
+            p = env[op.inputs[0]]
+            H, Hkv, hd, rd = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["rotary_dim"]
+            assert self.kv is not None and exit_[0] == "mixer"
+            kp, vp = self.kv.buffers(exit_[1])
+            q = A.mat("q", n, H * hd)
+            self._launch("attn_qkv", (n, -(-(H + 2 * Hkv) // 4), 1), 128,
+                         [("ptr", p.ptr), ("i64", p.ld), ("ptr", self._ptr(self.in_layout.positions)),
+                          ("ptr", W[0].ptr), ("ptr", W[1].ptr), ("ptr", W[2].ptr), ("ptr", W[3].ptr), ("ptr", q.ptr),
+                          ("ptr", kp.ptr), ("ptr", vp.ptr), ("ptr", self._ptr(self.in_layout.kv_rows)), ("ptr", 0),
+                          ("ptr", 0), ("i32", n), ("i32", H), ("i32", Hkv), ("i32", hd), ("i32", rd),
+                          ("f32", a["eps"])])
+            env.update(q=q, k=None, v=None, gate=p.col(hd, H * hd))  # k, v: already in the pools
+        elif op.kind == "gated_rmsnorm":
+            core, z = env[op.inputs[0]], env[op.inputs[1]]
+            nv, dv = a["nv"], a["dv"]
+            o = A.mat("o", n, nv * dv)
+            self._launch("gated_rmsnorm", (n, -(-nv // 4), 1), 128,
+                         [("ptr", core.ptr), ("ptr", z.ptr), ("i64", z.ld), ("ptr", W[0].ptr), ("ptr", o.ptr),
+                          ("i32", n), ("i32", nv), ("i32", dv), ("f32", a["eps"])])
+            env[op.outputs[0]] = o
+        elif op.kind == "sigmoid_mul":
+            att, gate = env[op.inputs[0]], env[op.inputs[1]]
+            H, hd = cfg.num_heads, cfg.head_dim
+            o = A.mat("o", n, H * hd)
+            self._launch("sigmoid_mul", (-(-n * H * hd // 256), 1, 1), 256,
+                         [("ptr", att.ptr), ("ptr", gate.ptr), ("i64", gate.ld), ("i32", hd), ("ptr", o.ptr),
+                          ("i32", n), ("i32", H)])
+            env[op.outputs[0]] = o
+        elif op.kind == "swiglu":
+            gu = env[op.inputs[0]]
+            inter = a["inter"]
+            act = A.mat("act", n, inter)
+            self._launch("swiglu", (-(-n * inter // 256), 1, 1), 256,
+                         [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", inter)])
+            env[op.outputs[0]] = act
+        else:  # pragma: no cover - Op validates kinds
+            raise ValueError(op.kind)
+
+    def gdn(self, layer: int, ctx: CudaCtx, out: dict[str, Any]) -> Mat:
+        assert self.gdn_k is not None
+        u, g, beta = out["u"], out["g"], out["beta"]
+        conv, rec = self.state.conv[layer], self.state.recurrent[layer]
+        conv_w = self.w[f"layers.{layer}.linear_attn.conv1d"]
+        n, A = ctx.n, self.arena
+        core, x = A.mat("core", n), A.mat("gdn_x", n)
+        slots = self._ptr(self.in_layout.slots)
+        if ctx.phase == Phase.DECODE:
+            self.gdn_k.conv_decode(conv, slots, u, conv_w, x, n, u_stride=u.ld)  # type: ignore[arg-type]
+            self.gdn_k.delta_decode(rec, slots, x, g, beta, core, n)  # type: ignore[arg-type]
+        else:
+            self.gdn_k.prefill_launch(conv, rec, self._ptr(self.in_layout.seq_start), slots, ctx.S, ctx.max_len,
+                                      u.ptr, u.ld, g.ptr, beta.ptr, conv_w, x.ptr, core.ptr)
+        return core
+
+    def attention(self, layer: int, ctx: CudaCtx, out: dict[str, Any]) -> Mat:
+        cfg, Q = self.cfg, ctx.queries
+        assert self.kv is not None and ctx.plan is not None and ctx.batch is not None
+        p = ctx.plan
+        # The guard, once more right where the launch is enqueued (or captured): no path skips it.
+        if reasons := validate(p, ctx.batch, self.dispatcher.limits, self.dispatcher.workspace_capacity):
+            raise AssertionError(f"unvalidated decode-attention plan reached launch: {reasons}")
+        q = out["q"]
+        H, hd = cfg.num_heads, cfg.head_dim
+        qa = DeviceArray(q.ptr, (Q, H, hd), self.dtype, self.dev.ordinal)
+        res = self.arena.mat("attn", Q, H * hd)
+        oa = DeviceArray(res.ptr, (Q, H, hd), "float32", self.dev.ordinal)
+        kb, vb = self.kv.buffers(layer)
+        base = self.in_layout.attn
+        self.attn.launch(p, qa, kb, vb, self._ptr(self.in_layout.tables(Q)), self.table_stride, self._ptr(base),
+                         oa, device_chunk=True)
+        return res
+
+    def moe(self, layer: int, ctx: CudaCtx, h: Mat) -> MoEOut:
+        cfg, n, A = self.cfg, ctx.n, self.arena
+        mw = self.w.moe(layer)
+        H, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        router = A.mat("router", n, mw.e_pad)
+        self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
+        pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
+        off, act_l = A.bufs["expert_off"], A.bufs["active"]
+        self._launch("moe_route", (1, 1, 1), 1024,
+                     [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
+                      ("i32", int(cfg.norm_topk_prob)), ("i32", int(mw.fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
+                      ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+        kk = k + int(mw.fold)
+        e_all = mw.e_all
+        tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
+        tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
+        moe_act = A.bufs["moe_act"]
+        y = A.bufs["y"]
+        self._launch("moe_gate_up", (-(-inter // MOE_ROWS_PER_CTA), e_all, 1), 256,
+                     [("ptr", h.ptr), ("ptr", mw.gate_up.ptr), ("i32", H), ("i32", inter), ("i32", kk),
+                      ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr), ("ptr", moe_act.ptr),
+                      ("i32", tg)], smem=tg * H * self.es)
+        self._launch("moe_down", (-(-H // MOE_ROWS_PER_CTA), e_all, 1), 256,
+                     [("ptr", moe_act.ptr), ("ptr", mw.down.ptr), ("ptr", pw.ptr), ("i32", H), ("i32", inter),
+                      ("i32", kk), ("i32", self.ny), ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr),
+                      ("ptr", act_l.ptr), ("ptr", y.ptr), ("i32", tg_d)], smem=tg_d * inter * self.es)
+        if mw.shared_gate_up is not None:  # a shared expert of its own width: GEMMs into the last slot
+            assert mw.shared_down is not None
+            si = cfg.shared_expert_intermediate_size
+            gu, act = A.mat("gu", n, 2 * si), A.mat("act", n, si)
+            self._gemm(h, mw.shared_gate_up, gu, decode=ctx.phase == Phase.DECODE)
+            self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
+                         [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
+            slot = Mat(y.ptr + k * H * 4, n, H, self.ny * H, "float32")
+            self._gemm(act, mw.shared_down, slot, decode=ctx.phase == Phase.DECODE)
+            return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld)
+        return MoEOut(y.ptr, self.ny)
+
+    def head(self, ctx: CudaCtx, x: Mat) -> Mat | None:
+        if ctx.R == 0:
+            return None
+        h = self.arena.mat("h_out", ctx.R)
+        self._rmsnorm(x, self.w["final_norm"], h, ctx.R, rows_ptr=self._ptr(self.in_layout.logit_rows))
+        logits = self.arena.mat("logits", ctx.R)
+        self._gemm(h, self.w["lm_head"], logits, decode=ctx.phase == Phase.DECODE)
+        return logits
+
+    def _sample(self, ctx: CudaCtx, logits: Mat | None) -> None:
+        if logits is None or ctx.rows is None:
+            return
+        o, L = self.out.ptr, self.out_layout
+        self.sampler.launch(ctx.R, logits.ptr, logits.ld, self._ptr(self.in_layout.sample_params), o + L.tokens,
+                            o + L.logprobs, o + L.top_ids, o + L.top_logprobs)
+
+    # ------------------------------------------------------------------ one step
+
+    def execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
+        dev = self.dev
+        t0 = time.perf_counter()
+        dev.copy_htod(self.inp.ptr, self.host_in.array[:ctx.upload_bytes])
+        if ctx.graph is not None:
+            ctx.graph.launch()
+            logits = self.arena.mat("logits", ctx.R)
+        else:
+            logits = forward(ctx)
+            self._sample(ctx, logits)
+        if ctx.rows is not None and ctx.R:
+            dev.copy_dtoh(self.host_out.ptr, self.out.ptr, self.out_layout.used(ctx.R, ctx.want_top))
+        host_logits = None
+        if ctx.want_logits:
+            host_logits = np.empty((ctx.R_real, self.cfg.vocab_size), np.float32)
+            if ctx.R_real:
+                assert logits is not None
+                dev.copy_dtoh(host_logits.ctypes.data, logits.ptr, host_logits.nbytes)
+        dev.synchronize()
+        self.timings["step"] += time.perf_counter() - t0
+        if ctx.rows is None:
+            return StepResult(np.zeros(0, np.int64), [], host_logits)
+        tok, lp, ti, tl = self.out_layout.unpack(self.host_out.array, ctx.R)
+        lps: list[TokenLogprobs | None] = []
+        for r, sr in enumerate(ctx.rows):
+            if sr.logprobs is None:
+                lps.append(None)
+                continue
+            m = min(int(sr.logprobs), MAX_TOP_LOGPROBS)
+            top = tuple((int(ti[r, j]), float(tl[r, j])) for j in range(m) if ti[r, j] >= 0)
+            lps.append(TokenLogprobs(float(lp[r]), top))
+        return StepResult(tok[:ctx.R_real].astype(np.int64), lps, host_logits)
+
+    # ------------------------------------------------------------------ graphs
+
+    def _template(self, bucket: int, blocks: int) -> CudaCtx | None:
+        """A decode step of ``bucket`` padding rows whose attention plan is class ``blocks``, for warm-up and
+        capture; None (counted) when the guard refuses the class plan on this device."""
+        from ..ops.dispatcher import fixed_grid_plan
+
+        cfg, lim = self.cfg, self.lim
+        plan_ = None
+        batch = None
+        if cfg.attention_layers:
+            L = min(lim.max_seq_len, max(1, blocks * 64))
+            tbl = np.full(-(-L // lim.page_size), self.sink_page, np.int64)
+            batch = DecodeBatch(tuple([L] * bucket), tuple([tbl] * bucket), cfg.num_heads, cfg.num_kv_heads,
+                                cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
+            plan_ = fixed_grid_plan(batch, blocks, self.dispatcher.limits)
+            if reasons := validate(plan_, batch, self.dispatcher.limits, self.dispatcher.workspace_capacity):
+                for r in reasons:
+                    self.graph_stats.refused[r] += 1
+                log.warning("decode graph b%d x%d not captured: the guard refused its plan (%s)", bucket, blocks,
+                            ", ".join(reasons))
+                return None
+            attn_lens, tables = [L] * bucket, [tbl] * bucket
+        else:
+            attn_lens, tables = [1] * bucket, [np.array([0])] * bucket
+        sink = self.state_layout.sink
+        params = np.zeros((bucket, ROW_WORDS), np.int32)
+        params[:, 0], params[:, 7] = 1, -1
+        rows = [SampleRow(SamplingParams())] * bucket
+        inputs = StepInputs(np.zeros(bucket, np.int64), np.zeros(bucket, np.int64),
+                            np.full(bucket, self.sink_page * lim.page_size, np.int64), np.arange(bucket + 1),
+                            np.full(bucket, sink, np.int64), np.arange(bucket), params, attn_lens, tables,
+                            plan_.chunk_len if plan_ is not None else 0)
+        upload = pack(self.in_layout, self.host_in.array, inputs)
+        return CudaCtx(Phase.DECODE, bucket, bucket, bucket, bucket, bucket, 1, plan_, batch, bucket, rows, False,
+                       upload)
+
+    def capture_graphs(self, forward: Callable[[CudaCtx], Any]) -> None:
+        """Warm up and capture one graph per (bucket, plan class), largest bucket first. A class whose plan
+        the guard refuses, or whose capture fails, is left out (its steps run eagerly, counted)."""
+        t0 = time.perf_counter()
+        cfg, lim = self.cfg, self.lim
+        for bucket in reversed(self.buckets):
+            if cfg.attention_layers:
+                L = lim.max_seq_len
+                tbl = np.full(-(-L // lim.page_size), self.sink_page, np.int64)
+                at_max = DecodeBatch(tuple([L] * bucket), tuple([tbl] * bucket), cfg.num_heads, cfg.num_kv_heads,
+                                     cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
+                classes = class_blocks(self.dispatcher, at_max)
+            else:
+                classes = [1]
+            for blocks in classes:
+                ctx = self._template(bucket, blocks)
+                if ctx is None:
+                    continue
+
+                def body(ctx: CudaCtx = ctx) -> None:
+                    self._sample(ctx, forward(ctx))
+
+                self.execute(ctx, forward)  # warm-up, eager: loads kernels, plans GEMMs, checks every launch
+                try:
+                    g = CudaGraph(self.dev, body)
+                except Exception as e:  # the launch guard (LaunchRejected) or the driver refused: stay eager
+                    self.graph_stats.refused[type(e).__name__] += 1
+                    log.warning("decode graph b%d x%d not captured: %s", bucket, blocks, e)
+                    continue
+                self.graphs[(bucket, blocks)] = g
+                self.graph_stats.captured[(bucket, blocks)] = g.num_nodes
+        self.dev.synchronize()
+        self.graphs_on = True
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured %d decode graphs (buckets %s) in %.2f s", len(self.graphs), self.buckets,
+                 self.capture_seconds)

@@ -1,0 +1,209 @@
+"""GEMMs of the ``cuda`` backend through cuBLASLt, via NVIDIA's maintained binding (``nvmath-python``'s
+``nvmath.bindings.cublasLt``, raw device pointers, beside cuda-python).
+
+The one product shape the runtime needs, in row-major terms::
+
+    y[M, N] = x[M, K] @ W[N, K].T  (+ bias[N])  (+ c[M, N])      # W as nn.Linear stores it
+
+with x, W in the weight dtype (bfloat16 / float16 / float32), y and c in the weight dtype or float32, float32
+accumulation (``CUBLAS_COMPUTE_32F``: true float32 for float32 operands, never TF32). Rows may be strided
+(``ldx`` / ``ldy`` elements between rows), so a GEMM can read or write columns of a wider buffer. In
+cuBLASLt's column-major terms that is ``D[N, M] = op(A)[N, K] @ B[K, M]`` with A = W (transposed), B = x.
+
+A :class:`GemmPlan` (descriptors, the chosen algorithm, alpha/beta) is made once per shape and cached; its
+:meth:`GemmPlan.run` is one ``cublasLtMatmul`` on the device's stream with a preallocated workspace, so it
+can be captured into a CUDA graph. nvmath's high-level ``Matmul.execute`` costs tens of microseconds of
+Python per call: it is not used.
+
+``pin_m``: take the algorithm the heuristic picks for ``M = pin_m`` and use it for this (smaller) M too, if
+``cublasLtMatmulAlgoCheck`` accepts it. For a fixed algorithm each output row is computed the same way
+whatever M is, which is what makes decode steps of different batch sizes give identical rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .driver import CudaDevice, CudaError
+
+CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14}
+COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
+OP_N, OP_T = 0, 1
+EPILOGUE_DEFAULT, EPILOGUE_BIAS = 1, 4
+
+
+class BlasError(CudaError):
+    """A cuBLASLt call failed or no algorithm fits a shape."""
+
+
+def _lt() -> Any:
+    try:
+        import nvmath.bindings.cublasLt as lt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise BlasError("import nvmath.bindings.cublasLt", None, "NVMATH_MISSING",
+                        f"{e}; install nvmath-python (pip install 'hybrid-llm-serving[cuda]')") from e
+    return lt
+
+
+def _call(name: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:  # cuBLASLtError, or a driver/library problem: typed
+        raise BlasError(name, None, type(e).__name__, str(e)) from e
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """What a plan is keyed by."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str  # of x and W
+    out_dtype: str  # of y (and c)
+    ldx: int
+    ldy: int
+    accumulate: bool  # y = ... + c
+    bias: bool
+
+    def problems(self) -> list[str]:
+        r = []
+        if min(self.m, self.n, self.k) < 1:
+            r.append("empty")
+        if self.ldx < self.k or self.ldy < self.n:
+            r.append("leading_dim")
+        if self.dtype not in CUDA_R or self.out_dtype not in CUDA_R:
+            r.append("dtype")
+        if self.dtype == "float32" and self.out_dtype != "float32":
+            r.append("dtype")
+        return r
+
+
+class GemmPlan:
+    """Descriptors and algorithm of one :class:`GemmShape` (see the module docstring)."""
+
+    def __init__(self, blas: Blas, shape: GemmShape, pin_m: int = 0) -> None:
+        lt = _lt()
+        self.blas, self.shape = blas, shape
+        s = shape
+        if reasons := s.problems():
+            raise BlasError("GemmPlan", None, "CUBLAS_STATUS_INVALID_VALUE", f"{s}: {', '.join(reasons)}")
+        self._keep: list[np.ndarray] = []
+        self.desc = _call("cublasLtMatmulDescCreate", lt.matmul_desc_create, COMPUTE_32F, CUDA_R["float32"])
+        self._set_desc(lt.MatmulDescAttribute.TRANSA, np.int32(OP_T))
+        self._set_desc(lt.MatmulDescAttribute.TRANSB, np.int32(OP_N))
+        if s.bias:
+            self._set_desc(lt.MatmulDescAttribute.EPILOGUE, np.uint32(EPILOGUE_BIAS))
+            self._set_desc(lt.MatmulDescAttribute.BIAS_DATA_TYPE, np.int32(CUDA_R[s.out_dtype]))
+        wt, ot = CUDA_R[s.dtype], CUDA_R[s.out_dtype]
+        self.a = _call("cublasLtMatrixLayoutCreate", lt.matrix_layout_create, wt, s.k, s.n, s.k)
+        self.b = self._layout(wt, s.k, s.m, s.ldx)
+        self.c = self._layout(ot, s.n, s.m, s.ldy)
+        self.alpha = np.ones(1, np.float32)
+        self.beta = np.array([1.0 if s.accumulate else 0.0], np.float32)
+        self.heuristic = lt.MatmulHeuristicResult(1)
+        self.algo_ptr = self.heuristic.ptr  # the algorithm is the first field of the heuristic result
+        self.pinned = False
+        if pin_m and pin_m != s.m:
+            self._ref = ref = blas.plan(GemmShape(pin_m, s.n, s.k, s.dtype, s.out_dtype, max(s.ldx, s.k), s.ldy,
+                                                  s.accumulate, s.bias))
+            try:
+                lt.matmul_algo_check(blas.handle, self.desc, self.a, self.b, self.c, self.c, ref.algo_ptr,
+                                     self.heuristic.ptr)
+                ok = int(self.heuristic.state) == 0 and int(self.heuristic.workspace_size) <= blas.workspace_bytes
+            except Exception:
+                ok = False
+            if ok:
+                self.algo_ptr, self.pinned = ref.algo_ptr, True
+                return
+        count = np.zeros(1, np.int32)
+        _call("cublasLtMatmulAlgoGetHeuristic", lt.matmul_algo_get_heuristic, blas.handle, self.desc, self.a, self.b,
+              self.c, self.c, blas.preference, 1, self.heuristic.ptr, count.ctypes.data)
+        if int(count[0]) < 1 or int(self.heuristic.state) != 0:
+            raise BlasError("cublasLtMatmulAlgoGetHeuristic", None, "CUBLAS_STATUS_NOT_SUPPORTED",
+                            f"no algorithm for {s}")
+
+    def _set_desc(self, attr: Any, value: np.generic) -> None:
+        buf = np.array([value])
+        self._keep.append(buf)
+        _call("cublasLtMatmulDescSetAttribute", _lt().matmul_desc_set_attribute, self.desc, attr, buf.ctypes.data,
+              buf.nbytes)
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> int:
+        return _call("cublasLtMatrixLayoutCreate", _lt().matrix_layout_create, dtype, rows, cols, ld)
+
+    @property
+    def workspace_size(self) -> int:
+        return int(self.heuristic.workspace_size)
+
+    def run(self, x: int, w: int, y: int, c: int = 0, bias: int = 0) -> None:
+        """Enqueue ``y = x @ W.T (+ bias) (+ c)`` on the device's stream (pointers are device addresses;
+        ``c`` may equal ``y``)."""
+        lt = _lt()
+        s, blas = self.shape, self.blas
+        if s.bias:
+            if not bias:
+                raise ValueError("this plan adds a bias: pass its pointer")
+            buf = np.array([bias], np.int64)
+            _call("cublasLtMatmulDescSetAttribute", lt.matmul_desc_set_attribute, self.desc,
+                  lt.MatmulDescAttribute.BIAS_POINTER, buf.ctypes.data, 8)
+        if s.accumulate and not c:
+            raise ValueError("this plan accumulates into c: pass its pointer")
+        blas.device.activate()
+        _call("cublasLtMatmul", lt.matmul, blas.handle, self.desc, self.alpha.ctypes.data, w, self.a, x, self.b,
+              self.beta.ctypes.data, c or y, self.c, y, self.c, self.algo_ptr, blas.workspace.ptr,
+              blas.workspace_bytes, blas.stream_handle)
+        blas.calls += 1
+
+    def destroy(self) -> None:
+        lt = _lt()
+        for lay in (self.a, self.b, self.c):
+            lt.matrix_layout_destroy(lay)
+        lt.matmul_desc_destroy(self.desc)
+
+
+class Blas:
+    """One cuBLASLt handle, workspace and plan cache for one :class:`CudaDevice` (engine thread only)."""
+
+    def __init__(self, device: CudaDevice, workspace_bytes: int = 32 << 20) -> None:
+        lt = _lt()
+        self.device = device
+        device.activate()
+        self.handle = _call("cublasLtCreate", lt.create)
+        self.workspace_bytes = int(workspace_bytes)
+        self.workspace = device.alloc(self.workspace_bytes)
+        self.preference = _call("cublasLtMatmulPreferenceCreate", lt.matmul_preference_create)
+        ws = np.array([self.workspace_bytes], np.uint64)
+        _call("cublasLtMatmulPreferenceSetAttribute", lt.matmul_preference_set_attribute, self.preference,
+              lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, ws.ctypes.data, 8)
+        self.stream_handle = int(device.stream)
+        self._plans: dict[tuple[GemmShape, int], GemmPlan] = {}
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.version = int(lt.get_version())
+
+    def plan(self, shape: GemmShape, pin_m: int = 0) -> GemmPlan:
+        """The cached plan of ``shape`` (``pin_m``: see the module docstring)."""
+        key = (shape, pin_m if pin_m and pin_m != shape.m else 0)
+        with self._lock:
+            p = self._plans.get(key)
+        if p is None:
+            p = GemmPlan(self, shape, key[1])
+            with self._lock:
+                self._plans[key] = p
+        return p
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._plans)
+
+    def gemm(self, m: int, n: int, k: int, x: int, w: int, y: int, *, dtype: str, out_dtype: str, ldx: int = 0,
+             ldy: int = 0, c: int = 0, bias: int = 0, pin_m: int = 0) -> GemmPlan:
+        """Plan (cached) and enqueue one product; returns the plan (tests read ``pinned``)."""
+        p = self.plan(GemmShape(m, n, k, dtype, out_dtype, ldx or k, ldy or n, bool(c), bool(bias)), pin_m)
+        p.run(x, w, y, c, bias)
+        return p

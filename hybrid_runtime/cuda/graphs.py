@@ -1,0 +1,111 @@
+"""Which decode steps replay which CUDA graph: batch-size buckets and attention plan classes (host logic
+only; tested on any machine).
+
+Design (how plans and graphs meet). A decode graph is captured per (bucket, plan class):
+
+* **Bucket**: the batch is padded to the smallest bucket (1, 2, 4, 8, 16, 32, 64, ... capped at, and
+  including, max_batch_size) that holds it; padding rows use the state sink slot, a KV sink page and
+  greedy sampling, and their results are dropped.
+* **Plan class**: the decode-attention grid. The dispatcher plans the real (padded) batch as always; its
+  chunk count is rounded down to a power of two, and :func:`~hybrid_runtime.ops.dispatcher.fixed_grid_plan`
+  gives the launch with exactly that many chunks, a fixed K/V tile, and the chunk length read by the
+  kernels from device memory (step data, like the contexts and page tables). So a captured launch stays
+  valid while the contexts grow, and a bucket needs at most 8 graphs.
+* **Guard**: every class plan is validated against the device limits and the workspace before capture
+  (and the launch guard re-checks each launch while capturing); a class that fails is not captured. At
+  replay the class plan is validated again against the step's real batch; a step whose class has no
+  graph, or fails, runs eagerly with the dispatcher's plan, and :class:`GraphStats` counts why.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..ops.dispatcher import (
+    DecodeAttentionDispatcher,
+    DecodeBatch,
+    LaunchPlan,
+    fixed_grid_plan,
+    graph_blocks,
+    plan,
+    validate,
+)
+
+GraphKey = tuple[int, int]  # (bucket, chunks per sequence)
+
+
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch_size]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding ``n`` rows (None if none does)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def class_blocks(dispatcher: DecodeAttentionDispatcher, batch_at_max: DecodeBatch) -> list[int]:
+    """The chunk counts graphs are captured for, for one bucket: 1, 2, 4, ... up to the dispatcher's own
+    choice for the longest context (``batch_at_max``: the bucket's batch at max_seq_len)."""
+    top = plan(batch_at_max, dispatcher.mode, dispatcher.limits, dispatcher.workspace_capacity).blocks_per_seq
+    out, b = [], 1
+    while b <= graph_blocks(top):
+        out.append(b)
+        b *= 2
+    return out
+
+
+@dataclass
+class GraphStats:
+    """What the metrics show: the captured keys, replays per key, eager decode steps by reason, classes the
+    guard refused at capture."""
+
+    captured: dict[GraphKey, int] = field(default_factory=dict)  # key -> nodes in the graph
+    replays: Counter = field(default_factory=Counter)
+    eager: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)
+
+    def snapshot(self) -> dict:
+        name = lambda k: f"b{k[0]}x{k[1]}"  # noqa: E731
+        return {"captured": {name(k): v for k, v in sorted(self.captured.items())},
+                "replays": {name(k): v for k, v in sorted(self.replays.items())},
+                "eager": dict(self.eager), "refused": dict(self.refused)}
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """How a decode step runs: ``key`` (None: eagerly) and the attention ``plan`` its launches use."""
+
+    key: GraphKey | None
+    plan: LaunchPlan | None
+    reason: str = ""
+
+
+def choose(batch: DecodeBatch | None, bucket: int, dispatcher: DecodeAttentionDispatcher,
+           has_graph: Callable[[GraphKey], bool], graphs_on: bool) -> DecodeChoice:
+    """Plan a padded decode batch (``batch`` None: a model without attention layers) and pick its graph.
+    Raises the dispatcher's DecodeAttentionError when no plan at all fits (the step fails, eager or not)."""
+    if batch is None:
+        key = (bucket, 1)
+        if graphs_on and has_graph(key):
+            return DecodeChoice(key, None)
+        return DecodeChoice(None, None, "graphs_off" if not graphs_on else "no_graph")
+    p = dispatcher.select(batch)
+    if not graphs_on:
+        return DecodeChoice(None, p, "graphs_off")
+    blocks = graph_blocks(p.blocks_per_seq)
+    key = (bucket, blocks)
+    if not has_graph(key):
+        return DecodeChoice(None, p, "no_graph")
+    gp = fixed_grid_plan(batch, blocks, dispatcher.limits)
+    if validate(gp, batch, dispatcher.limits, dispatcher.workspace_capacity):
+        return DecodeChoice(None, p, "class_plan_invalid")
+    return DecodeChoice(key, gp)

@@ -1,0 +1,594 @@
+// Fused kernels of the `cuda` backend: the segment programs' ops (hybrid_runtime/program.py) between the
+// cuBLASLt GEMMs, and the MoE on the device. Self-contained (no CUDA headers): NVRTC compiles it on a CPU.
+//
+// Compiled once per weight/activation dtype with -DDT=<0 float32 | 1 float16 | 2 bfloat16> (T below). The
+// residual stream is always float32; T is what GEMMs read (normed activations, projections, weights) and
+// what the KV pool holds. Every reduction has a fixed order (per row, lanes then warps), so a row's result
+// never depends on the other rows of the batch.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef DT
+#define DT 2
+#endif
+
+#if DT == 0
+typedef float T;
+#define VEC 4
+#else
+typedef u16 T;
+#define VEC 8
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(u16 x) {
+#if DT == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#else
+  return __uint_as_float(((u32)x) << 16);
+#endif
+}
+__device__ __forceinline__ T from_f32(float v) {
+#if DT == 0
+  return v;
+#else
+  u16 h;
+#if DT == 1
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+#endif
+}
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// VEC elements of T as 16 bytes.
+struct Vec {
+  uint4 raw;
+  __device__ __forceinline__ float get(int i) const {
+#if DT == 0
+    return __uint_as_float(((const u32*)&raw)[i]);
+#else
+    return to_f32(((const u16*)&raw)[i]);
+#endif
+  }
+};
+__device__ __forceinline__ Vec load_vec(const T* p) {
+  Vec v;
+  v.raw = *(const uint4*)p;
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block in a fixed order (warp sums, then warp 0 adds them in warp order). blockDim % 32 == 0.
+__device__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < nw ? red[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) red[32] = s;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+// ------------------------------------------------------------------------------------------------
+// embed: x[r, :] = table[ids[r], :] (float32 out). grid (n), any block size.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void embed_rows(const int* __restrict__ ids, const T* __restrict__ table, float* __restrict__ x,
+                                      int n, int H) {
+  const int r = blockIdx.x;
+  if (r >= n) return;
+  const T* src = table + (size_t)ids[r] * H;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) x[(size_t)r * H + c] = to_f32(src[c]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// (add +) rmsnorm. Output row r reads input row s = rows ? rows[r] : r:
+//   v = x[s] + sum_{j<ny} y[s, j]       (the last y slot times sigmoid(sg[s * sg_stride]) when sg != 0)
+//   x_out[r] = v (float32; may be x itself), h[r] = v / sqrt(mean(v^2) + eps) * w   (T)
+// y is [n_in, ny, H] float32 (the MoE's per-expert outputs, or one tensor with ny = 1).
+// grid (n), block 256. Pass 1 writes v (to x_out, or keeps x) and sums squares; pass 2 re-reads it.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict__ y, int ny,
+                                        const float* __restrict__ sg, long long sg_stride,
+                                        const float* __restrict__ w, float* x_out, T* __restrict__ h,
+                                        const int* __restrict__ rows, int n, int H, float eps) {
+  __shared__ float red[33];
+  const int r = blockIdx.x;
+  if (r >= n) return;
+  const int s = rows ? rows[r] : r;
+  const float* xs = x + (size_t)s * H;
+  const float* ys = y ? y + (size_t)s * ny * H : nullptr;
+  const float gate = sg ? sigmoidf_(sg[(size_t)s * sg_stride]) : 1.f;
+  float* xo = x_out ? x_out + (size_t)r * H : nullptr;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float v = xs[c];
+    for (int j = 0; j < ny; ++j) {
+      const float yj = ys[(size_t)j * H + c];
+      v += (sg && j == ny - 1) ? yj * gate : yj;
+    }
+    if (xo) xo[c] = v;
+    ss += v * v;
+  }
+  if (!h) return;  // "add" only (the whole block returns together: no barrier is skipped by some threads)
+  const float tot = block_sum(ss, red);
+  const float rs = rsqrtf(tot / (float)H + eps);
+  const float* src = xo ? xo : xs;  // each thread re-reads only what it wrote itself
+  for (int c = threadIdx.x; c < H; c += blockDim.x) h[(size_t)r * H + c] = from_f32(src[c] * rs * w[c]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// GDN gates from the fused projection p = [u | z | b | a] (rows of p_stride):
+//   g = neg_exp_a * softplus(a + dt_bias),  beta = sigmoid(b)      (float32 [n, nv])
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void gdn_gates(const T* __restrict__ p, long long p_stride, int off_b, int off_a,
+                                     const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
+                                     float* __restrict__ g, float* __restrict__ beta, int n, int nv) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n * nv) return;
+  const int t = i / nv, j = i % nv;
+  const T* row = p + (size_t)t * p_stride;
+  g[i] = neg_exp_a[j] * softplusf_(to_f32(row[off_a + j]) + dt_bias[j]);
+  beta[i] = sigmoidf_(to_f32(row[off_b + j]));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention inputs from the fused projection p = [q|gate per head (H x 2hd) | k (Hkv x hd) | v (Hkv x hd)]:
+// q and k get RMSNorm1p per head (weights qn / kn = 1 + w) and rotate-half RoPE on their first rd dims
+// (cos/sin tables [positions, rd], float32). q -> q_out [n, H*hd] (T). k and v -> the paged pools at row
+// kv_rows[t] ([rows, Hkv*hd]) when kpool != 0, and/or to k_out / v_out [n, Hkv*hd] when given.
+// The gate stays in p (sigmoid_mul reads it there). grid (n, ceil((H + 2 Hkv) / 4)), block 128: one warp
+// per head. hd <= 256.
+// ------------------------------------------------------------------------------------------------
+#define QKV_WARPS 4
+extern "C" __global__ void attn_qkv(const T* __restrict__ p, long long p_stride, const int* __restrict__ positions,
+                                    const float* __restrict__ qn, const float* __restrict__ kn,
+                                    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                    T* __restrict__ q_out, T* __restrict__ kpool, T* __restrict__ vpool,
+                                    const long long* __restrict__ kv_rows, T* __restrict__ k_out,
+                                    T* __restrict__ v_out, int n, int H, int Hkv, int hd, int rd, float eps) {
+  __shared__ float stage[QKV_WARPS][256];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int hi = blockIdx.y * QKV_WARPS + warp;
+  if (t >= n || hi >= H + 2 * Hkv) return;
+  const T* row = p + (size_t)t * p_stride;
+  const long long kvrow = kv_rows ? kv_rows[t] : 0;
+  if (hi >= H + Hkv) {  // v head: copy
+    const int vh = hi - H - Hkv;
+    const T* src = row + 2 * H * hd + Hkv * hd + vh * hd;
+    for (int d = lane; d < hd; d += 32) {
+      const T v = src[d];
+      if (vpool) vpool[kvrow * Hkv * hd + vh * hd + d] = v;
+      if (v_out) v_out[(size_t)t * Hkv * hd + vh * hd + d] = v;
+    }
+    return;
+  }
+  const bool is_q = hi < H;
+  const int head = is_q ? hi : hi - H;
+  const T* src = is_q ? row + head * 2 * hd : row + 2 * H * hd + head * hd;
+  const float* nw = is_q ? qn : kn;
+  float* st = stage[warp];
+  float ss = 0.f;
+  for (int d = lane; d < hd; d += 32) {
+    const float v = to_f32(src[d]);
+    st[d] = v;
+    ss += v * v;
+  }
+  const float rs = rsqrtf(warp_sum(ss) / (float)hd + eps);
+  __syncwarp();
+  for (int d = lane; d < hd; d += 32) st[d] = st[d] * rs * nw[d];
+  __syncwarp();
+  const int pos = positions[t], half = rd >> 1;
+  for (int d = lane; d < hd; d += 32) {
+    float v = st[d];
+    if (d < rd) {
+      const float c = cos_t[(size_t)pos * rd + d], s = sin_t[(size_t)pos * rd + d];
+      const float rot = d < half ? -st[d + half] : st[d - half];
+      v = v * c + rot * s;
+    }
+    const T o = from_f32(v);
+    if (is_q) {
+      q_out[(size_t)t * H * hd + head * hd + d] = o;
+    } else {
+      if (kpool) kpool[kvrow * Hkv * hd + head * hd + d] = o;
+      if (k_out) k_out[(size_t)t * Hkv * hd + head * hd + d] = o;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GDN output: per value head, o = core / sqrt(mean(core^2) + eps) * w * silu(z). z rows of z_stride.
+// grid (n, ceil(nv / 4)), block 128: one warp per head. dv <= 1024.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void gated_rmsnorm(const T* __restrict__ core, const T* __restrict__ z, long long z_stride,
+                                         const float* __restrict__ w, T* __restrict__ o, int n, int nv, int dv,
+                                         float eps) {
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int h = blockIdx.y * 4 + warp;
+  if (t >= n || h >= nv) return;
+  const T* c = core + (size_t)t * nv * dv + h * dv;
+  float ss = 0.f;
+  for (int d = lane; d < dv; d += 32) {
+    const float v = to_f32(c[d]);
+    ss += v * v;
+  }
+  const float rs = rsqrtf(warp_sum(ss) / (float)dv + eps);
+  const T* zr = z + (size_t)t * z_stride + h * dv;
+  for (int d = lane; d < dv; d += 32)
+    o[(size_t)t * nv * dv + h * dv + d] = from_f32(to_f32(c[d]) * rs * w[d] * siluf_(to_f32(zr[d])));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention output gate: o[t, h*hd + d] = a[t, h*hd + d] * sigmoid(gate[t * gate_stride + h * 2hd + d]).
+// a float32 [n, H*hd] (the attention kernels' output); gate points at p + hd (its rows of p_stride).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const T* __restrict__ gate, long long gate_stride,
+                                       int hd, T* __restrict__ o, int n, int H) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long width = (long long)H * hd;
+  if (i >= (long long)n * width) return;
+  const long long t = i / width;
+  const int j = (int)(i % width), h = j / hd, d = j % hd;
+  o[i] = from_f32(a[i] * sigmoidf_(to_f32(gate[t * gate_stride + (long long)h * 2 * hd + d])));
+}
+
+// SwiGLU: act[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu rows of stride elements).
+extern "C" __global__ void swiglu(const T* __restrict__ gu, long long stride, T* __restrict__ act, int n, int I) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * I) return;
+  const long long t = i / I;
+  const int c = (int)(i % I);
+  act[i] = from_f32(siluf_(to_f32(gu[t * stride + c])) * to_f32(gu[t * stride + I + c]));
+}
+
+// ================================================================================================
+// MoE on the device.
+//
+// moe_route: one CTA of 1024 threads for the whole batch. Per token (one warp each): softmax over the E
+// router logits (float32, rows of ld), top-k by repeated arg-max (ties: the lower expert id), weights
+// renormalised when renorm != 0. With fold_shared != 0 the shared expert is expert E of the weight arrays
+// and slot k of every token, weighted sigmoid(logits[t, E]) (the shared gate's row is appended to the
+// router). Then the pairs (t, slot), kk = k + fold_shared per token, are grouped by expert:
+//   pair_w[p], pair_e[p]        p = t * kk + slot
+//   expert_off[e] .. expert_off[e+1]   the slice of pair_list holding expert e's pairs
+//   active[0 .. n_active-1]            the experts with at least one pair, ascending; active[E_all] = n_active
+// E_all = E + fold_shared <= 1024. Within an expert the pairs' order may vary run to run; every output
+// element is computed from one pair alone, so results do not.
+// ================================================================================================
+#define ROUTE_THREADS 1024
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route(const float* __restrict__ logits, int ld, int n, int E, int k, int renorm, int fold_shared,
+              float* __restrict__ pair_w, int* __restrict__ pair_e, int* __restrict__ expert_off,
+              int* __restrict__ pair_list, int* __restrict__ active) {
+  __shared__ int cnt[1025];
+  __shared__ int scan[1025];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int kk = k + fold_shared, E_all = E + fold_shared;
+  for (int t = warp; t < n; t += ROUTE_THREADS / 32) {
+    const float* lg = logits + (size_t)t * ld;
+    float mx = -3.0e38f;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, lg[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float se = 0.f;
+    for (int e = lane; e < E; e += 32) se += expf(lg[e] - mx);
+    se = warp_sum(se);
+    float wsum = 0.f;
+    int prev = -1;
+    float prev_v = 3.0e38f;
+    for (int j = 0; j < k; ++j) {
+      // the largest logit strictly after (prev_v, prev) in (value desc, id asc) order
+      float bv = -3.0e38f;
+      int be = 0x7fffffff;
+      for (int e = lane; e < E; e += 32) {
+        const float v = lg[e];
+        const bool after = v < prev_v || (v == prev_v && e > prev);
+        if (after && (v > bv || (v == bv && e < be))) {
+          bv = v;
+          be = e;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (ov > bv || (ov == bv && oe < be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+      const float pw = expf(bv - mx) / se;
+      if (lane == 0) {
+        pair_e[t * kk + j] = be;
+        pair_w[t * kk + j] = pw;
+      }
+      wsum += pw;
+      prev = be;
+      prev_v = bv;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      if (renorm)
+        for (int j = 0; j < k; ++j) pair_w[t * kk + j] /= wsum;
+      if (fold_shared) {
+        pair_e[t * kk + k] = E;
+        pair_w[t * kk + k] = sigmoidf_(lg[E]);
+      }
+    }
+  }
+  for (int e = tid; e < E_all + 1; e += ROUTE_THREADS) cnt[e] = 0;
+  __syncthreads();  // also orders the pair writes above before the reads below (same CTA)
+  const int np = n * kk;
+  for (int q = tid; q < np; q += ROUTE_THREADS) atomicAdd(&cnt[pair_e[q]], 1);
+  __syncthreads();
+  // exclusive scan of the counts (E_all <= 1024 entries) and of the "has pairs" flags, Hillis-Steele
+  int c = tid < E_all ? cnt[tid] : 0;
+  int f = c > 0 ? 1 : 0;
+  scan[tid] = c;
+  __syncthreads();
+  for (int o = 1; o < ROUTE_THREADS; o <<= 1) {
+    const int v = tid >= o ? scan[tid - o] : 0;
+    __syncthreads();
+    scan[tid] += v;
+    __syncthreads();
+  }
+  const int excl = scan[tid] - c;
+  __syncthreads();
+  scan[tid] = f;
+  __syncthreads();
+  for (int o = 1; o < ROUTE_THREADS; o <<= 1) {
+    const int v = tid >= o ? scan[tid - o] : 0;
+    __syncthreads();
+    scan[tid] += v;
+    __syncthreads();
+  }
+  if (tid < E_all) {
+    expert_off[tid] = excl;
+    if (f) active[scan[tid] - 1] = tid;
+    cnt[tid] = excl;  // becomes the fill cursor
+  }
+  if (tid == E_all - 1) {
+    expert_off[E_all] = excl + c;
+    active[E_all] = scan[tid];
+  }
+  __syncthreads();
+  for (int q = tid; q < np; q += ROUTE_THREADS) pair_list[atomicAdd(&cnt[pair_e[q]], 1)] = q;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Routed experts, first half: act[p, i] = silu(Wg[e] h_t . ) * (Wu[e] h_t . ) for every pair p = (t, slot) of
+// expert e, i in this CTA's rows. w_gu [E_all, 2I, H] (gate rows, then up rows). grid (ceil(I / 16),
+// E_all), block 256 (8 warps x 2 rows); CTA y serves active[y] (exits past n_active). The pairs' h rows
+// are staged tg at a time in shared memory (dynamic smem = tg * H * sizeof(T)); each weight row is read
+// once per group of tg pairs (once per step at decode batch sizes). H % VEC == 0.
+// ------------------------------------------------------------------------------------------------
+#define MOE_WARPS 8
+#define MOE_RPW 2
+#define MOE_TG_MAX 8
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gate_up(const T* __restrict__ h, const T* __restrict__ w_gu, int H, int I, int kk, int E_all,
+                const int* __restrict__ expert_off, const int* __restrict__ pair_list,
+                const int* __restrict__ active, T* __restrict__ act, int tg) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* hs = (T*)smem_raw;
+  const int j = blockIdx.y;
+  if (j >= active[E_all]) return;
+  const int e = active[j];
+  const int p0 = expert_off[e], p1 = expert_off[e + 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i0 = blockIdx.x * (MOE_WARPS * MOE_RPW) + warp * MOE_RPW;
+  const T* W = w_gu + (size_t)e * 2 * I * H;
+  for (int g0 = p0; g0 < p1; g0 += tg) {
+    const int m = min(tg, p1 - g0);
+    __syncthreads();
+    for (int q = 0; q < m; ++q) {
+      const T* src = h + (size_t)(pair_list[g0 + q] / kk) * H;
+      for (int c = threadIdx.x * VEC; c < H; c += blockDim.x * VEC) *(uint4*)(hs + q * H + c) = *(const uint4*)(src + c);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < MOE_RPW; ++r) {
+      const int i = i0 + r;
+      if (i >= I) break;
+      float ag[MOE_TG_MAX], au[MOE_TG_MAX];
+#pragma unroll
+      for (int q = 0; q < MOE_TG_MAX; ++q) ag[q] = au[q] = 0.f;
+      const T* wg = W + (size_t)i * H;
+      const T* wu = W + (size_t)(I + i) * H;
+      for (int c = lane * VEC; c < H; c += 32 * VEC) {
+        const Vec a = load_vec(wg + c), b = load_vec(wu + c);
+#pragma unroll
+        for (int q = 0; q < MOE_TG_MAX; ++q) {
+          if (q < m) {
+            const Vec x = load_vec(hs + q * H + c);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              ag[q] += a.get(v) * x.get(v);
+              au[q] += b.get(v) * x.get(v);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < MOE_TG_MAX; ++q) {
+        if (q < m) {
+          const float gs = warp_sum(ag[q]), us = warp_sum(au[q]);
+          if (lane == 0) act[(size_t)pair_list[g0 + q] * I + i] = from_f32(siluf_(gs) * us);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Routed experts, second half: y[t, slot, r] = pair_w[p] * (Wd[e] act_p)[r] for rows r of this CTA, with
+// p = t * kk + slot; y is [n, ny, H] float32 (ny >= kk: a non-folded shared expert fills slot kk). w_d
+// [E_all, H, I]. Same grid scheme as moe_gate_up over H rows; dynamic smem = tg * I * sizeof(T). I % VEC == 0.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+    moe_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H, int I,
+             int kk, int ny, int E_all, const int* __restrict__ expert_off, const int* __restrict__ pair_list,
+             const int* __restrict__ active, float* __restrict__ y, int tg) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* as = (T*)smem_raw;
+  const int j = blockIdx.y;
+  if (j >= active[E_all]) return;
+  const int e = active[j];
+  const int p0 = expert_off[e], p1 = expert_off[e + 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 = blockIdx.x * (MOE_WARPS * MOE_RPW) + warp * MOE_RPW;
+  const T* W = w_d + (size_t)e * H * I;
+  for (int g0 = p0; g0 < p1; g0 += tg) {
+    const int m = min(tg, p1 - g0);
+    __syncthreads();
+    for (int q = 0; q < m; ++q) {
+      const T* src = act + (size_t)pair_list[g0 + q] * I;
+      for (int c = threadIdx.x * VEC; c < I; c += blockDim.x * VEC) *(uint4*)(as + q * I + c) = *(const uint4*)(src + c);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rr = 0; rr < MOE_RPW; ++rr) {
+      const int r = r0 + rr;
+      if (r >= H) break;
+      float acc[MOE_TG_MAX];
+#pragma unroll
+      for (int q = 0; q < MOE_TG_MAX; ++q) acc[q] = 0.f;
+      const T* wr = W + (size_t)r * I;
+      for (int c = lane * VEC; c < I; c += 32 * VEC) {
+        const Vec a = load_vec(wr + c);
+#pragma unroll
+        for (int q = 0; q < MOE_TG_MAX; ++q) {
+          if (q < m) {
+            const Vec x = load_vec(as + q * I + c);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[q] += a.get(v) * x.get(v);
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < MOE_TG_MAX; ++q) {
+        if (q < m) {
+          const float s = warp_sum(acc[q]);
+          if (lane == 0) {
+            const int pr = pair_list[g0 + q];
+            const int t = pr / kk, slot = pr % kk;
+            y[((size_t)t * ny + slot) * H + r] = pair_w[pr] * s;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode-sized GEMM ("GEMV"): y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) (+ c[m, n]) for M <= a few dozen
+// rows. Memory-bound: each warp streams GEMV_RW weight rows once per group of GEMV_TG tokens with 16-byte
+// loads; x rows are read through L1. Every output element is one lane-strided sum over k reduced in a
+// fixed shuffle order, so a row's result never depends on M or on the other rows (batch invariance).
+// grid (ceil(N / (8 * GEMV_RW))), block 256. K % VEC == 0, rows 16-byte aligned (checked on the host).
+// y is float32 when out_f32, else T; bias and c are float32 (c may equal y).
+// ------------------------------------------------------------------------------------------------
+#define GEMV_RW 4
+#define GEMV_TG 4
+extern "C" __global__ void __launch_bounds__(256)
+    gemv(const T* __restrict__ x, long long ldx, const T* __restrict__ W, int N, int K,
+         const float* __restrict__ bias, const float* c, long long ldc, void* y, long long ldy, int out_f32, int M) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.x * 8 + warp) * GEMV_RW;
+  if (n0 >= N) return;
+  const int nr = min(GEMV_RW, N - n0);
+  for (int m0 = 0; m0 < M; m0 += GEMV_TG) {
+    const int mg = min(GEMV_TG, M - m0);
+    float acc[GEMV_RW][GEMV_TG];
+#pragma unroll
+    for (int r = 0; r < GEMV_RW; ++r)
+#pragma unroll
+      for (int q = 0; q < GEMV_TG; ++q) acc[r][q] = 0.f;
+    for (int k = lane * VEC; k < K; k += 32 * VEC) {
+      Vec w[GEMV_RW];
+#pragma unroll
+      for (int r = 0; r < GEMV_RW; ++r)
+        if (r < nr) w[r] = load_vec(W + (size_t)(n0 + r) * K + k);
+#pragma unroll
+      for (int q = 0; q < GEMV_TG; ++q) {
+        if (q < mg) {
+          const Vec xv = load_vec(x + (size_t)(m0 + q) * ldx + k);
+#pragma unroll
+          for (int r = 0; r < GEMV_RW; ++r)
+            if (r < nr) {
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) acc[r][q] += w[r].get(v) * xv.get(v);
+            }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_RW; ++r)
+#pragma unroll
+      for (int q = 0; q < GEMV_TG; ++q) acc[r][q] = warp_sum(acc[r][q]);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < GEMV_RW; ++r) {
+        if (r >= nr) continue;
+        const int n = n0 + r;
+#pragma unroll
+        for (int q = 0; q < GEMV_TG; ++q) {
+          if (q >= mg) continue;
+          const int m = m0 + q;
+          float v = acc[r][q];
+          if (bias) v += bias[n];
+          if (c) v += c[(size_t)m * ldc + n];
+          if (out_f32)
+            ((float*)y)[(size_t)m * ldy + n] = v;
+          else
+            ((T*)y)[(size_t)m * ldy + n] = from_f32(v);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Small helpers: copy rows of one buffer into another (strided), fill with a value.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void fill_f32(float* __restrict__ dst, float v, long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = v;
+}
+
+// Deterministic pseudo-random weights for benchmarks: dst[i] = offset + (u - 0.5) * 2 * scale, u from a hash
+// of (seed, i) (splitmix64); written straight on the device so 70 GB of weights need no host copy.
+__device__ __forceinline__ float hash_uniform(u64 seed, long long i) {
+  u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+extern "C" __global__ void fill_random(T* __restrict__ dst, long long n, u64 seed, float scale, float offset) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = from_f32(offset + (hash_uniform(seed, i) - 0.5f) * 2.f * scale);
+}
+extern "C" __global__ void fill_random_f32(float* __restrict__ dst, long long n, u64 seed, float scale,
+                                           float offset) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = offset + (hash_uniform(seed, i) - 0.5f) * 2.f * scale;
+}
