@@ -8,10 +8,10 @@ and receives the sampled tokens (and logprobs) in ONE copy. Nothing else crosses
 static arena allocated at load (the first ``n`` rows of each buffer are a step's), so a graph reads and
 writes the same addresses on every replay. Only the engine thread calls it (invariant 1).
 
-Precision: weights and the activations GEMMs read are the bundle dtype (bfloat16 / float16 / float32, the
-last true float32 for parity tests); the residual stream, norms, gates, attention outputs, router logits
-and logits are float32; the KV pool is the bundle dtype (bf16 KV for bf16 bundles); GDN conv and recurrent
-state are float32.
+Precision: weights and the activations GEMMs read (normed h, o, act) are the bundle dtype (bfloat16 /
+float16 / float32, the last true float32 for parity tests); the residual stream, the projections (GEMM
+outputs: GDN / attention inputs, gate-up), the GDN core, attention outputs, router logits and logits are
+float32; the KV pool is the bundle dtype (bf16 KV for bf16 bundles); GDN conv and recurrent state are float32.
 
 Invariants kept here: one owner (the engine thread); slots bounds-checked and distinct, one sink slot and
 one sink KV page for padding rows, slots zeroed on admission (:meth:`reset_slot`); the decode-attention
@@ -125,10 +125,14 @@ class CudaCtx:
 class _Arena:
     bufs: dict[str, DeviceArray] = field(default_factory=dict)
 
-    def mat(self, name: str, rows: int, cols: int | None = None) -> Mat:
+    def mat(self, name: str, rows: int, cols: int | None = None, dense: bool = False) -> Mat:
+        """The first ``rows`` rows of buffer ``name``: rows ``ld`` = the buffer's width apart, or (``dense``)
+        ``cols`` apart, for kernels that write contiguous ``[rows, cols]`` output."""
         a = self.bufs[name]
         c = a.shape[1] if cols is None else cols
-        return Mat(a.ptr, rows, c, a.shape[1], a.dtype.name)
+        if c > a.shape[1]:
+            raise ValueError(f"arena buffer {name} is {a.shape[1]} wide, {c} columns asked for")
+        return Mat(a.ptr, rows, c, c if dense else a.shape[1], a.dtype.name)
 
 
 class CudaBackend:
@@ -190,7 +194,8 @@ class CudaBackend:
         if cfg.attention_layers:
             pool = KVLayout(self.num_pages + 1, lim.page_size, cfg.num_kv_heads, cfg.head_dim, kv_np, nattn)
             self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
-        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype=self.dtype)
+        # GDN reads u from the float32 projection and writes its core output in float32
+        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
                       if cfg.linear_layers else None)
         group = cfg.num_heads // max(1, cfg.num_kv_heads)
         prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
@@ -237,12 +242,12 @@ class CudaBackend:
         self.ny = cfg.num_experts_per_tok + int(moe and cfg.shared_expert_intermediate_size > 0)
         e_pad = -(-(cfg.num_experts + 1) // 8) * 8 if moe else 8
         shapes: dict[str, tuple[tuple[int, int], str]] = {
-            "x": ((T, H), "float32"), "h": ((T, H), d), "proj": ((T, max([*widths, 1])), d),
+            "x": ((T, H), "float32"), "h": ((T, H), d), "proj": ((T, max([*widths, 1])), "float32"),
             "q": ((T, max(qd, 1)), d), "attn": ((T, max(qd, 1)), "float32"), "o": ((T, max(qd, cfg.value_dim, 1)), d),
-            "gdn_x": ((T, max(cfg.conv_dim, 1)), "float32"), "core": ((T, max(cfg.value_dim, 1)), d),
+            "gdn_x": ((T, max(cfg.conv_dim, 1)), "float32"), "core": ((T, max(cfg.value_dim, 1)), "float32"),
             "g": ((T, max(cfg.linear_num_value_heads, 1)), "float32"),
             "beta": ((T, max(cfg.linear_num_value_heads, 1)), "float32"),
-            "gu": ((T, 2 * inter), d), "act": ((T, inter), d),
+            "gu": ((T, 2 * inter), "float32"), "act": ((T, inter), d),
             "h_out": ((R, H), d), "logits": ((R, cfg.vocab_size), "float32"),
         }
         if moe:
@@ -275,6 +280,25 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self.dev.synchronize()
+
+    def to_host(self, t: Any, rows: int | None = None) -> np.ndarray | None:
+        """A host float32 copy of a pipeline tensor (tests and debugging only: it synchronises): a
+        :class:`Mat`, or a :class:`MoEOut` summed over its slots as the next add does."""
+        if t is None:
+            return None
+        if isinstance(t, MoEOut):
+            n = rows or 0
+            H = self.cfg.hidden_size
+            y = self.dev.download(DeviceArray(t.y, (n, t.ny, H), "float32", self.dev.ordinal)).astype(np.float64)
+            if t.sg:
+                sg = self.dev.download(DeviceArray(t.sg - self.cfg.num_experts * 4, (n, t.sg_stride), "float32",
+                                                   self.dev.ordinal))[:, self.cfg.num_experts]
+                y[:, -1] *= 1.0 / (1.0 + np.exp(-sg[:, None]))
+            return y.sum(1).astype(np.float32)
+        m = t if rows is None else t.first(rows)
+        full = self.dev.download(DeviceArray(m.ptr, (m.rows, m.ld), m.dtype, self.dev.ordinal)) if m.rows else \
+            np.zeros((0, m.ld), np.float32)
+        return np.ascontiguousarray(full[:, :m.cols])
 
     @property
     def profile_switches(self) -> int:
@@ -483,7 +507,7 @@ class CudaBackend:
             H, Hkv, hd, rd = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["rotary_dim"]
             assert self.kv is not None and exit_[0] == "mixer"
             kp, vp = self.kv.buffers(exit_[1])
-            q = A.mat("q", n, H * hd)
+            q = A.mat("q", n, H * hd, dense=True)
             self._launch("attn_qkv", (n, -(-(H + 2 * Hkv) // 4), 1), 128,
                          [("ptr", p.ptr), ("i64", p.ld), ("ptr", self._ptr(self.in_layout.positions)),
                           ("ptr", W[0].ptr), ("ptr", W[1].ptr), ("ptr", W[2].ptr), ("ptr", W[3].ptr), ("ptr", q.ptr),
@@ -494,7 +518,7 @@ class CudaBackend:
         elif op.kind == "gated_rmsnorm":
             core, z = env[op.inputs[0]], env[op.inputs[1]]
             nv, dv = a["nv"], a["dv"]
-            o = A.mat("o", n, nv * dv)
+            o = A.mat("o", n, nv * dv, dense=True)
             self._launch("gated_rmsnorm", (n, -(-nv // 4), 1), 128,
                          [("ptr", core.ptr), ("ptr", z.ptr), ("i64", z.ld), ("ptr", W[0].ptr), ("ptr", o.ptr),
                           ("i32", n), ("i32", nv), ("i32", dv), ("f32", a["eps"])])
@@ -502,7 +526,7 @@ class CudaBackend:
         elif op.kind == "sigmoid_mul":
             att, gate = env[op.inputs[0]], env[op.inputs[1]]
             H, hd = cfg.num_heads, cfg.head_dim
-            o = A.mat("o", n, H * hd)
+            o = A.mat("o", n, H * hd, dense=True)
             self._launch("sigmoid_mul", (-(-n * H * hd // 256), 1, 1), 256,
                          [("ptr", att.ptr), ("ptr", gate.ptr), ("i64", gate.ld), ("i32", hd), ("ptr", o.ptr),
                           ("i32", n), ("i32", H)])
@@ -510,7 +534,7 @@ class CudaBackend:
         elif op.kind == "swiglu":
             gu = env[op.inputs[0]]
             inter = a["inter"]
-            act = A.mat("act", n, inter)
+            act = A.mat("act", n, inter, dense=True)
             self._launch("swiglu", (-(-n * inter // 256), 1, 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", inter)])
             env[op.outputs[0]] = act
@@ -523,7 +547,7 @@ class CudaBackend:
         conv, rec = self.state.conv[layer], self.state.recurrent[layer]
         conv_w = self.w[f"layers.{layer}.linear_attn.conv1d"]
         n, A = ctx.n, self.arena
-        core, x = A.mat("core", n), A.mat("gdn_x", n)
+        core, x = A.mat("core", n, dense=True), A.mat("gdn_x", n, dense=True)
         slots = self._ptr(self.in_layout.slots)
         if ctx.phase == Phase.DECODE:
             self.gdn_k.conv_decode(conv, slots, u, conv_w, x, n, u_stride=u.ld)  # type: ignore[arg-type]
@@ -543,7 +567,7 @@ class CudaBackend:
         q = out["q"]
         H, hd = cfg.num_heads, cfg.head_dim
         qa = DeviceArray(q.ptr, (Q, H, hd), self.dtype, self.dev.ordinal)
-        res = self.arena.mat("attn", Q, H * hd)
+        res = self.arena.mat("attn", Q, H * hd, dense=True)
         oa = DeviceArray(res.ptr, (Q, H, hd), "float32", self.dev.ordinal)
         kb, vb = self.kv.buffers(layer)
         base = self.in_layout.attn
@@ -580,7 +604,7 @@ class CudaBackend:
         if mw.shared_gate_up is not None:  # a shared expert of its own width: GEMMs into the last slot
             assert mw.shared_down is not None
             si = cfg.shared_expert_intermediate_size
-            gu, act = A.mat("gu", n, 2 * si), A.mat("act", n, si)
+            gu, act = A.mat("gu", n, 2 * si), A.mat("act", n, si, dense=True)
             self._gemm(h, mw.shared_gate_up, gu, decode=ctx.phase == Phase.DECODE)
             self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
@@ -627,8 +651,8 @@ class CudaBackend:
                 dev.copy_dtoh(host_logits.ctypes.data, logits.ptr, host_logits.nbytes)
         dev.synchronize()
         self.timings["step"] += time.perf_counter() - t0
-        if ctx.rows is None:
-            return StepResult(np.zeros(0, np.int64), [], host_logits)
+        if ctx.rows is None or ctx.R == 0:
+            return StepResult(np.zeros(0, np.int64), [None] * len(ctx.rows or ()), host_logits)
         tok, lp, ti, tl = self.out_layout.unpack(self.host_out.array, ctx.R)
         lps: list[TokenLogprobs | None] = []
         for r, sr in enumerate(ctx.rows):
@@ -677,12 +701,13 @@ class CudaBackend:
         return CudaCtx(Phase.DECODE, bucket, bucket, bucket, bucket, bucket, 1, plan_, batch, bucket, rows, False,
                        upload)
 
-    def capture_graphs(self, forward: Callable[[CudaCtx], Any]) -> None:
-        """Warm up and capture one graph per (bucket, plan class), largest bucket first. A class whose plan
-        the guard refuses, or whose capture fails, is left out (its steps run eagerly, counted)."""
+    def capture_graphs(self, forward: Callable[[CudaCtx], Any], buckets: Sequence[int] | None = None) -> None:
+        """Warm up and capture one graph per (bucket, plan class), largest bucket first (``buckets``: only these;
+        default all). A class whose plan the guard refuses, or whose capture fails, is left out (its steps run
+        eagerly, counted)."""
         t0 = time.perf_counter()
         cfg, lim = self.cfg, self.lim
-        for bucket in reversed(self.buckets):
+        for bucket in reversed([b for b in self.buckets if buckets is None or b in buckets]):
             if cfg.attention_layers:
                 L = lim.max_seq_len
                 tbl = np.full(-(-L // lim.page_size), self.sink_page, np.int64)

@@ -120,6 +120,7 @@ class GemmPlan:
             if ok:
                 self.algo_ptr, self.pinned = ref.algo_ptr, True
                 return
+            blas.pin_failures.append((s.m, s.n, s.k, pin_m))
         count = np.zeros(1, np.int32)
         _call("cublasLtMatmulAlgoGetHeuristic", lt.matmul_algo_get_heuristic, blas.handle, self.desc, self.a, self.b,
               self.c, self.c, blas.preference, 1, self.heuristic.ptr, count.ctypes.data)
@@ -185,6 +186,8 @@ class Blas:
         self._lock = threading.Lock()
         self.calls = 0
         self.version = int(lt.get_version())
+        # (m, n, k, pin_m) of plans whose pinned algorithm cublasLtMatmulAlgoCheck refused (heuristic used instead)
+        self.pin_failures: list[tuple[int, int, int, int]] = []
 
     def plan(self, shape: GemmShape, pin_m: int = 0) -> GemmPlan:
         """The cached plan of ``shape`` (``pin_m``: see the module docstring)."""

@@ -92,20 +92,24 @@ class DecodeChoice:
 def choose(batch: DecodeBatch | None, bucket: int, dispatcher: DecodeAttentionDispatcher,
            has_graph: Callable[[GraphKey], bool], graphs_on: bool) -> DecodeChoice:
     """Plan a padded decode batch (``batch`` None: a model without attention layers) and pick its graph.
-    Raises the dispatcher's DecodeAttentionError when no plan at all fits (the step fails, eager or not)."""
+
+    The step's attention plan is its class plan whenever that validates for this batch — replayed from a graph
+    or launched eagerly alike, so a graph replay and an eager step compute the same numbers — and the
+    dispatcher's own plan otherwise. Raises the dispatcher's DecodeAttentionError when no plan at all fits
+    (the step fails, eager or not)."""
     if batch is None:
         key = (bucket, 1)
         if graphs_on and has_graph(key):
             return DecodeChoice(key, None)
         return DecodeChoice(None, None, "graphs_off" if not graphs_on else "no_graph")
     p = dispatcher.select(batch)
-    if not graphs_on:
-        return DecodeChoice(None, p, "graphs_off")
     blocks = graph_blocks(p.blocks_per_seq)
-    key = (bucket, blocks)
-    if not has_graph(key):
-        return DecodeChoice(None, p, "no_graph")
     gp = fixed_grid_plan(batch, blocks, dispatcher.limits)
     if validate(gp, batch, dispatcher.limits, dispatcher.workspace_capacity):
         return DecodeChoice(None, p, "class_plan_invalid")
+    key = (bucket, blocks)
+    if not graphs_on:
+        return DecodeChoice(None, gp, "graphs_off")
+    if not has_graph(key):
+        return DecodeChoice(None, gp, "no_graph")
     return DecodeChoice(key, gp)

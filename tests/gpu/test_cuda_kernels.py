@@ -42,10 +42,20 @@ def rounded(a: np.ndarray, dtype: str) -> np.ndarray:
     return a
 
 
-def up(dev, a: np.ndarray, dtype: str):
+_KEEP: list = []  # device buffers a launch reads must outlive it: tests pass ``.ptr`` of temporaries
+
+
+def up(dev, a: np.ndarray, dtype: str = "float32"):
     from hybrid_runtime.cuda.backend import to_dtype
 
-    return dev.upload(to_dtype(a, dtype), dtype=dtype)
+    arr = dev.upload(to_dtype(a, dtype), dtype=dtype)
+    _KEEP.append(arr)
+    return arr
+
+
+def keep(arr):
+    _KEEP.append(arr)
+    return arr
 
 
 def fused(dev, dtype: str):
@@ -172,11 +182,11 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     P = C + vd + 2 * nv
     p = rounded(rng.standard_normal((n, P + 8)), dtype)
     nea, dtb = (-np.exp(rng.standard_normal(nv) * 0.3)).astype(np.float32), rng.standard_normal(nv).astype(np.float32)
-    pd = up(dev, p, dtype)
+    pd = up(dev, p)  # projections are float32 (GEMM outputs)
     g, beta = dev.empty((n, nv), "float32"), dev.empty((n, nv), "float32")
     mod.kernel("gdn_gates").launch(dev, (1, 1, 1), (256, 1, 1), 0,
                                    [("ptr", pd.ptr), ("i64", P + 8), ("i32", C + vd), ("i32", C + vd + nv),
-                                    ("ptr", dev.upload(nea).ptr), ("ptr", dev.upload(dtb).ptr), ("ptr", g.ptr),
+                                    ("ptr", up(dev, nea).ptr), ("ptr", up(dev, dtb).ptr), ("ptr", g.ptr),
                                     ("ptr", beta.ptr), ("i32", n), ("i32", nv)])
     env = {"p": p[:, :P]}
     apply_op(Op("gdn_gates", ("p",), ("u", "z", "g", "beta"), ("a", "b"), {"conv_dim": C, "value_dim": vd, "nv": nv}),
@@ -188,9 +198,8 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     gw = rng.standard_normal(vd // nv).astype(np.float32)
     o = dev.empty((n, vd), dtype)
     mod.kernel("gated_rmsnorm").launch(dev, (n, 1, 1), (128, 1, 1), 0,
-                                       [("ptr", up(dev, core, dtype).ptr), ("ptr", pd.ptr + C * (2 if dtype != "float32"
-                                                                                                else 4)),
-                                        ("i64", P + 8), ("ptr", dev.upload(gw).ptr), ("ptr", o.ptr), ("i32", n),
+                                       [("ptr", up(dev, core).ptr), ("ptr", pd.ptr + C * 4),
+                                        ("i64", P + 8), ("ptr", up(dev, gw).ptr), ("ptr", o.ptr), ("i32", n),
                                         ("i32", nv), ("i32", vd // nv), ("f32", eps)])
     env = {"c": core, "z": p[:, C:C + vd]}
     apply_op(Op("gated_rmsnorm", ("c", "z"), ("o",), ("w",), {"nv": nv, "dv": vd // nv, "eps": eps}), env, {"w": gw})
@@ -198,11 +207,11 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     Hh, hd = 3, 16
     a = rng.standard_normal((n, Hh * hd)).astype(np.float32)
     qg = rounded(rng.standard_normal((n, Hh * 2 * hd)), dtype)
-    qgd = up(dev, qg, dtype)
+    qgd = up(dev, qg)
     o2 = dev.empty((n, Hh * hd), dtype)
-    es = 2 if dtype != "float32" else 4
+    es = 4
     mod.kernel("sigmoid_mul").launch(dev, (1, 1, 1), (256, 1, 1), 0,
-                                     [("ptr", dev.upload(a).ptr), ("ptr", qgd.ptr + hd * es), ("i64", Hh * 2 * hd),
+                                     [("ptr", up(dev, a).ptr), ("ptr", qgd.ptr + hd * es), ("i64", Hh * 2 * hd),
                                       ("i32", hd), ("ptr", o2.ptr), ("i32", n), ("i32", Hh)])
     gate = qg.reshape(n, Hh, 2 * hd)[..., hd:].reshape(n, Hh * hd)
     assert rel(dev.download(o2), a / (1 + np.exp(-gate))) < TOL[dtype]
@@ -210,7 +219,7 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     gu = rounded(rng.standard_normal((n, 2 * inter)), dtype)
     act = dev.empty((n, inter), dtype)
     mod.kernel("swiglu").launch(dev, (1, 1, 1), (256, 1, 1), 0,
-                                [("ptr", up(dev, gu, dtype).ptr), ("i64", 2 * inter), ("ptr", act.ptr), ("i32", n),
+                                [("ptr", up(dev, gu).ptr), ("i64", 2 * inter), ("ptr", act.ptr), ("i32", n),
                                  ("i32", inter)])
     env = {"gu": gu}
     apply_op(Op("swiglu", ("gu",), ("act",), attrs={"inter": inter}), env, {})
@@ -236,10 +245,10 @@ def test_attn_qkv_norms_rope_and_writes_the_pools(dev, dtype: str, hd: int, rd: 
     q = dev.empty((n, H * hd), dtype)
     mod.kernel("attn_qkv").launch(
         dev, (n, -(-(H + 2 * Hkv) // 4), 1), (128, 1, 1), 0,
-        [("ptr", up(dev, p, dtype).ptr), ("i64", P), ("ptr", dev.upload(pos.astype(np.int32)).ptr),
-         ("ptr", dev.upload(qn).ptr), ("ptr", dev.upload(kn).ptr), ("ptr", dev.upload(cos).ptr),
-         ("ptr", dev.upload(sin).ptr), ("ptr", q.ptr), ("ptr", pools[0].ptr), ("ptr", pools[1].ptr),
-         ("ptr", dev.upload(rows).ptr), ("ptr", 0), ("ptr", 0), ("i32", n), ("i32", H), ("i32", Hkv), ("i32", hd),
+        [("ptr", up(dev, p).ptr), ("i64", P), ("ptr", keep(dev.upload(pos.astype(np.int32))).ptr),
+         ("ptr", up(dev, qn).ptr), ("ptr", up(dev, kn).ptr), ("ptr", up(dev, cos).ptr),
+         ("ptr", up(dev, sin).ptr), ("ptr", q.ptr), ("ptr", pools[0].ptr), ("ptr", pools[1].ptr),
+         ("ptr", keep(dev.upload(rows)).ptr), ("ptr", 0), ("ptr", 0), ("i32", n), ("i32", H), ("i32", Hkv), ("i32", hd),
          ("i32", rd), ("f32", eps)])
     env = {"p": p, "pos": pos}
     apply_op(Op("attn_qkv", ("p", "pos"), ("q", "k", "v", "gate"), ("qn", "kn", "cos", "sin"),
@@ -248,6 +257,7 @@ def test_attn_qkv_norms_rope_and_writes_the_pools(dev, dtype: str, hd: int, rd: 
     assert rel(dev.download(q), env["q"]) < TOL[dtype]
     kp, vp = dev.download(pools[0]), dev.download(pools[1])
     assert rel(kp[rows], env["k"]) < TOL[dtype] and np.array_equal(vp[rows], rounded(env["v"], dtype))
+    assert np.isfinite(kp).all()
     assert not np.delete(kp, rows, axis=0).any()  # nothing else written
 
 

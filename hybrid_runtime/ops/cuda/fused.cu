@@ -136,18 +136,20 @@ extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict_
 }
 
 // ------------------------------------------------------------------------------------------------
+// Projections (the GEMM outputs that feed these kernels: p, z, gate, gu, the GDN core) are float32; what a
+// GEMM reads next (h, o, act) is T.
 // GDN gates from the fused projection p = [u | z | b | a] (rows of p_stride):
 //   g = neg_exp_a * softplus(a + dt_bias),  beta = sigmoid(b)      (float32 [n, nv])
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void gdn_gates(const T* __restrict__ p, long long p_stride, int off_b, int off_a,
+extern "C" __global__ void gdn_gates(const float* __restrict__ p, long long p_stride, int off_b, int off_a,
                                      const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
                                      float* __restrict__ g, float* __restrict__ beta, int n, int nv) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n * nv) return;
   const int t = i / nv, j = i % nv;
-  const T* row = p + (size_t)t * p_stride;
-  g[i] = neg_exp_a[j] * softplusf_(to_f32(row[off_a + j]) + dt_bias[j]);
-  beta[i] = sigmoidf_(to_f32(row[off_b + j]));
+  const float* row = p + (size_t)t * p_stride;
+  g[i] = neg_exp_a[j] * softplusf_(row[off_a + j] + dt_bias[j]);
+  beta[i] = sigmoidf_(row[off_b + j]);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ extern "C" __global__ void gdn_gates(const T* __restrict__ p, long long p_stride
 // per head. hd <= 256.
 // ------------------------------------------------------------------------------------------------
 #define QKV_WARPS 4
-extern "C" __global__ void attn_qkv(const T* __restrict__ p, long long p_stride, const int* __restrict__ positions,
+extern "C" __global__ void attn_qkv(const float* __restrict__ p, long long p_stride, const int* __restrict__ positions,
                                     const float* __restrict__ qn, const float* __restrict__ kn,
                                     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                     T* __restrict__ q_out, T* __restrict__ kpool, T* __restrict__ vpool,
@@ -169,13 +171,13 @@ extern "C" __global__ void attn_qkv(const T* __restrict__ p, long long p_stride,
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hi = blockIdx.y * QKV_WARPS + warp;
   if (t >= n || hi >= H + 2 * Hkv) return;
-  const T* row = p + (size_t)t * p_stride;
+  const float* row = p + (size_t)t * p_stride;
   const long long kvrow = kv_rows ? kv_rows[t] : 0;
   if (hi >= H + Hkv) {  // v head: copy
     const int vh = hi - H - Hkv;
-    const T* src = row + 2 * H * hd + Hkv * hd + vh * hd;
+    const float* src = row + 2 * H * hd + Hkv * hd + vh * hd;
     for (int d = lane; d < hd; d += 32) {
-      const T v = src[d];
+      const T v = from_f32(src[d]);
       if (vpool) vpool[kvrow * Hkv * hd + vh * hd + d] = v;
       if (v_out) v_out[(size_t)t * Hkv * hd + vh * hd + d] = v;
     }
@@ -183,12 +185,12 @@ extern "C" __global__ void attn_qkv(const T* __restrict__ p, long long p_stride,
   }
   const bool is_q = hi < H;
   const int head = is_q ? hi : hi - H;
-  const T* src = is_q ? row + head * 2 * hd : row + 2 * H * hd + head * hd;
+  const float* src = is_q ? row + head * 2 * hd : row + 2 * H * hd + head * hd;
   const float* nw = is_q ? qn : kn;
   float* st = stage[warp];
   float ss = 0.f;
   for (int d = lane; d < hd; d += 32) {
-    const float v = to_f32(src[d]);
+    const float v = src[d];
     st[d] = v;
     ss += v * v;
   }
@@ -218,45 +220,45 @@ extern "C" __global__ void attn_qkv(const T* __restrict__ p, long long p_stride,
 // GDN output: per value head, o = core / sqrt(mean(core^2) + eps) * w * silu(z). z rows of z_stride.
 // grid (n, ceil(nv / 4)), block 128: one warp per head. dv <= 1024.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void gated_rmsnorm(const T* __restrict__ core, const T* __restrict__ z, long long z_stride,
+extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core, const float* __restrict__ z, long long z_stride,
                                          const float* __restrict__ w, T* __restrict__ o, int n, int nv, int dv,
                                          float eps) {
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int h = blockIdx.y * 4 + warp;
   if (t >= n || h >= nv) return;
-  const T* c = core + (size_t)t * nv * dv + h * dv;
+  const float* c = core + (size_t)t * nv * dv + h * dv;
   float ss = 0.f;
   for (int d = lane; d < dv; d += 32) {
-    const float v = to_f32(c[d]);
+    const float v = c[d];
     ss += v * v;
   }
   const float rs = rsqrtf(warp_sum(ss) / (float)dv + eps);
-  const T* zr = z + (size_t)t * z_stride + h * dv;
+  const float* zr = z + (size_t)t * z_stride + h * dv;
   for (int d = lane; d < dv; d += 32)
-    o[(size_t)t * nv * dv + h * dv + d] = from_f32(to_f32(c[d]) * rs * w[d] * siluf_(to_f32(zr[d])));
+    o[(size_t)t * nv * dv + h * dv + d] = from_f32(c[d] * rs * w[d] * siluf_(zr[d]));
 }
 
 // ------------------------------------------------------------------------------------------------
 // Attention output gate: o[t, h*hd + d] = a[t, h*hd + d] * sigmoid(gate[t * gate_stride + h * 2hd + d]).
 // a float32 [n, H*hd] (the attention kernels' output); gate points at p + hd (its rows of p_stride).
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const T* __restrict__ gate, long long gate_stride,
+extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const float* __restrict__ gate, long long gate_stride,
                                        int hd, T* __restrict__ o, int n, int H) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long width = (long long)H * hd;
   if (i >= (long long)n * width) return;
   const long long t = i / width;
   const int j = (int)(i % width), h = j / hd, d = j % hd;
-  o[i] = from_f32(a[i] * sigmoidf_(to_f32(gate[t * gate_stride + (long long)h * 2 * hd + d])));
+  o[i] = from_f32(a[i] * sigmoidf_(gate[t * gate_stride + (long long)h * 2 * hd + d]));
 }
 
 // SwiGLU: act[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu rows of stride elements).
-extern "C" __global__ void swiglu(const T* __restrict__ gu, long long stride, T* __restrict__ act, int n, int I) {
+extern "C" __global__ void swiglu(const float* __restrict__ gu, long long stride, T* __restrict__ act, int n, int I) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)n * I) return;
   const long long t = i / I;
   const int c = (int)(i % I);
-  act[i] = from_f32(siluf_(to_f32(gu[t * stride + c])) * to_f32(gu[t * stride + I + c]));
+  act[i] = from_f32(siluf_(gu[t * stride + c]) * gu[t * stride + I + c]);
 }
 
 // ================================================================================================
@@ -315,6 +317,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
           be = oe;
         }
       }
+      if (be < 0 || be >= E) be = j;  // NaN logits: any valid expert (the output is NaN anyway), never a bad index
       const float pw = expf(bv - mx) / se;
       if (lane == 0) {
         pair_e[t * kk + j] = be;

@@ -305,6 +305,7 @@ extern "C" __global__ void __launch_bounds__(FIN_THREADS)
     block_argmax(best, bi, s);
     tok = bi;
   }
+  if (tok < 0 || tok >= V) tok = (s.row_arg >= 0 && s.row_arg < V) ? s.row_arg : 0;  // NaN logits: a valid id
   if (tid == 0) {
     out_tok[r] = tok;
     out_lp[r] = x[tok] - lse;
