@@ -99,7 +99,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
     return be, runner, {"weights_s": t1 - t0, "backend_s": t2 - t1, "capture_s": t3 - t2, "graphs": len(be.graphs)}
 
 
-def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20) -> dict[str, Any]:
+def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20, profile: bool = False) -> dict[str, Any]:
     from hybrid_runtime.engine import Phase
     from hybrid_runtime.runner import SampleRow, SeqStep
     from hybrid_runtime.sampling import SamplingParams
@@ -135,7 +135,13 @@ def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20) -> dict[
             meas.append(be.dev.elapsed_ms(e0, e1) / reps / 1e3)
         gpu = statistics.median(meas)
     active = be.dev.download(be.arena.bufs["active"])[0, be.cfg.num_experts + 1]
-    return {"B": B, "ctx": ctx, "wall": statistics.median(walls), "gpu": gpu, "nodes": nodes,
+    prof = None
+    if profile:
+        import torch
+
+        prof = be.profile_step(be.prepare(Phase.DECODE, steps, rows, False), runner._forward,
+                               spin=lambda: torch.cuda._sleep(int(3e8)))
+    return {"B": B, "ctx": ctx, "wall": statistics.median(walls), "gpu": gpu, "nodes": nodes, "profile": prof,
             "graph": None if g is None else f"b{ctx_obj.n}x{ctx_obj.plan.blocks_per_seq if ctx_obj.plan else 1}",
             "experts_last_layer": int(active)}
 
@@ -261,7 +267,7 @@ def main() -> int:
         rows = []
         for B in args.batches:
             for ctx in args.contexts:
-                r = decode_case(be, runner, B, ctx)
+                r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts))
                 fl = floor_bytes(cfg, be.w, B, ctx)
                 r.update(fl)
                 r["floor"] = fl["total"] / bw
@@ -283,7 +289,19 @@ def main() -> int:
                          f"{r['nodes']} | {r['graph']} | {r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
                          f"{r['kv'] / 1e9:.2f} / {r['state'] / 1e9:.3f} |")
         lines += ["", "Goals (issue): <= 1.2x the floor at batch 1, <= 1.3x at batch 8, <= 1.5x at batch 64; >= 50x "
-                  "transformers per decode step on the slice."]
+                  "transformers per decode step on the slice.", "",
+                  "### Where an eager step's GPU time goes (CUDA events around every launch, queue filled first)", "",
+                  "Eager launches with events between them (no graph, no PDL overlap): the kernels' own durations.", ""]
+        for r in rows:
+            if not r.get("profile"):
+                continue
+            tot = sum(t for _, t in r["profile"].values())
+            nl = sum(c for c, _ in r["profile"].values())
+            lines += [f"batch {r['B']}, context {r['ctx']}: {tot * 1e3:.3f} ms in {nl} launches", "",
+                      "| kernel | launches | ms | share |", "|---|---|---|---|"]
+            for name, (c, t) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
+                lines.append(f"| {name} | {c} | {t * 1e3:.3f} | {t / tot:.0%} |")
+            lines.append("")
     write_report(args.out, lines)
     return 0
 

@@ -21,10 +21,11 @@ or captured; every kernel launch re-checked against the device limits (:meth:`Ke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,8 @@ DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 SMEM_DEFAULT = 48 * 1024
 GEMV_MAX_M = 16  # decode GEMMs of at most this many rows run the fused gemv kernel
-MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x 2 rows
+FOLD_MAX_TOKENS = 16  # up to this many tokens the shared expert runs inside the routed-expert kernels
+MOE_ROWS_PER_CTA = 8  # ops/cuda/fused.cu: 8 warps x 1 row
 
 
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -166,6 +168,8 @@ class CudaBackend:
             raise ConfigError(f"device={device!r}: the CUDA backend cannot start: {e}") from e
         self.device = f"cuda:{self.dev.ordinal}"
         self.batch_invariant_gemm = batch_invariant_gemm
+        # one CTA per row: a decode row's norm is on the step's critical path, so as many threads as help
+        self.norm_threads = min(1024, max(32, -(-cfg.hidden_size // 2 // 32) * 32))
         self.gemv_decode = gemv_decode
         arch = self.dev.arch
         self.fused = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}",), arch)
@@ -218,6 +222,7 @@ class CudaBackend:
         self.graphs: dict[tuple[int, int], CudaGraph] = {}
         self.graph_stats = GraphStats()
         self.graphs_on = False
+        self._profile: list[tuple[str, Any, Any]] | None = None
         self.timings: Counter[str] = Counter()
         self.ops = self  # the state owner the scheduler and tests talk to
         self.load_seconds = time.perf_counter() - t0
@@ -308,7 +313,42 @@ class CudaBackend:
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[tuple[str, Any]],
                 smem: int = 0, module: Any = None) -> None:
-        (module or self.fused).kernel(name).launch(self.dev, grid, (block, 1, 1), smem, args)
+        """One guarded launch of a fused kernel, as a programmatic dependent (every kernel of fused.cu waits
+        for its predecessor before touching memory), so its launch overlaps the previous kernel's tail."""
+        with self._prof(name):
+            (module or self.fused).kernel(name).launch(self.dev, grid, (block, 1, 1), smem, args, pdl=True)
+
+    @contextlib.contextmanager
+    def _prof(self, name: str) -> Iterator[None]:
+        """With profiling on (:meth:`profile_step`), CUDA events around the enclosed launches."""
+        if self._profile is None:
+            yield
+            return
+        e0 = self.dev.event()
+        self.dev.record(e0)
+        yield
+        e1 = self.dev.event()
+        self.dev.record(e1)
+        self._profile.append((name, e0, e1))
+
+    def profile_step(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any], spin: Callable[[], None] | None = None
+                     ) -> dict[str, tuple[int, float]]:
+        """One eager run of ``ctx`` with events around every launch: kernel kind -> (launches, seconds).
+        ``spin`` queues GPU work first so that the host enqueues the whole step before the GPU reaches it
+        (then events time kernels, not host gaps). Debugging and benchmarks only."""
+        self._profile = []
+        graph, ctx.graph = ctx.graph, None
+        try:
+            if spin is not None:
+                spin()
+            self.execute(ctx, forward)
+            out: dict[str, list[float]] = {}
+            for name, e0, e1 in self._profile:
+                out.setdefault(name, []).append(self.dev.elapsed_ms(e0, e1) / 1e3)
+            return {k: (len(v), sum(v)) for k, v in out.items()}
+        finally:
+            self._profile = None
+            ctx.graph = graph
 
     def _gemm(self, x: Mat, weight: DeviceArray, out: Mat, residual: Mat | None = None,
               bias: DeviceArray | None = None, decode: bool = False) -> None:
@@ -318,7 +358,7 @@ class CudaBackend:
         N, K = weight.shape[0], weight.shape[-1]
         vec = 16 // self.es
         if decode and self.gemv_decode and x.rows <= GEMV_MAX_M and K % vec == 0 and x.ld % vec == 0:
-            self._launch("gemv", (-(-N // 32), 1, 1), 256,
+            self._launch("gemv", (-(-N // 8), 1, 1), 128,
                          [("ptr", x.ptr), ("i64", x.ld), ("ptr", weight.ptr), ("i32", N), ("i32", K),
                           ("ptr", bias.ptr if bias is not None else 0),
                           ("ptr", residual.ptr if residual is not None else 0),
@@ -331,9 +371,10 @@ class CudaBackend:
         b = None
         if bias is not None:  # cuBLASLt's bias epilogue reads the bias in the output's dtype
             b = bias if out.dtype == "float32" else self._bias_t[bias.ptr]
-        self.blas.gemm(x.rows, N, K, x.ptr, weight.ptr, out.ptr, dtype=self.dtype, out_dtype=out.dtype, ldx=x.ld,
-                       ldy=out.ld, c=residual.ptr if residual is not None else 0,
-                       bias=b.ptr if b is not None else 0, pin_m=pin)
+        with self._prof("cublaslt"):
+            self.blas.gemm(x.rows, N, K, x.ptr, weight.ptr, out.ptr, dtype=self.dtype, out_dtype=out.dtype,
+                           ldx=x.ld, ldy=out.ld, c=residual.ptr if residual is not None else 0,
+                           bias=b.ptr if b is not None else 0, pin_m=pin)
 
     def _rmsnorm(self, x: Mat, w: DeviceArray | None, h: Mat | None, n: int, *, y: MoEOut | Mat | None = None,
                  x_out: Mat | None = None, rows_ptr: int = 0) -> None:
@@ -344,7 +385,7 @@ class CudaBackend:
             yp, ny, sg, sgs = y.ptr, 1, 0, 0
         else:
             yp, ny, sg, sgs = 0, 0, 0, 0
-        self._launch("rmsnorm_rows", (n, 1, 1), 256,
+        self._launch("rmsnorm_rows", (n, 1, 1), self.norm_threads,
                      [("ptr", x.ptr), ("ptr", yp), ("i32", ny), ("ptr", sg), ("i64", sgs),
                       ("ptr", w.ptr if w is not None else 0), ("ptr", x_out.ptr if x_out is not None else 0),
                       ("ptr", h.ptr if h is not None else 0), ("ptr", rows_ptr), ("i32", n), ("i32", H),
@@ -549,12 +590,13 @@ class CudaBackend:
         n, A = ctx.n, self.arena
         core, x = A.mat("core", n, dense=True), A.mat("gdn_x", n, dense=True)
         slots = self._ptr(self.in_layout.slots)
-        if ctx.phase == Phase.DECODE:
-            self.gdn_k.conv_decode(conv, slots, u, conv_w, x, n, u_stride=u.ld)  # type: ignore[arg-type]
-            self.gdn_k.delta_decode(rec, slots, x, g, beta, core, n)  # type: ignore[arg-type]
-        else:
-            self.gdn_k.prefill_launch(conv, rec, self._ptr(self.in_layout.seq_start), slots, ctx.S, ctx.max_len,
-                                      u.ptr, u.ld, g.ptr, beta.ptr, conv_w, x.ptr, core.ptr)
+        with self._prof("gdn"):
+            if ctx.phase == Phase.DECODE:
+                self.gdn_k.conv_decode(conv, slots, u, conv_w, x, n, u_stride=u.ld)  # type: ignore[arg-type]
+                self.gdn_k.delta_decode(rec, slots, x, g, beta, core, n)  # type: ignore[arg-type]
+            else:
+                self.gdn_k.prefill_launch(conv, rec, self._ptr(self.in_layout.seq_start), slots, ctx.S, ctx.max_len,
+                                          u.ptr, u.ld, g.ptr, beta.ptr, conv_w, x.ptr, core.ptr)
         return core
 
     def attention(self, layer: int, ctx: CudaCtx, out: dict[str, Any]) -> Mat:
@@ -571,8 +613,9 @@ class CudaBackend:
         oa = DeviceArray(res.ptr, (Q, H, hd), "float32", self.dev.ordinal)
         kb, vb = self.kv.buffers(layer)
         base = self.in_layout.attn
-        self.attn.launch(p, qa, kb, vb, self._ptr(self.in_layout.tables(Q)), self.table_stride, self._ptr(base),
-                         oa, device_chunk=True)
+        with self._prof("decode_attention"):
+            self.attn.launch(p, qa, kb, vb, self._ptr(self.in_layout.tables(Q)), self.table_stride,
+                             self._ptr(base), oa, device_chunk=True)
         return res
 
     def moe(self, layer: int, ctx: CudaCtx, h: Mat) -> MoEOut:
@@ -583,33 +626,42 @@ class CudaBackend:
         self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
         pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
         off, act_l = A.bufs["expert_off"], A.bufs["active"]
+        # The shared expert rides along as expert E (one pair per token) only while the batch is small; with
+        # many tokens its CTAs would do a dense GEMM's work alone, so it runs as GEMMs instead.
+        fold = mw.fold and n <= FOLD_MAX_TOKENS
         self._launch("moe_route", (1, 1, 1), 1024,
                      [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
-                      ("i32", int(cfg.norm_topk_prob)), ("i32", int(mw.fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
+                      ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
                       ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
-        kk = k + int(mw.fold)
-        e_all = mw.e_all
+        kk = k + int(fold)
+        e_all = cfg.num_experts + int(fold)
+        ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
         tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
         tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
-        self._launch("moe_gate_up", (-(-inter // MOE_ROWS_PER_CTA), e_all, 1), 256,
+        self._launch("moe_gate_up", (-(-inter // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
                      [("ptr", h.ptr), ("ptr", mw.gate_up.ptr), ("i32", H), ("i32", inter), ("i32", kk),
                       ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr), ("ptr", moe_act.ptr),
                       ("i32", tg)], smem=tg * H * self.es)
-        self._launch("moe_down", (-(-H // MOE_ROWS_PER_CTA), e_all, 1), 256,
+        self._launch("moe_down", (-(-H // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
                      [("ptr", moe_act.ptr), ("ptr", mw.down.ptr), ("ptr", pw.ptr), ("i32", H), ("i32", inter),
                       ("i32", kk), ("i32", self.ny), ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr),
                       ("ptr", act_l.ptr), ("ptr", y.ptr), ("i32", tg_d)], smem=tg_d * inter * self.es)
-        if mw.shared_gate_up is not None:  # a shared expert of its own width: GEMMs into the last slot
-            assert mw.shared_down is not None
-            si = cfg.shared_expert_intermediate_size
+        if mw.fold and not fold:  # the folded shared expert run as two GEMMs on its slices of the stacks
+            sgu = DeviceArray(mw.gate_up.row_ptr(cfg.num_experts), (2 * inter, H), self.dtype, self.dev.ordinal)
+            sdn = DeviceArray(mw.down.row_ptr(cfg.num_experts), (H, inter), self.dtype, self.dev.ordinal)
+        else:
+            sgu, sdn = mw.shared_gate_up, mw.shared_down
+        if not fold and sgu is not None:  # a shared expert as GEMMs into the last slot, gated in the next add
+            assert sdn is not None
+            si = sgu.shape[0] // 2
             gu, act = A.mat("gu", n, 2 * si), A.mat("act", n, si, dense=True)
-            self._gemm(h, mw.shared_gate_up, gu, decode=ctx.phase == Phase.DECODE)
+            self._gemm(h, sgu, gu, decode=ctx.phase == Phase.DECODE)
             self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
             slot = Mat(y.ptr + k * H * 4, n, H, self.ny * H, "float32")
-            self._gemm(act, mw.shared_down, slot, decode=ctx.phase == Phase.DECODE)
+            self._gemm(act, sdn, slot, decode=ctx.phase == Phase.DECODE)
             return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld)
         return MoEOut(y.ptr, self.ny)
 

@@ -119,8 +119,8 @@ class DeviceSampler:
         pm, ps, pi = (self._partials.ptr + i * stride for i in range(3))
         self._k_part.launch(self.device, (self.nch, rows, 1), (256, 1, 1), 0,
                             [("ptr", logits_ptr), ("i64", ld), ("i32", self.vocab), ("i32", self.nch), ("ptr", pm),
-                             ("ptr", ps), ("ptr", pi)])
+                             ("ptr", ps), ("ptr", pi)], pdl=True)
         self._k_fin.launch(self.device, (rows, 1, 1), (1024, 1, 1), 0,
                            [("ptr", logits_ptr), ("i64", ld), ("i32", self.vocab), ("i32", self.nch), ("ptr", pm),
                             ("ptr", ps), ("ptr", pi), ("ptr", params_ptr), ("ptr", out_tok), ("ptr", out_lp),
-                            ("ptr", top_ids), ("ptr", top_lp)])
+                            ("ptr", top_ids), ("ptr", top_lp)], pdl=True)

@@ -115,7 +115,7 @@ def test_gemm_rows_do_not_depend_on_m(dev, dtype: str) -> None:
     g = {}
     for m in (1, 5, 16):
         y = dev.empty((m, N), "float32")
-        mod.kernel("gemv").launch(dev, (-(-N // 32), 1, 1), (256, 1, 1), 0,
+        mod.kernel("gemv").launch(dev, (-(-N // 8), 1, 1), (128, 1, 1), 0,
                                   [("ptr", xd.ptr), ("i64", K), ("ptr", wd.ptr), ("i32", N), ("i32", K), ("ptr", 0),
                                    ("ptr", 0), ("i64", 0), ("ptr", y.ptr), ("i64", N), ("i32", 1), ("i32", m)])
         g[m] = dev.download(y)
@@ -133,12 +133,12 @@ def test_gemv_bias_residual_and_narrow_output(dev, dtype: str) -> None:
     c = rng.standard_normal((M, N)).astype(np.float32)
     xd, wd, bd, cd = up(dev, x, dtype), up(dev, w, dtype), dev.upload(b), dev.upload(c)
     mod = fused(dev, dtype)
-    mod.kernel("gemv").launch(dev, (-(-N // 32), 1, 1), (256, 1, 1), 0,
+    mod.kernel("gemv").launch(dev, (-(-N // 8), 1, 1), (128, 1, 1), 0,
                               [("ptr", xd.ptr), ("i64", K), ("ptr", wd.ptr), ("i32", N), ("i32", K), ("ptr", bd.ptr),
                                ("ptr", cd.ptr), ("i64", N), ("ptr", cd.ptr), ("i64", N), ("i32", 1), ("i32", M)])
     assert rel(dev.download(cd), x @ w.T + b + c) < 1e-6
     y = dev.empty((M, N), dtype)
-    mod.kernel("gemv").launch(dev, (-(-N // 32), 1, 1), (256, 1, 1), 0,
+    mod.kernel("gemv").launch(dev, (-(-N // 8), 1, 1), (128, 1, 1), 0,
                               [("ptr", xd.ptr), ("i64", K), ("ptr", wd.ptr), ("i32", N), ("i32", K), ("ptr", 0),
                                ("ptr", 0), ("i64", 0), ("ptr", y.ptr), ("i64", N), ("i32", 0), ("i32", M)])
     assert rel(dev.download(y), x @ w.T) < TOL[dtype]
@@ -321,11 +321,11 @@ def test_moe_kernels_match_a_per_token_reference(dev, dtype: str, case: str) -> 
         assert off[6] - off[5] == n and off[16] == off[14]
     es = 2 if dtype != "float32" else 4
     tg, tgd = min(8, 48 * 1024 // (H * es)), min(8, 48 * 1024 // (inter * es))
-    mod.kernel("moe_gate_up").launch(dev, (-(-inter // 16), e_all, 1), (256, 1, 1), tg * H * es,
+    mod.kernel("moe_gate_up").launch(dev, (-(-inter // 8), e_all, 1), (256, 1, 1), tg * H * es,
                                      [("ptr", hd_.ptr), ("ptr", up(dev, gu, dtype).ptr), ("i32", H), ("i32", inter),
                                       ("i32", kk), ("i32", e_all), ("ptr", d["off"].ptr), ("ptr", d["pl"].ptr),
                                       ("ptr", d["active"].ptr), ("ptr", d["act"].ptr), ("i32", tg)])
-    mod.kernel("moe_down").launch(dev, (-(-H // 16), e_all, 1), (256, 1, 1), tgd * inter * es,
+    mod.kernel("moe_down").launch(dev, (-(-H // 8), e_all, 1), (256, 1, 1), tgd * inter * es,
                                   [("ptr", d["act"].ptr), ("ptr", up(dev, dn, dtype).ptr), ("ptr", d["pw"].ptr),
                                    ("i32", H), ("i32", inter), ("i32", kk), ("i32", ny), ("i32", e_all),
                                    ("ptr", d["off"].ptr), ("ptr", d["pl"].ptr), ("ptr", d["active"].ptr),

@@ -66,6 +66,16 @@ __device__ __forceinline__ Vec load_vec(const T* p) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90+): every pipeline kernel here first waits for the kernel before it to
+// finish and flush (griddepcontrol.wait: a no-op when not launched as a dependent), then lets the next one be
+// scheduled, so its launch latency hides behind this kernel's run. Nothing reads global memory before the wait.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -93,6 +103,7 @@ __device__ float block_sum(float v, float* red) {
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, const T* __restrict__ table, float* __restrict__ x,
                                       int n, int H) {
+  pdl_enter();
   const int r = blockIdx.x;
   if (r >= n) return;
   const T* src = table + (size_t)ids[r] * H;
@@ -104,12 +115,14 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, const T* __re
 //   v = x[s] + sum_{j<ny} y[s, j]       (the last y slot times sigmoid(sg[s * sg_stride]) when sg != 0)
 //   x_out[r] = v (float32; may be x itself), h[r] = v / sqrt(mean(v^2) + eps) * w   (T)
 // y is [n_in, ny, H] float32 (the MoE's per-expert outputs, or one tensor with ny = 1).
-// grid (n), block 256. Pass 1 writes v (to x_out, or keeps x) and sums squares; pass 2 re-reads it.
+// grid (n), any multiple of 32 threads (the host gives up to 1024: a decode row is one CTA, so its latency is
+// the step's). Pass 1 writes v (to x_out, or keeps x) and sums squares; pass 2 re-reads it.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict__ y, int ny,
                                         const float* __restrict__ sg, long long sg_stride,
                                         const float* __restrict__ w, float* x_out, T* __restrict__ h,
                                         const int* __restrict__ rows, int n, int H, float eps) {
+  pdl_enter();
   __shared__ float red[33];
   const int r = blockIdx.x;
   if (r >= n) return;
@@ -121,7 +134,8 @@ extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict_
   float ss = 0.f;
   for (int c = threadIdx.x; c < H; c += blockDim.x) {
     float v = xs[c];
-    for (int j = 0; j < ny; ++j) {
+#pragma unroll 4
+    for (int j = 0; j < ny; ++j) {  // independent loads, added in slot order
       const float yj = ys[(size_t)j * H + c];
       v += (sg && j == ny - 1) ? yj * gate : yj;
     }
@@ -144,6 +158,7 @@ extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict_
 extern "C" __global__ void gdn_gates(const float* __restrict__ p, long long p_stride, int off_b, int off_a,
                                      const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
                                      float* __restrict__ g, float* __restrict__ beta, int n, int nv) {
+  pdl_enter();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n * nv) return;
   const int t = i / nv, j = i % nv;
@@ -167,6 +182,7 @@ extern "C" __global__ void attn_qkv(const float* __restrict__ p, long long p_str
                                     T* __restrict__ q_out, T* __restrict__ kpool, T* __restrict__ vpool,
                                     const long long* __restrict__ kv_rows, T* __restrict__ k_out,
                                     T* __restrict__ v_out, int n, int H, int Hkv, int hd, int rd, float eps) {
+  pdl_enter();
   __shared__ float stage[QKV_WARPS][256];
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hi = blockIdx.y * QKV_WARPS + warp;
@@ -223,6 +239,7 @@ extern "C" __global__ void attn_qkv(const float* __restrict__ p, long long p_str
 extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core, const float* __restrict__ z, long long z_stride,
                                          const float* __restrict__ w, T* __restrict__ o, int n, int nv, int dv,
                                          float eps) {
+  pdl_enter();
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int h = blockIdx.y * 4 + warp;
   if (t >= n || h >= nv) return;
@@ -244,6 +261,7 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core, const f
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const float* __restrict__ gate, long long gate_stride,
                                        int hd, T* __restrict__ o, int n, int H) {
+  pdl_enter();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long width = (long long)H * hd;
   if (i >= (long long)n * width) return;
@@ -254,6 +272,7 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const float*
 
 // SwiGLU: act[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu rows of stride elements).
 extern "C" __global__ void swiglu(const float* __restrict__ gu, long long stride, T* __restrict__ act, int n, int I) {
+  pdl_enter();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)n * I) return;
   const long long t = i / I;
@@ -268,7 +287,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ gu, long long stride
 // router logits (float32, rows of ld), top-k by repeated arg-max (ties: the lower expert id), weights
 // renormalised when renorm != 0. With fold_shared != 0 the shared expert is expert E of the weight arrays
 // and slot k of every token, weighted sigmoid(logits[t, E]) (the shared gate's row is appended to the
-// router). Then the pairs (t, slot), kk = k + fold_shared per token, are grouped by expert:
+// router). k <= 31. Then the pairs (t, slot), kk = k + fold_shared per token, are grouped by expert:
 //   pair_w[p], pair_e[p]        p = t * kk + slot
 //   expert_off[e] .. expert_off[e+1]   the slice of pair_list holding expert e's pairs
 //   active[0 .. n_active-1]            the experts with at least one pair, ascending; active[E_all] = n_active
@@ -280,6 +299,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* __restrict__ logits, int ld, int n, int E, int k, int renorm, int fold_shared,
               float* __restrict__ pair_w, int* __restrict__ pair_e, int* __restrict__ expert_off,
               int* __restrict__ pair_list, int* __restrict__ active) {
+  pdl_enter();
   __shared__ int cnt[1025];
   __shared__ int scan[1025];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -293,8 +313,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     float se = 0.f;
     for (int e = lane; e < E; e += 32) se += expf(lg[e] - mx);
     se = warp_sum(se);
-    float wsum = 0.f;
-    int prev = -1;
+    float wsum = 0.f, my_w = 0.f;
+    int prev = -1, my_e = 0;
     float prev_v = 3.0e38f;
     for (int j = 0; j < k; ++j) {
       // the largest logit strictly after (prev_v, prev) in (value desc, id asc) order
@@ -319,22 +339,20 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
       }
       if (be < 0 || be >= E) be = j;  // NaN logits: any valid expert (the output is NaN anyway), never a bad index
       const float pw = expf(bv - mx) / se;
-      if (lane == 0) {
-        pair_e[t * kk + j] = be;
-        pair_w[t * kk + j] = pw;
+      if (lane == j) {  // lane j keeps round j's choice (k <= 32)
+        my_e = be;
+        my_w = pw;
       }
       wsum += pw;
       prev = be;
       prev_v = bv;
     }
-    __syncwarp();
-    if (lane == 0) {
-      if (renorm)
-        for (int j = 0; j < k; ++j) pair_w[t * kk + j] /= wsum;
-      if (fold_shared) {
-        pair_e[t * kk + k] = E;
-        pair_w[t * kk + k] = sigmoidf_(lg[E]);
-      }
+    if (lane < k) {
+      pair_e[t * kk + lane] = my_e;
+      pair_w[t * kk + lane] = renorm ? my_w / wsum : my_w;
+    } else if (lane == k && fold_shared) {
+      pair_e[t * kk + k] = E;
+      pair_w[t * kk + k] = sigmoidf_(lg[E]);
     }
   }
   for (int e = tid; e < E_all + 1; e += ROUTE_THREADS) cnt[e] = 0;
@@ -378,18 +396,24 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 
 // ------------------------------------------------------------------------------------------------
 // Routed experts, first half: act[p, i] = silu(Wg[e] h_t . ) * (Wu[e] h_t . ) for every pair p = (t, slot) of
-// expert e, i in this CTA's rows. w_gu [E_all, 2I, H] (gate rows, then up rows). grid (ceil(I / 16),
-// E_all), block 256 (8 warps x 2 rows); CTA y serves active[y] (exits past n_active). The pairs' h rows
+// expert e, i in this CTA's rows. w_gu [E_all, 2I, H] (gate rows, then up rows). grid (ceil(I / 8),
+// <= E_all), block 256 (8 warps x 1 row); CTA y serves active[y] (exits past n_active). The pairs' h rows
 // are staged tg at a time in shared memory (dynamic smem = tg * H * sizeof(T)); each weight row is read
 // once per group of tg pairs (once per step at decode batch sizes). H % VEC == 0.
 // ------------------------------------------------------------------------------------------------
 #define MOE_WARPS 8
-#define MOE_RPW 2
+#ifndef MOE_RPW
+#define MOE_RPW 1
+#endif
+#ifndef MOE_UNROLL
+#define MOE_UNROLL 4
+#endif
 #define MOE_TG_MAX 8
 extern "C" __global__ void __launch_bounds__(256)
     moe_gate_up(const T* __restrict__ h, const T* __restrict__ w_gu, int H, int I, int kk, int E_all,
                 const int* __restrict__ expert_off, const int* __restrict__ pair_list,
                 const int* __restrict__ active, T* __restrict__ act, int tg) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* hs = (T*)smem_raw;
   const int j = blockIdx.y;
@@ -416,16 +440,29 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int q = 0; q < MOE_TG_MAX; ++q) ag[q] = au[q] = 0.f;
       const T* wg = W + (size_t)i * H;
       const T* wu = W + (size_t)(I + i) * H;
-      for (int c = lane * VEC; c < H; c += 32 * VEC) {
-        const Vec a = load_vec(wg + c), b = load_vec(wu + c);
+      for (int c0 = lane * VEC; c0 < H; c0 += 32 * VEC * MOE_UNROLL) {
+        Vec a[MOE_UNROLL], b[MOE_UNROLL];
 #pragma unroll
-        for (int q = 0; q < MOE_TG_MAX; ++q) {
-          if (q < m) {
-            const Vec x = load_vec(hs + q * H + c);
+        for (int u = 0; u < MOE_UNROLL; ++u) {  // this lane's weight loads of 4 steps in flight together
+          const int c = c0 + u * 32 * VEC;
+          if (c < H) {
+            a[u] = load_vec(wg + c);
+            b[u] = load_vec(wu + c);
+          }
+        }
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-              ag[q] += a.get(v) * x.get(v);
-              au[q] += b.get(v) * x.get(v);
+        for (int u = 0; u < MOE_UNROLL; ++u) {
+          const int c = c0 + u * 32 * VEC;
+          if (c >= H) break;
+#pragma unroll
+          for (int q = 0; q < MOE_TG_MAX; ++q) {
+            if (q < m) {
+              const Vec x = load_vec(hs + q * H + c);
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) {
+                ag[q] += a[u].get(v) * x.get(v);
+                au[q] += b[u].get(v) * x.get(v);
+              }
             }
           }
         }
@@ -450,6 +487,7 @@ extern "C" __global__ void __launch_bounds__(256)
     moe_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H, int I,
              int kk, int ny, int E_all, const int* __restrict__ expert_off, const int* __restrict__ pair_list,
              const int* __restrict__ active, float* __restrict__ y, int tg) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* as = (T*)smem_raw;
   const int j = blockIdx.y;
@@ -475,14 +513,24 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int q = 0; q < MOE_TG_MAX; ++q) acc[q] = 0.f;
       const T* wr = W + (size_t)r * I;
-      for (int c = lane * VEC; c < I; c += 32 * VEC) {
-        const Vec a = load_vec(wr + c);
+      for (int c0 = lane * VEC; c0 < I; c0 += 32 * VEC * MOE_UNROLL) {
+        Vec a[MOE_UNROLL];
 #pragma unroll
-        for (int q = 0; q < MOE_TG_MAX; ++q) {
-          if (q < m) {
-            const Vec x = load_vec(as + q * I + c);
+        for (int u = 0; u < MOE_UNROLL; ++u) {
+          const int c = c0 + u * 32 * VEC;
+          if (c < I) a[u] = load_vec(wr + c);
+        }
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[q] += a.get(v) * x.get(v);
+        for (int u = 0; u < MOE_UNROLL; ++u) {
+          const int c = c0 + u * 32 * VEC;
+          if (c >= I) break;
+#pragma unroll
+          for (int q = 0; q < MOE_TG_MAX; ++q) {
+            if (q < m) {
+              const Vec x = load_vec(as + q * I + c);
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) acc[q] += a[u].get(v) * x.get(v);
+            }
           }
         }
       }
@@ -506,16 +554,23 @@ extern "C" __global__ void __launch_bounds__(256)
 // rows. Memory-bound: each warp streams GEMV_RW weight rows once per group of GEMV_TG tokens with 16-byte
 // loads; x rows are read through L1. Every output element is one lane-strided sum over k reduced in a
 // fixed shuffle order, so a row's result never depends on M or on the other rows (batch invariance).
-// grid (ceil(N / (8 * GEMV_RW))), block 256. K % VEC == 0, rows 16-byte aligned (checked on the host).
+// grid (ceil(N / (4 * GEMV_RW)) = ceil(N / 8)), block 128 (4 warps x 2 rows). K % VEC == 0, rows 16-byte
+// aligned (checked on the host).
 // y is float32 when out_f32, else T; bias and c are float32 (c may equal y).
 // ------------------------------------------------------------------------------------------------
-#define GEMV_RW 4
-#define GEMV_TG 4
-extern "C" __global__ void __launch_bounds__(256)
+#ifndef GEMV_RW
+#define GEMV_RW 2
+#endif
+#define GEMV_TG 8
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 4
+#endif
+extern "C" __global__ void __launch_bounds__(128)
     gemv(const T* __restrict__ x, long long ldx, const T* __restrict__ W, int N, int K,
          const float* __restrict__ bias, const float* c, long long ldc, void* y, long long ldy, int out_f32, int M) {
+  pdl_enter();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.x * 8 + warp) * GEMV_RW;
+  const int n0 = (blockIdx.x * 4 + warp) * GEMV_RW;
   if (n0 >= N) return;
   const int nr = min(GEMV_RW, N - n0);
   for (int m0 = 0; m0 < M; m0 += GEMV_TG) {
@@ -525,21 +580,30 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int r = 0; r < GEMV_RW; ++r)
 #pragma unroll
       for (int q = 0; q < GEMV_TG; ++q) acc[r][q] = 0.f;
-    for (int k = lane * VEC; k < K; k += 32 * VEC) {
-      Vec w[GEMV_RW];
+    for (int k0 = lane * VEC; k0 < K; k0 += 32 * VEC * GEMV_UNROLL) {
+      Vec w[GEMV_RW][GEMV_UNROLL];
 #pragma unroll
-      for (int r = 0; r < GEMV_RW; ++r)
-        if (r < nr) w[r] = load_vec(W + (size_t)(n0 + r) * K + k);
+      for (int u = 0; u < GEMV_UNROLL; ++u) {  // every weight load of 4 steps in flight together
+        const int k = k0 + u * 32 * VEC;
 #pragma unroll
-      for (int q = 0; q < GEMV_TG; ++q) {
-        if (q < mg) {
-          const Vec xv = load_vec(x + (size_t)(m0 + q) * ldx + k);
+        for (int r = 0; r < GEMV_RW; ++r)
+          if (r < nr && k < K) w[r][u] = load_vec(W + (size_t)(n0 + r) * K + k);
+      }
 #pragma unroll
-          for (int r = 0; r < GEMV_RW; ++r)
-            if (r < nr) {
+      for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int k = k0 + u * 32 * VEC;
+        if (k >= K) break;
 #pragma unroll
-              for (int v = 0; v < VEC; ++v) acc[r][q] += w[r].get(v) * xv.get(v);
-            }
+        for (int q = 0; q < GEMV_TG; ++q) {
+          if (q < mg) {
+            const Vec xv = load_vec(x + (size_t)(m0 + q) * ldx + k);
+#pragma unroll
+            for (int r = 0; r < GEMV_RW; ++r)
+              if (r < nr) {
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[r][q] += w[r][u].get(v) * xv.get(v);
+              }
+          }
         }
       }
     }

@@ -25,6 +25,13 @@ typedef unsigned long long u64;
 #define MAX_TOPN 20
 #define CAND_CAP 64
 
+__device__ __forceinline__ void pdl_enter() {  // see fused.cu: wait for the kernel before, then let the next in
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 ordered(float v) {
   const u32 u = __float_as_uint(v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -57,6 +64,7 @@ __device__ __forceinline__ float philox_uniform(u32 seed_lo, u32 seed_hi, u32 co
 extern "C" __global__ void __launch_bounds__(PART_THREADS)
     sample_partials(const float* __restrict__ logits, long long ld, int V, int nch, float* __restrict__ pm,
                     float* __restrict__ ps, int* __restrict__ pi) {
+  pdl_enter();
   __shared__ float sm[PART_THREADS];
   __shared__ int si[PART_THREADS];
   const int c = blockIdx.x, r = blockIdx.y, tid = threadIdx.x;
@@ -246,6 +254,7 @@ extern "C" __global__ void __launch_bounds__(FIN_THREADS)
                   const float* __restrict__ ps, const int* __restrict__ pi, const int* __restrict__ params,
                   int* __restrict__ out_tok, float* __restrict__ out_lp, int* __restrict__ top_ids,
                   float* __restrict__ top_lp) {
+  pdl_enter();
   __shared__ FinShared s;
   const int r = blockIdx.x, tid = threadIdx.x;
   const int* P = params + r * 8;
