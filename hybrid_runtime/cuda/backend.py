@@ -62,7 +62,7 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 SMEM_DEFAULT = 48 * 1024
 GEMV_MAX_M = 16  # decode GEMMs of at most this many rows run the fused gemv kernel
 FOLD_MAX_TOKENS = 16  # up to this many tokens the shared expert runs inside the routed-expert kernels
-MOE_ROWS_PER_CTA = 8  # ops/cuda/fused.cu: 8 warps x 1 row
+MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x MOE_RPW (2) rows
 
 
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -145,7 +145,7 @@ class CudaBackend:
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
-                 gemv_decode: bool = True, progress: Callable[[str], None] | None = None) -> None:
+                 gemv_decode: bool = False, progress: Callable[[str], None] | None = None) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -352,9 +352,12 @@ class CudaBackend:
 
     def _gemm(self, x: Mat, weight: DeviceArray, out: Mat, residual: Mat | None = None,
               bias: DeviceArray | None = None, decode: bool = False) -> None:
-        """``out = x @ weight.T (+ bias) (+ residual)``. Decode steps of <= GEMV_MAX_M rows use the fused
-        ``gemv`` kernel (reads the weight once per 4 rows, batch invariant by construction); everything else
-        cuBLASLt, with the algorithm pinned to the largest M of its kind when ``batch_invariant_gemm``."""
+        """``out = x @ weight.T (+ bias) (+ residual)`` through cuBLASLt, its algorithm pinned (when
+        ``batch_invariant_gemm``) to the one chosen for the largest M of its class — decode steps of <= 16 rows,
+        larger decode steps, prefill — so a row's result does not depend on how many rows share the product.
+        ``gemv_decode`` uses the fused ``gemv`` kernel for decode steps of <= GEMV_MAX_M rows instead (batch
+        invariant by construction, but on the H200 it reads at 1.8-2.8 TB/s where cuBLASLt reaches 1.8-4.1:
+        benchmarks/results/gpu_kernel_tune_h200.md)."""
         N, K = weight.shape[0], weight.shape[-1]
         vec = 16 // self.es
         if decode and self.gemv_decode and x.rows <= GEMV_MAX_M and K % vec == 0 and x.ld % vec == 0:
@@ -367,7 +370,8 @@ class CudaBackend:
             return
         pin = 0
         if self.batch_invariant_gemm:
-            pin = self.buckets[-1] if decode else self.T_max
+            pin = (min(GEMV_MAX_M, self.buckets[-1]) if x.rows <= GEMV_MAX_M else self.buckets[-1]) if decode \
+                else self.T_max
         b = None
         if bias is not None:  # cuBLASLt's bias epilogue reads the bias in the output's dtype
             b = bias if out.dtype == "float32" else self._bias_t[bias.ptr]

@@ -111,6 +111,15 @@ def test_gemm_rows_do_not_depend_on_m(dev, dtype: str) -> None:
         assert p.pinned == (m != 16)
         outs[m] = dev.download(y)
     assert np.array_equal(outs[1][0], outs[16][0]) and np.array_equal(outs[3], outs[16][:3])
+    # prefill sizes: the algorithm of M = 256 used at 20 and 250 rows
+    xl = rounded(rng.standard_normal((256, K)), dtype)
+    xld = up(dev, xl, dtype)
+    big = {}
+    for m in (20, 250, 256):
+        y = dev.empty((m, N), "float32")
+        blas.gemm(m, N, K, xld.ptr, wd.ptr, y.ptr, dtype=dtype, out_dtype="float32", pin_m=256)
+        big[m] = dev.download(y)
+    assert np.array_equal(big[20], big[256][:20]) and np.array_equal(big[250], big[256][:250])
     mod = fused(dev, dtype)
     g = {}
     for m in (1, 5, 16):
@@ -321,11 +330,11 @@ def test_moe_kernels_match_a_per_token_reference(dev, dtype: str, case: str) -> 
         assert off[6] - off[5] == n and off[16] == off[14]
     es = 2 if dtype != "float32" else 4
     tg, tgd = min(8, 48 * 1024 // (H * es)), min(8, 48 * 1024 // (inter * es))
-    mod.kernel("moe_gate_up").launch(dev, (-(-inter // 8), e_all, 1), (256, 1, 1), tg * H * es,
+    mod.kernel("moe_gate_up").launch(dev, (-(-inter // 16), e_all, 1), (256, 1, 1), tg * H * es,
                                      [("ptr", hd_.ptr), ("ptr", up(dev, gu, dtype).ptr), ("i32", H), ("i32", inter),
                                       ("i32", kk), ("i32", e_all), ("ptr", d["off"].ptr), ("ptr", d["pl"].ptr),
                                       ("ptr", d["active"].ptr), ("ptr", d["act"].ptr), ("i32", tg)])
-    mod.kernel("moe_down").launch(dev, (-(-H // 8), e_all, 1), (256, 1, 1), tgd * inter * es,
+    mod.kernel("moe_down").launch(dev, (-(-H // 16), e_all, 1), (256, 1, 1), tgd * inter * es,
                                   [("ptr", d["act"].ptr), ("ptr", up(dev, dn, dtype).ptr), ("ptr", d["pw"].ptr),
                                    ("i32", H), ("i32", inter), ("i32", kk), ("i32", ny), ("i32", e_all),
                                    ("ptr", d["off"].ptr), ("ptr", d["pl"].ptr), ("ptr", d["active"].ptr),

@@ -360,27 +360,43 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
   const int np = n * kk;
   for (int q = tid; q < np; q += ROUTE_THREADS) atomicAdd(&cnt[pair_e[q]], 1);
   __syncthreads();
-  // exclusive scan of the counts (E_all <= 1024 entries) and of the "has pairs" flags, Hillis-Steele
+  // exclusive scans of the counts (E_all <= 1024 entries) and of the "has pairs" flags: shuffles within each
+  // warp, then warp 0 over the 32 warp totals (4 barriers in all)
   int c = tid < E_all ? cnt[tid] : 0;
   int f = c > 0 ? 1 : 0;
-  scan[tid] = c;
-  __syncthreads();
-  for (int o = 1; o < ROUTE_THREADS; o <<= 1) {
-    const int v = tid >= o ? scan[tid - o] : 0;
-    __syncthreads();
-    scan[tid] += v;
-    __syncthreads();
+  int ic = c, jf = f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, ic, o), b = __shfl_up_sync(0xffffffffu, jf, o);
+    if (lane >= o) {
+      ic += a;
+      jf += b;
+    }
   }
-  const int excl = scan[tid] - c;
-  __syncthreads();
-  scan[tid] = f;
-  __syncthreads();
-  for (int o = 1; o < ROUTE_THREADS; o <<= 1) {
-    const int v = tid >= o ? scan[tid - o] : 0;
-    __syncthreads();
-    scan[tid] += v;
-    __syncthreads();
+  if (lane == 31) {
+    scan[warp] = ic;
+    scan[32 + warp] = jf;
   }
+  __syncthreads();
+  if (warp == 0) {
+    int tc = scan[lane], tf = scan[32 + lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, tc, o), b = __shfl_up_sync(0xffffffffu, tf, o);
+      if (lane >= o) {
+        tc += a;
+        tf += b;
+      }
+    }
+    scan[lane] = tc;
+    scan[32 + lane] = tf;
+  }
+  __syncthreads();
+  const int excl = (warp ? scan[warp - 1] : 0) + ic - c;
+  const int flag_incl = (warp ? scan[32 + warp - 1] : 0) + jf;
+  __syncthreads();
+  scan[tid] = flag_incl;  // what the active-list writes below read
+  __syncthreads();
   if (tid < E_all) {
     expert_off[tid] = excl;
     if (f) active[scan[tid] - 1] = tid;
@@ -403,10 +419,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 // ------------------------------------------------------------------------------------------------
 #define MOE_WARPS 8
 #ifndef MOE_RPW
-#define MOE_RPW 1
+#define MOE_RPW 2
 #endif
 #ifndef MOE_UNROLL
-#define MOE_UNROLL 4
+#define MOE_UNROLL 2
 #endif
 #define MOE_TG_MAX 8
 extern "C" __global__ void __launch_bounds__(256)
