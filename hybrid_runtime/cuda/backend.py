@@ -630,9 +630,10 @@ class CudaBackend:
         self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
         pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
         off, act_l = A.bufs["expert_off"], A.bufs["active"]
-        # The shared expert rides along as expert E (one pair per token) only while the batch is small; with
-        # many tokens its CTAs would do a dense GEMM's work alone, so it runs as GEMMs instead.
-        fold = mw.fold and n <= FOLD_MAX_TOKENS
+        # The shared expert rides along as expert E (one pair per token) in decode steps of <= 16 rows; with many
+        # tokens its CTAs would do a dense GEMM's work alone, so it runs as GEMMs there, and always in prefill
+        # (whose token count follows how prompts share steps: the same prompt must take the same path).
+        fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
         self._launch("moe_route", (1, 1, 1), 1024,
                      [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
                       ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
