@@ -25,6 +25,7 @@ GAUGES = {
     "slots_in_use": "Recurrent-state slots held by live sequences",
     "kv_pages_in_use": "KV-cache pages held by live sequences",
     "profile_switches": "Optimization-profile switches on the serving path (0 with per_context pinning)",
+    "cuda_graphs_captured": "Decode CUDA graphs captured at load (cuda bundles; 0 otherwise)",
 }
 # snapshot key -> (metric name, description, label name or None for a plain number)
 COUNTERS = {
@@ -34,6 +35,9 @@ COUNTERS = {
     "steps": ("engine_steps_total", "Engine steps by phase", "phase"),
     "attention_plans": ("attention_plans_total", "Decode-attention launch plans by kernel", "kernel"),
     "attention_fallbacks": ("attention_fallbacks_total", "Decode-attention plan fallbacks by reason", "reason"),
+    "graph_replays": ("cuda_graph_replays_total", "Decode steps replayed from a CUDA graph, by graph "
+                      "(b<bucket>x<chunks per sequence>)", "graph"),
+    "decode_eager": ("decode_eager_steps_total", "Decode steps of a cuda bundle launched eagerly, by reason", "reason"),
 }
 LATENCIES = {
     "ttft": ("time_to_first_token_seconds", "Time from request arrival to its first token"),

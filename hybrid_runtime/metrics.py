@@ -62,6 +62,11 @@ class Metrics:
         self.rejected = Counter[str]()  # validation errors by code
         self.attention_plans = Counter[str]()
         self.attention_fallbacks = Counter[str]()
+        # cuda bundles: decode graphs captured, steps replayed per graph ("b<bucket>x<chunks>"), eager decode
+        # steps by reason (no graph of the step's class, graphs off, class plan invalid for the batch)
+        self.cuda_graphs_captured = 0
+        self.graph_replays = Counter[str]()
+        self.decode_eager = Counter[str]()
         self.ttft = Histogram()
         self.itl = Histogram()
 
@@ -82,6 +87,9 @@ class Metrics:
                 "rejected": dict(self.rejected),
                 "attention_plans": dict(self.attention_plans),
                 "attention_fallbacks": dict(self.attention_fallbacks),
+                "cuda_graphs_captured": self.cuda_graphs_captured,
+                "graph_replays": dict(self.graph_replays),
+                "decode_eager": dict(self.decode_eager),
                 "ttft": {"n": self.ttft.n, "sum": self.ttft.total, "buckets": list(self.ttft.counts)},
                 "itl": {"n": self.itl.n, "sum": self.itl.total, "buckets": list(self.itl.counts)},
             }

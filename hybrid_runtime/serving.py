@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,6 +346,11 @@ class ServingEngine:
             m.slots_in_use, m.kv_pages_in_use = s.slots.num_used, s.pages.num_used
             m.profile_switches = self.runner.profile_switches
             m.attention_plans, m.attention_fallbacks = d.plans.copy(), d.fallbacks.copy()
+            gs = getattr(self.runner.backend, "graph_stats", None)
+            if gs is not None:
+                m.cuda_graphs_captured = len(gs.captured)
+                m.graph_replays = Counter({f"b{k[0]}x{k[1]}": v for k, v in gs.replays.items()})
+                m.decode_eager = gs.eager.copy()
 
 
 def generate(engine: ServingEngine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Event]:
