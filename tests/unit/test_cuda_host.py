@@ -183,3 +183,90 @@ def test_new_kernels_compile_without_spills() -> None:
         # the MoE expert kernels may keep a 16-byte spill of their unrolled token loop (NVRTC 13.5); nothing more
         spills = [int(m) for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         assert max(spills, default=0) <= 96, log
+
+
+class _FakeDev:
+    """Counts what CudaBackend.execute asks of the device (the copy discipline, without a GPU)."""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        self.copies: Counter = Counter()
+        self.syncs = 0
+
+    def copy_htod(self, dst: int, host: np.ndarray) -> None:
+        self.copies["htod"] += 1
+        self.last_up = int(np.asarray(host).nbytes)
+
+    def copy_dtoh(self, host_ptr: int, src: int, nbytes: int) -> None:
+        self.copies["dtoh"] += 1
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+
+
+def _stub_backend(R: int):
+    """A CudaBackend with only what execute() touches (host buffers, layouts), on a fake device."""
+    from collections import Counter
+
+    from hybrid_runtime.cuda.backend import CudaBackend, _Arena
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    be = object.__new__(CudaBackend)
+    be.dev = _FakeDev()
+    be.in_layout, be.out_layout = InputLayout(16, 8, 4), OutputLayout(8)
+
+    class Pinned:
+        def __init__(self, n: int) -> None:
+            self.array, self.ptr = np.zeros(n, np.uint8), 0
+
+    be.host_in, be.host_out = Pinned(be.in_layout.nbytes), Pinned(be.out_layout.nbytes)
+    be.inp = DeviceArray(1 << 20, (be.in_layout.nbytes,), "uint8", 0)
+    be.out = DeviceArray(2 << 20, (be.out_layout.nbytes,), "uint8", 0)
+    be.arena = _Arena({"logits": DeviceArray(3 << 20, (8, 32), "float32", 0)})
+    be.timings = Counter()
+    be.cfg = type("Cfg", (), {"vocab_size": 32})()
+    tok = be.host_out.array[be.out_layout.tokens:be.out_layout.tokens + 4 * R].view(np.int32)
+    tok[:] = np.arange(R) + 7
+    return be
+
+
+def test_a_step_is_one_upload_and_one_download() -> None:
+    """Eager or replayed: exactly one host-to-device copy of the step's inputs and one device-to-host copy of
+    the sampled tokens (+ one more only when the caller asks for logits); one synchronisation."""
+    from hybrid_runtime.backend import SampleRow
+    from hybrid_runtime.cuda.backend import CudaCtx, Mat
+    from hybrid_runtime.engine import Phase
+
+    rows = [SampleRow(SamplingParams()), SampleRow(SamplingParams(), logprobs=2), SampleRow(SamplingParams())]
+    for replay in (False, True):
+        for want_logits in (False, True):
+            be = _stub_backend(4)
+            graph = _FakeGraph() if replay else None
+            calls: list[str] = []
+
+            def forward(ctx: CudaCtx, calls: list[str] = calls) -> Mat:
+                calls.append("forward")
+                return Mat(3 << 20, ctx.R, 32, 32, "float32")
+
+            be._sample = lambda ctx, logits, calls=calls: calls.append("sample")  # type: ignore[method-assign]
+            ctx = CudaCtx(Phase.DECODE, 4, 3, 4, 4, 3, 1, None, None, 4, rows, want_logits, upload_bytes=1234,
+                          graph=graph)  # type: ignore[arg-type]
+            res = be.execute(ctx, forward)
+            assert be.dev.copies["htod"] == 1 and be.dev.last_up == 1234
+            assert be.dev.copies["dtoh"] == 1 + int(want_logits) and be.dev.syncs == 1
+            assert res.tokens.tolist() == [7, 8, 9]  # the padding row's token is dropped
+            assert res.logprobs[0] is None and res.logprobs[1] is not None
+            assert (res.logits is not None) == want_logits
+            if graph is None:
+                assert calls == ["forward", "sample"]
+            else:
+                assert calls == [] and graph.launches == 1
