@@ -27,7 +27,7 @@ from .kv_cache import KVLayout
 from .metrics import Metrics
 from .ops.base import parse_device
 from .runner import ModelRunner
-from .sampler import make_rng, sample
+from .sampler import TokenLogprobs, make_rng, sample, token_logprobs
 from .sampling import RequestValidationError, SamplingParams
 from .scheduler import Batch, Scheduler, Sequence
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -77,7 +77,12 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A token event (``final`` False) or the one final event of a request."""
+    """A token event (``final`` False) or the one final event of a request.
+
+    ``logprobs`` is empty unless the request's ``params.logprobs`` is set; then a token event carries one
+    entry per id in ``token_ids`` and the final event one per id in ``output_ids`` (all generated tokens,
+    an EOS included, the way ``output_ids`` covers the ids that had no token event).
+    """
 
     request_id: str
     text: str = ""
@@ -87,6 +92,7 @@ class Event:
     error: str | None = None
     output_ids: tuple[int, ...] = ()  # all generated ids (final event only)
     num_prompt_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 Sink = Callable[[Event], None]
@@ -105,6 +111,7 @@ class _Live:
     t_submit: float
     t_last: float = 0.0
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # None: the request asked for none
 
 
 class ServingEngine:
@@ -255,7 +262,8 @@ class ServingEngine:
         seq = Sequence(req.request_id, ids, req.params, max_len=len(ids) + req.params.max_tokens)
         eos = frozenset() if req.params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(req.params.stop),
-                     make_rng(req.params.seed, self._seeds), eos, t0)
+                     make_rng(req.params.seed, self._seeds), eos, t0,
+                     logprobs=None if req.params.logprobs is None else [])
         self._live[req.request_id] = live
         self.scheduler.add(seq)
         with self.metrics.lock:
@@ -275,18 +283,21 @@ class ServingEngine:
         if need:
             lives = [self._live[s.request_id] for s in need]
             tokens = sample(logits, [lv.seq.params for lv in lives], [lv.rng for lv in lives])
+            lps = _logprobs(logits, tokens, lives)
             now = time.perf_counter()
-            for live, tok in zip(lives, tokens.tolist()):
-                self._on_token(live, int(tok), now)
+            for live, tok, lp in zip(lives, tokens.tolist(), lps):
+                self._on_token(live, int(tok), now, lp)
         phase = batch.phase.name.lower()
         with self.metrics.lock:
             self.metrics.steps[phase] += 1
             self.metrics.step_seconds[phase] += time.perf_counter() - t0
             self.metrics.step_tokens[phase] += sum(len(st.token_ids) for st in batch.steps)
 
-    def _on_token(self, live: _Live, tok: int, now: float) -> None:
+    def _on_token(self, live: _Live, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         seq, p = live.seq, live.seq.params
         seq.output_ids.append(tok)
+        if live.logprobs is not None and lp is not None:
+            live.logprobs.append(lp)
         with self.metrics.lock:
             self.metrics.tokens_generated += 1
             (self.metrics.itl if live.t_last else self.metrics.ttft).observe(now - (live.t_last or live.t_submit))
@@ -301,7 +312,8 @@ class ServingEngine:
             text += live.stops.feed(live.detok.flush())[0] + live.stops.flush()
         if text or not done:
             live.text.append(text)
-            if not self._send(live.sink, Event(seq.request_id, text=text, token_ids=(tok,))):
+            ev = Event(seq.request_id, text=text, token_ids=(tok,), logprobs=() if lp is None else (lp,))
+            if not self._send(live.sink, ev):
                 self._final(live, "cancelled")
                 return
         if done:
@@ -318,7 +330,7 @@ class ServingEngine:
             self.scheduler.finish(seq)
         self._send(live.sink, Event(seq.request_id, text="".join(live.text), final=True, finish_reason=reason,
                                     error=error, output_ids=tuple(seq.output_ids),
-                                    num_prompt_tokens=len(seq.prompt_ids)))
+                                    num_prompt_tokens=len(seq.prompt_ids), logprobs=tuple(live.logprobs or ())))
         with self.metrics.lock:
             self.metrics.finished[reason] += 1
 
@@ -337,6 +349,14 @@ class ServingEngine:
             m.slots_in_use, m.kv_pages_in_use = s.slots.num_used, s.pages.num_used
             m.profile_switches = self.runner.engine.profile_switches
             m.attention_plans, m.attention_fallbacks = d.plans.copy(), d.fallbacks.copy()
+
+
+def _logprobs(logits: np.ndarray, tokens: np.ndarray, lives: list[_Live]) -> list[TokenLogprobs | None]:
+    """Logprobs of the tokens just sampled (row ``i`` of ``logits`` is ``lives[i]``), only for rows that ask."""
+    top_n = [-1 if lv.seq.params.logprobs is None else lv.seq.params.logprobs for lv in lives]
+    if max(top_n) < 0:
+        return [None] * len(lives)
+    return token_logprobs(logits, tokens, top_n)
 
 
 def generate(engine: ServingEngine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Event]:
