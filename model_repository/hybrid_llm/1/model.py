@@ -17,7 +17,14 @@ from functools import partial
 import triton_python_backend_utils as pb_utils
 
 from deploy.inflight import CancelWatcher, SendQueue
-from deploy.triton_adapter import Reply, ReplyBuilder, configure_logging, parse_parameters, parse_request
+from deploy.triton_adapter import (
+    LogprobsEncoder,
+    Reply,
+    ReplyBuilder,
+    configure_logging,
+    parse_parameters,
+    parse_request,
+)
 from deploy.triton_metrics import TritonMetrics
 from hybrid_runtime.sampling import RequestValidationError
 from hybrid_runtime.serving import Event, ServingEngine
@@ -61,6 +68,7 @@ class TritonPythonModel:
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
         self.engine = ServingEngine(self.params.engine_dir, self.params.runtime_options()).start()
+        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         name, version = args["model_name"], args["model_version"]
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
@@ -86,7 +94,7 @@ class TritonPythonModel:
             if parsed.prepend_prompt:
                 prompt_text = parsed.prompt if parsed.prompt is not None else \
                     self.engine.tokenizer.decode(parsed.prompt_ids or ())
-            builder = ReplyBuilder(parsed, prompt_text, self.metrics.observe)
+            builder = ReplyBuilder(parsed, prompt_text, self.metrics.observe, self.logprobs)
             self.watcher.add(request_id, request)  # before submit: the final event may come at once
             self.engine.submit(parsed.generation_request(request_id), partial(self._on_event, sender, builder))
             self.watcher.arm(request_id)
