@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(CKPT)/config.json: | $(STAMP)
+# The embedded checkpoint is a function of builder/default_model.py: rebuilt (with the engine) when it changes.
+$(CKPT)/config.json: builder/default_model.py | $(STAMP)
 	$(BIN)/python -m builder default-checkpoint $(CKPT)
 
 $(DEFAULT_ENGINE)/manifest.json: $(CKPT)/config.json
