@@ -229,6 +229,20 @@ def parse_request(get: TensorGetter, default_max_tokens: int = 16) -> ParsedRequ
 
 # ---- responses --------------------------------------------------------------------------------------
 
+# RequestValidationError.code -> TritonError code name; anything else is INTERNAL.
+ERROR_CODES = {"invalid_argument": "INVALID_ARG", "unsupported": "INVALID_ARG", "unavailable": "UNAVAILABLE"}
+
+
+def triton_error(message: str, code: str) -> tuple[str, str]:
+    """``(TritonError code name, message)`` of an error response; the message starts with the code in
+    brackets (``[INVALID_ARG] the prompt is empty``). Triton 2.51's gRPC stream passes an error's message
+    but not its code, and Triton's ``triton_grpc_error`` header (which would carry it as the gRPC status)
+    crashes the server once streams have been cancelled (deploy/README.md), so the code travels in the
+    text: the OpenAI frontend maps it to an HTTP status."""
+    name = ERROR_CODES.get(code, "INTERNAL")
+    return name, f"[{name}] {message}"
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """One Triton response: output arrays, or an error; ``final`` marks the request's last response."""

@@ -488,6 +488,7 @@ def test_model_py_streams_rejects_and_cancels(model) -> None:
         assert req.sender.done.wait(60)
     (err, flags), = bad.sender.responses
     assert flags == 1 and err.error.code == "INVALID_ARG" and "max_tokens" in err.error.message()
+    assert err.error.message().startswith("[INVALID_ARG] ")  # gRPC streams carry the text, not the code
 
     tokens = [r.outputs for r, f in streamed.sender.responses if f == 0]
     final = streamed.sender.responses[-1][0].outputs

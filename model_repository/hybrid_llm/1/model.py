@@ -24,6 +24,7 @@ from deploy.triton_adapter import (
     configure_logging,
     parse_parameters,
     parse_request,
+    triton_error,
 )
 from deploy.triton_metrics import TritonMetrics
 from hybrid_runtime.sampling import RequestValidationError
@@ -32,14 +33,10 @@ from hybrid_runtime.serving import Event, ServingEngine
 log = logging.getLogger("deploy.model")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# RequestValidationError.code -> TritonError code name (the stub adds TritonError to pb_utils only
-# after this module is imported, so the codes are looked up when an error is sent).
-_CODES = {"invalid_argument": "INVALID_ARG", "unsupported": "INVALID_ARG", "unavailable": "UNAVAILABLE"}
-
-
 def _error(message: str, code: str) -> pb_utils.InferenceResponse:
-    triton_code = getattr(pb_utils.TritonError, _CODES.get(code, "INTERNAL"))
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton_code))
+    # The stub adds TritonError to pb_utils only after this module is imported: look the code up now.
+    name, text = triton_error(message, code)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError, name)))
 
 
 def _send(sender, reply: Reply) -> None:
