@@ -12,12 +12,14 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make serve   build the default engine if missing and run tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT,"
-	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults)"
+	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults) and the"
+	@echo "             OpenAI-compatible frontend beside it on 127.0.0.1:9000 (FRONTEND_PORT; FRONTEND_PORT=off: none)"
 	@echo "make test    install, build, lint and run every CPU test, including against a live tritonserver"
 	@echo "make bench   offline CPU benchmarks (ratios against transformers measured in the same run)"
 	@echo "make soak    locust soak + fault test with a pass/fail verdict (USERS, DURATION, MULTI_BLOCK, PROFILE_PINNING,"
 	@echo "             FAULT_SHARE, URL=host:http_port to use a running server); reports in reports/"
-	@echo "make bench-serve  genai-perf (Triton, vLLM convention, streaming) at concurrency 1, 4, 16 (URL= as above)"
+	@echo "make bench-serve  genai-perf at concurrency 1, 4, 16 (CONCURRENCY=): Triton's kserve gRPC endpoint and the"
+	@echo "             OpenAI frontend's chat endpoint side by side (ENDPOINTS=triton,chat; URL=, FRONTEND_URL= to use running ones)"
 
 install: $(STAMP)
 
@@ -93,6 +95,8 @@ $(GENAI_STAMP):
 	$(GENAI_VENV)/bin/pip install -q --no-deps --force-reinstall tritonclient==2.51.0
 	touch $(GENAI_STAMP)
 
+FRONTEND_URL ?=
+ENDPOINTS ?= triton,chat
 bench-serve: build $(GENAI_STAMP)
-	URL=$(URL) MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
-	$(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf
+	URL=$(URL) FRONTEND_URL=$(FRONTEND_URL) ENDPOINTS=$(ENDPOINTS) MULTI_BLOCK=$(MULTI_BLOCK) \
+	PROFILE_PINNING=$(PROFILE_PINNING) $(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf
