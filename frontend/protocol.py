@@ -14,11 +14,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hybrid_runtime.sampling import MAX_LOGPROBS, MAX_SEED  # the server's limits (a stdlib-only module)
+
 from .errors import APIError, invalid, unsupported
 
-MAX_LOGPROBS = 20  # the runtime's limit (hybrid_runtime.sampling.MAX_LOGPROBS)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is its own Triton stream)
-MAX_SEED = 2**63
 
 
 class _Strict(BaseModel):

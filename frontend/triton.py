@@ -285,8 +285,7 @@ class TritonBackend:
             async for result, error in call:
                 if error is not None:  # the request's final response: read the stream to its end, then raise
                     finished = True
-                    async for _ in call:
-                        pass
+                    await self._drain(call, request_id)
                     text = error.message() if isinstance(error, InferenceServerException) else str(error)
                     api_error = stream_error(text or "the server failed the request", self.url)
                     if api_error.status in (404, 503):
@@ -295,8 +294,7 @@ class TritonBackend:
                 piece = parse_piece(result)
                 if piece.final:
                     finished = True
-                    async for _ in call:  # the stream ends right after the final response
-                        pass
+                    await self._drain(call, request_id)
                     if piece.finish_reason == "cancelled":
                         raise unavailable("the server cancelled the request (the model is being unloaded or the "
                                           "server is shutting down)")
@@ -313,6 +311,21 @@ class TritonBackend:
         finally:
             if not finished:  # the caller left mid-stream: cancel the Triton request (slot and pages freed)
                 call.cancel()
+
+
+    @staticmethod
+    async def _drain(call: Any, request_id: str, timeout_s: float = 10.0) -> None:
+        """Read a stream whose request is finished to its end (Triton closes it right after the final
+        response), so that the call completes instead of being cancelled when it is dropped."""
+
+        async def rest() -> None:
+            async for _ in call:
+                pass
+
+        try:
+            await asyncio.wait_for(rest(), timeout_s)
+        except TimeoutError:
+            log.warning("the Triton stream of %s stayed open %.0f s after its final response", request_id, timeout_s)
 
 
 def _generation_defaults(bundle: Path) -> dict[str, Any]:
