@@ -19,7 +19,8 @@ help:
 	@echo "make soak    locust soak + fault test with a pass/fail verdict (USERS, DURATION, MULTI_BLOCK, PROFILE_PINNING,"
 	@echo "             FAULT_SHARE, URL=host:http_port to use a running server); reports in reports/"
 	@echo "make bench-serve  genai-perf at concurrency 1, 4, 16 (CONCURRENCY=): Triton's kserve gRPC endpoint and the"
-	@echo "             OpenAI frontend's chat endpoint side by side (ENDPOINTS=triton,chat; URL=, FRONTEND_URL= to use running ones)"
+	@echo "             OpenAI frontend's chat endpoint side by side (ENDPOINTS=triton,chat; REPEATS=N: medians of N runs;"
+	@echo "             URL=, FRONTEND_URL= to use running ones)"
 
 install: $(STAMP)
 
@@ -97,6 +98,9 @@ $(GENAI_STAMP):
 
 FRONTEND_URL ?=
 ENDPOINTS ?= triton,chat
+REPEATS ?= 1
+CONCURRENCY ?= 1,4,16
 bench-serve: build $(GENAI_STAMP)
-	URL=$(URL) FRONTEND_URL=$(FRONTEND_URL) ENDPOINTS=$(ENDPOINTS) MULTI_BLOCK=$(MULTI_BLOCK) \
-	PROFILE_PINNING=$(PROFILE_PINNING) $(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf
+	URL=$(URL) FRONTEND_URL=$(FRONTEND_URL) ENDPOINTS=$(ENDPOINTS) REPEATS=$(REPEATS) CONCURRENCY=$(CONCURRENCY) \
+	MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
+	$(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -98,6 +99,7 @@ def run_level(genai_perf: Path, env: dict[str, str], target: Target, tokenizer: 
            "--tokenizer", str(tokenizer), "--random-seed", "0", "--artifact-dir", str(out)]
     log(f"{endpoint}, concurrency {concurrency}: {requests} requests: {' '.join(cmd)}")
     before = scrape(target.metrics)
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=out.parent, timeout=args.timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -118,7 +120,8 @@ def run_level(genai_perf: Path, env: dict[str, str], target: Target, tokenizer: 
             "output_token_throughput": data.get("output_token_throughput", {}).get("avg"),
             "request_throughput": data.get("request_throughput", {}).get("avg"),
             "output_sequence_length": data.get("output_sequence_length", {}).get("avg"),
-            "server_generated_tokens": tokens, "export": str(exports[-1])}
+            "server_generated_tokens": tokens, "export": str(exports[-1]),
+            "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def _pick(data: dict[str, Any], key: str) -> dict[str, float | None]:
@@ -144,20 +147,47 @@ def server_itl(r: dict[str, Any]) -> float | None:
     return None if not n or n <= 1 or lat is None or ttft is None else (lat - ttft) / (n - 1)
 
 
+def _median(values: list[Any]) -> Any:
+    if values and all(isinstance(v, dict) for v in values):
+        return {k: _median([v.get(k) for v in values]) for k in values[0]}
+    nums = [v for v in values if isinstance(v, int | float)]
+    return statistics.median(nums) if nums else values[0]
+
+
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (concurrency, endpoint): the median of every number over its repeats, in run order."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["concurrency"], r.get("endpoint", "triton")), []).append(r)
+    out = []
+    for group in groups.values():
+        row = {k: _median([g[k] for g in group]) for k in group[0] if k not in ("export", "load_avg_1min")}
+        row["endpoint"], row["repeats"] = group[0].get("endpoint", "triton"), len(group)
+        loads = [x for g in group for x in g.get("load_avg_1min") or []]
+        row["load_avg_1min"] = [min(loads), max(loads)] if loads else None
+        out.append(row)
+    return out
+
+
 def table(rows: list[dict[str, Any]], header: str) -> str:
-    """The results: one row per (concurrency, endpoint), then what the frontend adds over Triton's endpoint."""
+    """The results: one row per (concurrency, endpoint), then what the frontend adds over Triton's endpoint.
+
+    ``rows`` may hold several repeats of a (concurrency, endpoint) pair: each number is their median."""
+    rows = medians(rows)
     f = _f
     lines = [header, "",
              "| concurrency | endpoint | TTFT avg / p50 / p99 (ms) | ITL avg, server tokens (ms) | "
-             "ITL avg / p50 / p99, genai-perf (ms) | output tokens/s | requests/s | output len (genai-perf / server) |",
-             "|---:|---|---|---:|---|---:|---:|---|"]
+             "ITL avg / p50 / p99, genai-perf (ms) | output tokens/s | requests/s | output len (genai-perf / server) |"
+             " 1-min load avg (min -> max) |",
+             "|---:|---|---|---:|---|---:|---:|---|---|"]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
         name = ENDPOINT_NAMES[r.get("endpoint", "triton")]
+        load = r.get("load_avg_1min") or [None, None]
         lines.append(f"| {r['concurrency']} | {name} | {f(t['avg'])} / {f(t['p50'])} / {f(t['p99'])} | "
                      f"{f(server_itl(r), 2)} | {f(i['avg'], 2)} / {f(i['p50'], 2)} / {f(i['p99'], 2)} | "
                      f"{f(r['output_token_throughput'])} | {r['request_throughput']:.2f} | "
-                     f"{f(r['output_sequence_length'])} / {f(server_len(r))} |")
+                     f"{f(r['output_sequence_length'])} / {f(server_len(r))} | {f(load[0])} -> {f(load[1])} |")
     added = added_by_frontend(rows)
     if added:
         lines += ["", "What the frontend adds (chat row minus Triton row, same concurrency):", "",
@@ -173,7 +203,7 @@ def _signed(v: float | None, digits: int = 1) -> str:
 
 def added_by_frontend(rows: list[dict[str, Any]]) -> dict[int, dict[str, float | None]]:
     """Per concurrency with both endpoints measured: chat minus Triton, for TTFT and ITL (avg, p50)."""
-    by = {(r["concurrency"], r.get("endpoint", "triton")): r for r in rows}
+    by = {(r["concurrency"], r.get("endpoint", "triton")): r for r in medians(rows)}
     out: dict[int, dict[str, float | None]] = {}
     for c in sorted({r["concurrency"] for r in rows}):
         tri, chat = by.get((c, "triton")), by.get((c, "chat"))
@@ -198,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--requests-per-user", type=int, default=6, help="requests per concurrency level = this x N")
+    ap.add_argument("--repeats", type=int, default=int(env0.get("REPEATS") or 1),
+                    help="runs of each (level, endpoint), alternating endpoints; the table shows their medians")
     ap.add_argument("--min-requests", type=int, default=24)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per concurrency level")
     ap.add_argument("--url", default=env0.get("URL") or "", help="a running server's HTTP host:port")
@@ -249,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"frontend pid {fe.pid} on {frontend_url} in front of {target.grpc}")
         rows = []
         for c in levels:
-            for endpoint in endpoints:
-                out = root / f"c{c}" / endpoint
-                if out.exists():
-                    shutil.rmtree(out)
-                out.mkdir(parents=True)
-                rows.append(run_level(genai_perf, env, target, bundle.engine_dir, c, args, out, endpoint,
-                                      frontend_url))
+            for rep in range(args.repeats):
+                for endpoint in endpoints:
+                    out = root / f"c{c}" / endpoint / f"run{rep}"
+                    if out.exists():
+                        shutil.rmtree(out)
+                    out.mkdir(parents=True)
+                    rows.append(run_level(genai_perf, env, target, bundle.engine_dir, c, args, out, endpoint,
+                                          frontend_url))
     finally:
         stack.close()
         if server is not None:
@@ -266,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"genai-perf 0.0.16, streaming: Triton kserve gRPC (vLLM convention) and the OpenAI frontend's "
               f"/v1/chat/completions (SSE); {args.input_tokens} input tokens (+ the chat template's), "
               f"{args.output_tokens} output tokens (min_tokens = max_tokens, greedy); bundle {bundle.engine_dir.name}, "
-              f"multi_block_mode={params.get('multi_block_mode')}, profile_pinning={params.get('profile_pinning')}")
+              f"multi_block_mode={params.get('multi_block_mode')}, profile_pinning={params.get('profile_pinning')}; "
+              f"median of {args.repeats} run(s) per row, endpoints alternating; {os.cpu_count()} CPU cores shared "
+              f"with whatever else runs on the machine (see the load column)")
     text = table(rows, header)
-    (reports / "bench_serve.json").write_text(json.dumps({"header": header, "rows": rows,
+    (reports / "bench_serve.json").write_text(json.dumps({"header": header, "rows": rows, "medians": medians(rows),
                                                           "added_by_frontend": added_by_frontend(rows)}, indent=1))
     (reports / "bench_serve.md").write_text(text + "\n")
     print("\n" + text, flush=True)
-    log(f"written: {reports / 'bench_serve.md'}, {reports / 'bench_serve.json'}, {root}/c<N>/<endpoint>/")
+    log(f"written: {reports / 'bench_serve.md'}, {reports / 'bench_serve.json'}, {root}/c<N>/<endpoint>/run<R>/")
     return 0
 
 
