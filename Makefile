@@ -12,12 +12,15 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make serve   build the default engine if missing and run tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT,"
-	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults)"
+	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults) and the"
+	@echo "             OpenAI-compatible frontend beside it on 127.0.0.1:9000 (FRONTEND_PORT; FRONTEND_PORT=off: none)"
 	@echo "make test    install, build, lint and run every CPU test, including against a live tritonserver"
 	@echo "make bench   offline CPU benchmarks (ratios against transformers measured in the same run)"
 	@echo "make soak    locust soak + fault test with a pass/fail verdict (USERS, DURATION, MULTI_BLOCK, PROFILE_PINNING,"
 	@echo "             FAULT_SHARE, URL=host:http_port to use a running server); reports in reports/"
-	@echo "make bench-serve  genai-perf (Triton, vLLM convention, streaming) at concurrency 1, 4, 16 (URL= as above)"
+	@echo "make bench-serve  genai-perf at concurrency 1, 4, 16 (CONCURRENCY=): Triton's kserve gRPC endpoint and the"
+	@echo "             OpenAI frontend's chat endpoint side by side (ENDPOINTS=triton,chat; REPEATS=N: medians of N runs;"
+	@echo "             URL=, FRONTEND_URL= to use running ones)"
 
 install: $(STAMP)
 
@@ -29,7 +32,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(CKPT)/config.json: | $(STAMP)
+# The embedded checkpoint is a function of builder/default_model.py: rebuilt (with the engine) when it changes.
+$(CKPT)/config.json: builder/default_model.py | $(STAMP)
 	$(BIN)/python -m builder default-checkpoint $(CKPT)
 
 $(DEFAULT_ENGINE)/manifest.json: $(CKPT)/config.json
@@ -92,6 +96,11 @@ $(GENAI_STAMP):
 	$(GENAI_VENV)/bin/pip install -q --no-deps --force-reinstall tritonclient==2.51.0
 	touch $(GENAI_STAMP)
 
+FRONTEND_URL ?=
+ENDPOINTS ?= triton,chat
+REPEATS ?= 1
+CONCURRENCY ?= 1,4,16
 bench-serve: build $(GENAI_STAMP)
-	URL=$(URL) MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
+	URL=$(URL) FRONTEND_URL=$(FRONTEND_URL) ENDPOINTS=$(ENDPOINTS) REPEATS=$(REPEATS) CONCURRENCY=$(CONCURRENCY) \
+	MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
 	$(BIN)/python -m loadtests.bench_serve --genai-perf $(GENAI_VENV)/bin/genai-perf

@@ -27,7 +27,8 @@ from .checkpoint import Checkpoint, load_weights
 from .segments import build_segment
 
 BACKENDS = ("onnxruntime", "tensorrt", "cuda")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 STATE_WEIGHTS = "state_weights.safetensors"
 
 

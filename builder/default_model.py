@@ -3,7 +3,8 @@
 :func:`write_default_checkpoint` writes a folder in exactly the Hugging Face format that transformers 5's
 ``save_pretrained`` produces for ``model_type: "qwen3_next"`` (``config.json``, ``generation_config.json``,
 ``model.safetensors`` with one tensor per expert and the fused, grouped-per-key-head ``in_proj_qkvz`` /
-``in_proj_ba``), plus a byte-level BPE tokenizer trained on ``builder/data/corpus.txt``. The folder therefore
+``in_proj_ba``), plus a byte-level BPE tokenizer trained on ``builder/data/corpus.txt`` and a ChatML chat
+template (``chat_template.jinja``, the file transformers 5 writes; Qwen's format). The folder therefore
 goes through the same loader as a real checkpoint, and transformers can load it too.
 
 The model is untrained: its weights are drawn from ``numpy.random.default_rng(seed)``, scaled so that the
@@ -33,6 +34,17 @@ EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 in the trained vocabulary
 TARGET_VOCAB_SIZE = 2048
 MODEL_MAX_LENGTH = 4096
+
+# ChatML, the format of the Qwen family (<|im_start|>role\n...<|im_end|>\n), without Qwen's tool and
+# reasoning sections: the random-weight model can do neither.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention",
                "linear_attention", "linear_attention", "full_attention"]
@@ -179,7 +191,7 @@ def default_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
 
 
 def _tokenizer_config(eos: str) -> dict[str, Any]:
-    """``tokenizer_config.json``: no BOS, EOS doubles as padding, no chat template."""
+    """``tokenizer_config.json``: no BOS, EOS doubles as padding (the chat template is a file of its own)."""
     return {
         "add_bos_token": False,
         "add_eos_token": False,
@@ -214,6 +226,7 @@ def write_default_checkpoint(out_dir: Path, seed: int = 0, progress: Callable[[s
         raise RuntimeError(f"trained tokenizer lacks {EOS_TOKEN!r}")
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(_json_text(_tokenizer_config(EOS_TOKEN)), encoding="utf-8")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     progress(f"tokenizer: {vocab_size} tokens, eos {EOS_TOKEN!r} = {eos_id}")
 
     cfg = {**DEFAULT_CONFIG, **(overrides or {}), "vocab_size": vocab_size, "eos_token_id": eos_id,

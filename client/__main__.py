@@ -2,8 +2,11 @@
 
     python -m client generate "prompt" [--protocol grpc|http] [--url HOST:PORT] [--max-tokens N]
                                        [--temperature T] [--stream | --no-stream]
-    python -m client health [--protocol http|grpc] [--url HOST:PORT]
-    python -m client bench [--concurrency 16] [--prompt-tokens 32] [--max-tokens 32]
+    python -m client health [--protocol grpc|http] [--url HOST:PORT]
+    python -m client bench [--protocol grpc|http] [--concurrency 16] [--prompt-tokens 32] [--max-tokens 32]
+
+Every subcommand speaks gRPC by default (127.0.0.1:8001); --protocol http uses Triton's HTTP endpoint
+(127.0.0.1:8000).
 
 Exit status 0 on success, 1 when the server is down, the model not ready or the request failed.
 """
@@ -63,7 +66,8 @@ def _health(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """Greedy requests with token-id prompts at a fixed concurrency; prints TTFT and ITL."""
-    url = args.url or DEFAULT_GRPC_URL
+    url = args.url or (DEFAULT_GRPC_URL if args.protocol == "grpc" else DEFAULT_HTTP_URL)
+    start = generate_stream_grpc if args.protocol == "grpc" else generate_http
     results: list[Result] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -72,8 +76,8 @@ def _bench(args: argparse.Namespace) -> int:
         for i in range(args.requests_per_worker):
             ids = [50 + (w * 31 + i * 7 + j * 13) % 200 for j in range(args.prompt_tokens)]
             try:
-                r = generate_stream_grpc(url, input_ids=ids, max_tokens=args.max_tokens, model=args.model,
-                                         sampling={"temperature": 0, "ignore_eos": True}, timeout=args.timeout).wait()
+                r = start(url, input_ids=ids, max_tokens=args.max_tokens, model=args.model,
+                          sampling={"temperature": 0, "ignore_eos": True}, timeout=args.timeout).wait()
                 with lock:
                     results.append(r)
             except ClientError as e:
@@ -81,7 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
                     errors.append(str(e))
 
     # warm-up (first-run costs of the engine's sessions stay out of the numbers)
-    generate_stream_grpc(url, input_ids=[50] * 4, max_tokens=2, model=args.model, timeout=args.timeout).wait()
+    start(url, input_ids=[50] * 4, max_tokens=2, model=args.model, timeout=args.timeout).wait()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(args.concurrency)]
     for t in threads:
@@ -113,18 +117,18 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                        help="gRPC (the default, for every subcommand) or Triton's HTTP endpoint")
     common.add_argument("--url", help=f"HOST:PORT (default {DEFAULT_GRPC_URL} for gRPC, {DEFAULT_HTTP_URL} for HTTP)")
     common.add_argument("--model", default=MODEL)
     common.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each response")
     g = sub.add_parser("generate", parents=[common], help="generate text and print it as it arrives")
     g.add_argument("prompt")
-    g.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     g.add_argument("--max-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
-    h = sub.add_parser("health", parents=[common], help="server and model status, model parameters")
-    h.add_argument("--protocol", choices=["http", "grpc"], default="http")
-    b = sub.add_parser("bench", parents=[common], help="TTFT / ITL at a fixed concurrency (gRPC, greedy)")
+    sub.add_parser("health", parents=[common], help="server and model status, model parameters")
+    b = sub.add_parser("bench", parents=[common], help="TTFT / ITL at a fixed concurrency (greedy)")
     b.add_argument("--concurrency", type=int, default=1)
     b.add_argument("--requests-per-worker", type=int, default=4)
     b.add_argument("--prompt-tokens", type=int, default=32)
@@ -133,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"generate": _generate, "health": _health, "bench": _bench}[args.cmd](args)
     except ServerUnavailable as e:
-        print(f"error: {e}\n(is the server running? start it with `make serve` or `python -m deploy serve`)",
-              file=sys.stderr)
+        print(f"error: {e}\n(is the server running? start it with `make serve` or `python -m deploy serve`; every "
+              f"subcommand speaks gRPC (port 8001) unless given --protocol http (port 8000))", file=sys.stderr)
         return 1
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)

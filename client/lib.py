@@ -293,7 +293,7 @@ def generate_http(url: str = DEFAULT_HTTP_URL, prompt: str | None = None, *, inp
 
 # ---- health -------------------------------------------------------------------------------------------
 
-def health(url: str | None = None, protocol: str = "http", model: str = MODEL, timeout: float = 5.0) -> dict:
+def health(url: str | None = None, protocol: str = "grpc", model: str = MODEL, timeout: float = 5.0) -> dict:
     """Server live/ready, model ready and (when ready) the model's config parameters.
 
     Raises :class:`ServerUnavailable` when nothing answers at ``url``.
@@ -327,7 +327,8 @@ def health(url: str | None = None, protocol: str = "http", model: str = MODEL, t
                 cfg = client.get_model_config(model)
             out["parameters"] = {k: v.get("string_value", v.get("stringValue", ""))
                                  for k, v in cfg.get("parameters", {}).items()}
-            out["max_batch_size"] = cfg.get("max_batch_size", cfg.get("maxBatchSize"))
+            # gRPC's JSON form leaves out fields at their default (max_batch_size 0).
+            out["max_batch_size"] = cfg.get("max_batch_size", cfg.get("maxBatchSize", 0))
         return out
     finally:
         client.close()

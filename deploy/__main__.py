@@ -2,12 +2,15 @@
 
 Environment (the one place this package reads it):
     HTTP_PORT / GRPC_PORT / METRICS_PORT   ports on 127.0.0.1 (default 8000 / 8001 / 8002)
+    FRONTEND_PORT                          the OpenAI-compatible frontend (python -m frontend) on
+                                           127.0.0.1 (default 9000; "off" = Triton only)
     ENGINE=DIR                             serve this bundle (default engines/default, built if missing)
     MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING
                                            override the model parameters max_batch_size,
                                            multi_block_mode and profile_pinning of config.pbtxt
     READY_TIMEOUT                          seconds to wait for the model to load (default 300)
-The server runs in the foreground with its log on this terminal; Ctrl-C (or SIGTERM) stops it cleanly.
+The server (and the frontend beside it) run in the foreground with their logs on this terminal; Ctrl-C
+(or SIGTERM) stops both cleanly.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from frontend.process import FrontendError, FrontendProcess
 
 from .triton import MODEL_REPOSITORY, REPO, SHM_DIR, TritonError, TritonServer, shm_regions
 
@@ -63,6 +69,9 @@ def serve(env: dict[str, str] | None = None) -> int:
     server = TritonServer(MODEL_REPOSITORY, parameters=params, http_port=_port(env, "HTTP_PORT", 8000),
                           grpc_port=_port(env, "GRPC_PORT", 8001), metrics_port=_port(env, "METRICS_PORT", 8002),
                           log_path="-")
+    frontend_off = env.get("FRONTEND_PORT", "").strip().lower() == "off"
+    frontend = None if frontend_off else FrontendProcess(server.grpc_url, port=_port(env, "FRONTEND_PORT", 9000),
+                                                         log_path="-")
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -76,15 +85,21 @@ def serve(env: dict[str, str] | None = None) -> int:
         print(f"[deploy] ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.metrics_url}\n"
               f"[deploy] try: python -m client generate \"Hello\" --url {server.grpc_url}   (Ctrl-C stops)",
               flush=True)
-        assert server.proc is not None
-        return server.proc.wait()
-    except TritonError as e:
-        print(f"[deploy] error: {str(e).splitlines()[0]} (the server log above says why)", file=sys.stderr)
+        if frontend is not None:
+            frontend.start().wait(timeout=60)
+            print(f"[deploy] OpenAI API: {frontend.url}/v1 (frontend pid {frontend.pid}); try: curl "
+                  f"{frontend.url}/v1/completions -d '{{\"model\": \"{server.model}\", \"prompt\": \"Hello\"}}'",
+                  flush=True)
+        return _watch(server, frontend)
+    except (TritonError, FrontendError) as e:
+        print(f"[deploy] error: {str(e).splitlines()[0]} (the log above says why)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\n[deploy] stopping tritonserver", flush=True)
+        print("\n[deploy] stopping", flush=True)
         return 0
     finally:
+        if frontend is not None:
+            frontend.stop()
         code = server.stop()
         if server.leaked_shm:
             print(f"[deploy] warning: shared-memory regions left in /dev/shm: {sorted(server.leaked_shm)}",
@@ -92,6 +107,19 @@ def serve(env: dict[str, str] | None = None) -> int:
         server.cleanup()
         if code not in (None, 0):
             print(f"[deploy] tritonserver exited with code {code}", file=sys.stderr)
+
+
+def _watch(server: TritonServer, frontend: FrontendProcess | None) -> int:
+    """Run until either process exits: the server's exit code, or 1 when the frontend died under it."""
+    assert server.proc is not None
+    while True:
+        code = server.proc.poll()
+        if code is not None:
+            return code
+        if frontend is not None and frontend.proc is not None and frontend.proc.poll() is not None:
+            print(f"[deploy] error: the frontend exited with code {frontend.proc.returncode}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:

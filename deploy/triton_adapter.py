@@ -9,17 +9,20 @@ Everything here is plain Python over numpy arrays, so it is unit-tested without 
   every problem raises ``RequestValidationError`` (sent back to that client only as INVALID_ARG).
 * :class:`ReplyBuilder` — one request's runtime events -> :class:`Reply` objects (streamed deltas, or
   one final reply carrying the whole text).
+* :class:`LogprobsEncoder` — a response's token log-probabilities -> the ``output_logprobs`` JSON.
 
 The threads around in-flight requests (sending, cancellation polling) live in ``deploy.inflight``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import numpy as np
 
 from hybrid_runtime.config import ConfigError
 from hybrid_runtime.engine.base import PINNING_MODES
+from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
 from hybrid_runtime.serving import MULTI_BLOCK_MODES, Event, GenerationRequest, RuntimeOptions
 
@@ -225,6 +229,20 @@ def parse_request(get: TensorGetter, default_max_tokens: int = 16) -> ParsedRequ
 
 # ---- responses --------------------------------------------------------------------------------------
 
+# RequestValidationError.code -> TritonError code name; anything else is INTERNAL.
+ERROR_CODES = {"invalid_argument": "INVALID_ARG", "unsupported": "INVALID_ARG", "unavailable": "UNAVAILABLE"}
+
+
+def triton_error(message: str, code: str) -> tuple[str, str]:
+    """``(TritonError code name, message)`` of an error response; the message starts with the code in
+    brackets (``[INVALID_ARG] the prompt is empty``). Triton 2.51's gRPC stream passes an error's message
+    but not its code, and Triton's ``triton_grpc_error`` header (which would carry it as the gRPC status)
+    crashes the server once streams have been cancelled (deploy/README.md), so the code travels in the
+    text: the OpenAI frontend maps it to an HTTP status."""
+    name = ERROR_CODES.get(code, "INTERNAL")
+    return name, f"[{name}] {message}"
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """One Triton response: output arrays, or an error; ``final`` marks the request's last response."""
@@ -235,12 +253,70 @@ class Reply:
     error_code: str = "internal"
 
 
-def outputs(text: str, ids: tuple[int, ...] | list[int], finish_reason: str | None = None) -> dict[str, np.ndarray]:
+def outputs(text: str, ids: tuple[int, ...] | list[int], finish_reason: str | None = None, *,
+            logprobs: bytes | None = None, num_input_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """The output tensors of one response (config.pbtxt documents each one)."""
     out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
            "output_ids": np.array(ids, dtype=np.int32)}
     if finish_reason is not None:
         out["finish_reason"] = np.array([finish_reason.encode("utf-8")], dtype=np.object_)
+    if logprobs is not None:
+        out["output_logprobs"] = np.array([logprobs], dtype=np.object_)
+    if num_input_tokens is not None:
+        out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.int32)
     return out
+
+
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf: a masked token's logprob is sent as this (vLLM's stand-in)
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text for logprob listings: its UTF-8, or ``bytes:\\xNN..`` for a fragment of a character
+    (the form OpenAI's API uses for such tokens)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class LogprobsEncoder:
+    """Encodes token log-probabilities as the ``output_logprobs`` JSON of a response.
+
+    The document is a list with one object per id of the response's ``output_ids``, in order::
+
+        {"token_id": 17, "token": "fox", "bytes": [102, 111, 120], "logprob": -0.12,
+         "top_logprobs": [{"token_id": 17, "token": "fox", "bytes": [102, 111, 120], "logprob": -0.12}, ...]}
+
+    ``token`` is :func:`token_text` of ``bytes``; ``top_logprobs`` holds the request's ``logprobs`` most
+    likely tokens by descending logprob (empty for 0). ``token_bytes(id)`` gives a token's bytes (the
+    runtime tokenizer's `token_bytes`); the per-token JSON is cached, since the engine thread builds it.
+    """
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._heads: dict[int, str] = {}
+
+    def _head(self, token_id: int) -> str:
+        head = self._heads.get(token_id)
+        if head is None:
+            raw = self._token_bytes(token_id)
+            head = (f'"token_id":{token_id},"token":{json.dumps(token_text(raw), ensure_ascii=False)},'
+                    f'"bytes":{json.dumps(list(raw), separators=(",", ":"))}')
+            self._heads[token_id] = head
+        return head
+
+    def encode(self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> bytes:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} ids but {len(logprobs)} logprobs")
+        items = []
+        for token_id, lp in zip(ids, logprobs):
+            top = ",".join(f'{{{self._head(t)},"logprob":{_number(v)}}}' for t, v in lp.top)
+            items.append(f'{{{self._head(int(token_id))},"logprob":{_number(lp.logprob)},"top_logprobs":[{top}]}}')
+        return ("[" + ",".join(items) + "]").encode("utf-8")
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if math.isfinite(value) else repr(NEG_INF_LOGPROB)
 
 
 class ReplyBuilder:
@@ -253,12 +329,15 @@ class ReplyBuilder:
     between the two, which Triton 2.51's gRPC frontend mishandles (the model then never unloads).
     Not streamed: only the final reply, with the whole text (after the prompt when ``prepend_prompt``)
     and all ids. ``observe(kind, seconds)`` receives time-to-first-token ("ttft") and inter-token
-    ("itl") samples.
+    ("itl") samples. Every final reply carries ``num_input_tokens``; when the request asks for logprobs,
+    every reply carries ``output_logprobs`` for its ids (``logprobs`` encodes them).
     """
 
     def __init__(self, request: ParsedRequest, prompt_text: str = "",
-                 observe: Callable[[str, float], None] | None = None) -> None:
+                 observe: Callable[[str, float], None] | None = None,
+                 logprobs: LogprobsEncoder | None = None) -> None:
         self.stream = request.stream
+        self.logprobs = logprobs if request.params.logprobs is not None else None
         self.max_tokens = request.params.max_tokens
         self.prefix = prompt_text if request.prepend_prompt else ""
         self.observe = observe
@@ -279,10 +358,18 @@ class ReplyBuilder:
                 self.held_text += ev.text
                 return None
             self.ids_sent += len(ev.token_ids)
-            return Reply(outputs(ev.text, ev.token_ids), final=False)
+            return Reply(outputs(ev.text, ev.token_ids, logprobs=self._logprobs(ev.token_ids, ev.logprobs)),
+                         final=False)
         if ev.finish_reason == "error":
             return Reply({}, final=True, error=ev.error or "generation failed", error_code="internal")
         reason = ev.finish_reason or "stop"
-        if self.stream:
-            return Reply(outputs(self.held_text, ev.output_ids[self.ids_sent:], reason), final=True)
-        return Reply(outputs(self.prefix + ev.text, ev.output_ids, reason), final=True)
+        start = self.ids_sent if self.stream else 0
+        ids = ev.output_ids[start:]
+        text = self.held_text if self.stream else self.prefix + ev.text
+        return Reply(outputs(text, ids, reason, logprobs=self._logprobs(ids, ev.logprobs[start:]),
+                             num_input_tokens=ev.num_prompt_tokens), final=True)
+
+    def _logprobs(self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> bytes | None:
+        if self.logprobs is None:
+            return None
+        return self.logprobs.encode(ids, logprobs)

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="0..20: add each token's logprob and that many top alternatives to the JSON output")
     g.add_argument("--multi-block-mode", default="auto", choices=["auto", "on", "off"])
     g.add_argument("--profile-pinning", default="per_context", choices=["per_context", "single_context"])
     g.add_argument("--max-batch-size", type=int, default=0, help="0 = the bundle's")
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                                  logprobs=args.logprobs)
         if args.requests:
             reqs = _load_requests(args.requests, defaults)
         elif args.prompt is not None:
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                    "finish_reason": ev.finish_reason}
             if ev.error:
                 row["error"] = ev.error
+            if r.params.logprobs is not None:
+                row["logprobs"] = [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in ev.logprobs]
             print(json.dumps(row, ensure_ascii=False))
         elif ev.error:
             print(f"error: {ev.error}", file=sys.stderr)

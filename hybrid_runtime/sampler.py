@@ -4,18 +4,21 @@ Batch invariance: the token picked for a row depends only on that row's logits, 
 and its own `numpy.random.Generator`, never on the other rows of the batch. A seeded request therefore
 gets the same tokens whatever it is batched with. Greedy rows are handled together with one argmax;
 sampled rows are processed one at a time (each one consumes exactly one uniform draw from its generator).
+
+`token_logprobs` gives the log-probabilities of the sampled tokens (and the most likely alternatives) for
+the rows that ask for them; it never changes which token is picked.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid_runtime.sampling import SamplingParams
+from hybrid_runtime.sampling import MAX_LOGPROBS, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
 _TOP_K_STRIDE = 16  # subsampling stride used to bound the top-k threshold cheaply
 _DRAW_BLOCK = 1024  # block size of the two-level inverse-CDF draw
 
@@ -137,33 +140,72 @@ def _nucleus(w: np.ndarray, cand: np.ndarray | None, top_p: float) -> tuple[np.n
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """The drawn token's logprob and the ``top`` most likely tokens as ``(id, logprob)``, by descending
-    logprob (ties: lower id)."""
+    """Log-probabilities at one generated position.
+
+    ``logprob`` is the sampled token's; ``top`` holds ``(token_id, logprob)`` of the N most likely tokens
+    (N = the request's ``logprobs``; empty for 0), by descending logprob, ties by lower token id. A
+    logprob may be ``-inf`` (a masked logit); JSON encoders must map it to a finite stand-in.
+    """
 
     logprob: float
     top: tuple[tuple[int, float], ...]
 
 
 def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: Sequence[int]) -> list[TokenLogprobs | None]:
-    """Logprobs of the drawn ``tokens [B]`` and the ``top_n[b]`` (-1: none, else 0..20) most likely tokens.
+    """Log-probabilities of the sampled ``tokens`` under ``logits``, for the rows that ask.
 
-    They are the log-softmax of the RAW logits ``[B, V]`` (before temperature, top-k or top-p, as vLLM
-    returns by default); the normaliser is summed in float64.
+    Args:
+        logits: ``[B, V]`` float32, the same logits `sample` picked from.
+        tokens: ``[B]`` the sampled token ids.
+        top_n: ``B`` ints: -1 = no logprobs for that row (None is returned), else 0..20 = the sampled
+            token's logprob plus that many most likely tokens.
+
+    The logprobs are the log-softmax of the *raw* logits, before temperature, top-k and top-p (what
+    vLLM returns by default): they describe the model's distribution, not the filtered one a token was
+    drawn from, so a sampled token's logprob is the same whatever the sampling parameters. The
+    normaliser (log-sum-exp) is computed in float64. NaN logits count as ``-inf`` (as in `sample`);
+    when some logits are ``+inf`` they share all the mass; when all are ``-inf`` every token gets
+    ``-log(V)``.
     """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+    batch = logits.shape[0]
+    if len(tokens) != batch or len(top_n) != batch:
+        raise ValueError(f"need one token and one top_n per row: B={batch}, len(tokens)={len(tokens)}, "
+                         f"len(top_n)={len(top_n)}")
     out: list[TokenLogprobs | None] = []
-    for b, n in enumerate(top_n):
-        if n is None or n < 0:
+    for b in range(batch):
+        n = int(top_n[b])
+        if n < 0:
             out.append(None)
             continue
-        x = np.asarray(logits[b], np.float64)
-        lse = float(x.max() + np.log(np.exp(x - x.max()).sum()))
-        k = min(int(n), MAX_TOP_LOGPROBS, x.shape[0])
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            cand = np.argpartition(-x, k - 1)[:k] if k < x.shape[0] else np.arange(x.shape[0])
-            cut = x[cand].min()
-            pool = np.flatnonzero(x >= cut)  # every tie at the cut, then by (logprob desc, id asc)
-            order = pool[np.lexsort((pool, -x[pool]))][:k]
-            top = tuple((int(i), float(x[i] - lse)) for i in order)
-        out.append(TokenLogprobs(float(x[int(tokens[b])] - lse), top))
+        if n > MAX_LOGPROBS:
+            raise ValueError(f"top_n[{b}]={n} exceeds {MAX_LOGPROBS}")
+        lp = _log_softmax(logits[b])
+        out.append(TokenLogprobs(float(lp[int(tokens[b])]), _top(lp, n)))
     return out
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    """``[V]`` float64 log-softmax of one row of logits (float64 throughout)."""
+    x = np.asarray(row, dtype=np.float64)
+    if np.isnan(x).any():
+        x = np.where(np.isnan(x), -np.inf, x)
+    top = x.max()
+    if np.isposinf(top):
+        inf = np.isposinf(x)
+        return np.where(inf, -math.log(int(inf.sum())), -np.inf)
+    if np.isneginf(top):
+        return np.full(x.shape, -math.log(x.shape[0]))
+    return x - (top + math.log(float(np.exp(x - top).sum())))
+
+
+def _top(lp: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` largest entries of ``lp`` as ``(id, value)``, by descending value, ties by lower id."""
+    if n == 0:
+        return ()
+    n = min(n, lp.shape[0])
+    cut = np.partition(lp, lp.shape[0] - n)[lp.shape[0] - n]
+    cand = np.flatnonzero(lp >= cut)  # every entry tied at the cut, so that the lowest ids can win
+    order = np.lexsort((cand, -lp[cand]))[:n]
+    return tuple((int(cand[i]), float(lp[cand[i]])) for i in order)

@@ -15,6 +15,7 @@ from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63  # exclusive
+MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
 
 _BOOL_STRINGS = {"true": True, "false": False}
 
@@ -40,6 +41,8 @@ class SamplingParams:
     ``stop`` strings end generation when they appear in the output text (they are not returned);
     ``stop_token_ids`` do the same for token ids, in addition to the model's EOS unless ``ignore_eos``.
     No stop condition (EOS, stop ids, stop strings) is honoured before ``min_tokens`` tokens.
+    ``logprobs``: None = none returned; 0 = the sampled token's log-probability only; N in 1..20 = that
+    plus the N most likely tokens (see `hybrid_runtime.sampler.token_logprobs`).
     """
 
     max_tokens: int = 16
@@ -51,6 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples so that instances stay hashable and immutable.
@@ -88,6 +92,8 @@ class SamplingParams:
             raise _fail("ignore_eos", self.ignore_eos, "must be a boolean")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _fail("logprobs", self.logprobs, f"must be null or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +109,7 @@ class SamplingParams:
         defaults). Keys that are absent or null take their value from ``defaults``. Numbers may be given
         as strings (``"0.7"``), booleans as ``"true"``/``"false"``, ``stop`` as one string or a list;
         ``top_k = -1`` (vLLM's "off") is read as 0. Accepted vLLM keys that this server does not implement
-        (``n``, ``best_of``, penalties, ``logprobs``) must carry their neutral value.
+        (``n``, ``best_of``, penalties) must carry their neutral value.
         Raises `RequestValidationError` for anything else, including ``max_tokens > max_tokens_limit``.
         """
         obj = _load_object(text)
@@ -118,7 +124,7 @@ class SamplingParams:
             value = obj.get(key)
             if value is None:
                 continue
-            if neutral is None or _as_float(key, value) != neutral:
+            if _as_float(key, value) != neutral:
                 raise _fail(key, value, f"is not supported by this server (only {json.dumps(neutral)} is accepted)",
                             code="unsupported")
         updates = {key: _PARSERS[key](key, obj[key]) for key in _PARSERS if obj.get(key) is not None}
@@ -227,14 +233,14 @@ _PARSERS = {
     "stop_token_ids": _as_int_list,
     "ignore_eos": _as_bool,
     "min_tokens": _as_int,
+    "logprobs": _as_int,
 }
 
-# vLLM keys accepted only with their neutral value (None: only null is accepted).
-_NEUTRAL: dict[str, float | None] = {
+# vLLM keys accepted only with their neutral value.
+_NEUTRAL: dict[str, float] = {
     "n": 1.0,
     "best_of": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "logprobs": None,
 }

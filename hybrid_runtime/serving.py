@@ -29,7 +29,7 @@ from .kv_cache import KVLayout
 from .metrics import Metrics
 from .ops.base import parse_device
 from .runner import ModelRunner
-from .sampler import make_rng
+from .sampler import TokenLogprobs, make_rng
 from .sampling import RequestValidationError, SamplingParams
 from .scheduler import Batch, Scheduler, Sequence
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -81,7 +81,12 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A token event (``final`` False) or the one final event of a request."""
+    """A token event (``final`` False) or the one final event of a request.
+
+    ``logprobs`` is empty unless the request's ``params.logprobs`` is set; then a token event carries one
+    entry per id in ``token_ids`` and the final event one per id in ``output_ids`` (all generated tokens,
+    an EOS included, the way ``output_ids`` covers the ids that had no token event).
+    """
 
     request_id: str
     text: str = ""
@@ -91,6 +96,7 @@ class Event:
     error: str | None = None
     output_ids: tuple[int, ...] = ()  # all generated ids (final event only)
     num_prompt_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 Sink = Callable[[Event], None]
@@ -110,6 +116,7 @@ class _Live:
     t_submit: float
     t_last: float = 0.0
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # None: the request asked for none
 
 
 class ServingEngine:
@@ -263,7 +270,8 @@ class ServingEngine:
         seed = req.params.seed if req.params.seed is not None else int(
             self._seeds.spawn(1)[0].generate_state(2, np.uint32).astype(np.uint64) @ np.array([1, 1 << 32], np.uint64))
         live = _Live(seq, sink, IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(req.params.stop),
-                     make_rng(req.params.seed, self._seeds), seed, eos, t0)
+                     make_rng(req.params.seed, self._seeds), seed, eos, t0,
+                     logprobs=None if req.params.logprobs is None else [])
         self._live[req.request_id] = live
         self.scheduler.add(seq)
         with self.metrics.lock:
@@ -274,7 +282,7 @@ class ServingEngine:
         need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
         lives = [self._live[s.request_id] for s in need]
         rows = [SampleRow(lv.seq.params, lv.rng, lv.seed, len(lv.seq.prompt_ids) + len(lv.seq.output_ids),
-                          getattr(lv.seq.params, "logprobs", None)) for lv in lives]
+                          lv.seq.params.logprobs) for lv in lives]
         try:
             result = self.runner.step(batch.phase, batch.steps, rows)
         except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
@@ -285,17 +293,20 @@ class ServingEngine:
         self.scheduler.advance(batch)
         if lives:
             now = time.perf_counter()
-            for live, tok in zip(lives, result.tokens.tolist()):
-                self._on_token(live, int(tok), now)
+            lps = result.logprobs or [None] * len(lives)
+            for live, tok, lp in zip(lives, result.tokens.tolist(), lps):
+                self._on_token(live, int(tok), now, lp)
         phase = batch.phase.name.lower()
         with self.metrics.lock:
             self.metrics.steps[phase] += 1
             self.metrics.step_seconds[phase] += time.perf_counter() - t0
             self.metrics.step_tokens[phase] += sum(len(st.token_ids) for st in batch.steps)
 
-    def _on_token(self, live: _Live, tok: int, now: float) -> None:
+    def _on_token(self, live: _Live, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         seq, p = live.seq, live.seq.params
         seq.output_ids.append(tok)
+        if live.logprobs is not None and lp is not None:
+            live.logprobs.append(lp)
         with self.metrics.lock:
             self.metrics.tokens_generated += 1
             (self.metrics.itl if live.t_last else self.metrics.ttft).observe(now - (live.t_last or live.t_submit))
@@ -310,7 +321,8 @@ class ServingEngine:
             text += live.stops.feed(live.detok.flush())[0] + live.stops.flush()
         if text or not done:
             live.text.append(text)
-            if not self._send(live.sink, Event(seq.request_id, text=text, token_ids=(tok,))):
+            ev = Event(seq.request_id, text=text, token_ids=(tok,), logprobs=() if lp is None else (lp,))
+            if not self._send(live.sink, ev):
                 self._final(live, "cancelled")
                 return
         if done:
@@ -327,7 +339,7 @@ class ServingEngine:
             self.scheduler.finish(seq)
         self._send(live.sink, Event(seq.request_id, text="".join(live.text), final=True, finish_reason=reason,
                                     error=error, output_ids=tuple(seq.output_ids),
-                                    num_prompt_tokens=len(seq.prompt_ids)))
+                                    num_prompt_tokens=len(seq.prompt_ids), logprobs=tuple(live.logprobs or ())))
         with self.metrics.lock:
             self.metrics.finished[reason] += 1
 

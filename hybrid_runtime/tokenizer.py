@@ -10,7 +10,9 @@ stream at the first stop string without ever emitting a part of it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,30 @@ import tokenizers
 
 REPLACEMENT_CHAR = "\ufffd"
 INITIAL_DETOKENIZATION_OFFSET = 5  # prompt tokens decoded as context before the first generated one
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback pieces
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: vocabulary character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _has_decoder(state: Any, kind: str) -> bool:
+    """Whether a decoder's JSON state (possibly a Sequence) contains a decoder of type ``kind``."""
+    if isinstance(state, dict):
+        return state.get("type") == kind or any(_has_decoder(v, kind) for v in state.values())
+    if isinstance(state, list):
+        return any(_has_decoder(v, kind) for v in state)
+    return False
 
 
 def _token_content(value: Any) -> str | None:
@@ -53,6 +79,10 @@ class Tokenizer:
         self._eos_ids = tuple(dict.fromkeys(merged))
         bos = _token_content(config.get("bos_token"))
         self._bos_id = tok.token_to_id(bos) if bos else None
+        self._added_ids = frozenset(tok.get_added_tokens_decoder())
+        decoder = tok.decoder
+        self._byte_level = decoder is not None and _has_decoder(json.loads(decoder.__getstate__()), "ByteLevel")
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -94,6 +124,33 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of ``token_id`` (byte-level form), or None if out of range."""
         return self._tok.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes that ``token_id`` stands for on its own (possibly a fragment of a UTF-8 character).
+
+        Added tokens (special ones included) are their content in UTF-8; with a byte-level decoder (GPT-2,
+        Qwen) each character of the vocabulary string is one byte; a SentencePiece ``<0xNN>`` piece is
+        that byte; any other token is the UTF-8 of its decoded text. Raises ValueError for an unknown id.
+        """
+        token_id = int(token_id)
+        out = self._bytes.get(token_id)
+        if out is not None:
+            return out
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        table = _byte_level_decoder()
+        m = _BYTE_PIECE.match(piece)
+        if token_id in self._added_ids:
+            out = piece.encode("utf-8")
+        elif self._byte_level and all(c in table for c in piece):
+            out = bytes(table[c] for c in piece)
+        elif m is not None:
+            out = bytes([int(m.group(1), 16)])
+        else:
+            out = self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        self._bytes[token_id] = out  # a plain dict: at most one entry per vocabulary id
+        return out
 
 
 class IncrementalDetokenizer:

@@ -208,9 +208,15 @@ def test_metrics_endpoint(triton_server: TritonServer) -> None:
 
 
 def test_client_cli(triton_server: TritonServer, capsys: pytest.CaptureFixture[str]) -> None:
-    assert client_main(["health", "--url", triton_server.http_url]) == 0
+    # One default protocol (gRPC) for every subcommand: health takes the gRPC address as generate does.
+    assert client_main(["health", "--url", triton_server.grpc_url]) == 0
     out = capsys.readouterr().out
-    assert "live=True ready=True" in out and "parameter engine_dir" in out
+    assert "live=True ready=True" in out and "parameter engine_dir" in out and "max_batch_size (Triton) = 0" in out
+    assert client_main(["health", "--protocol", "http", "--url", triton_server.http_url]) == 0
+    assert "live=True ready=True" in capsys.readouterr().out
+    assert client_main(["bench", "--url", triton_server.grpc_url, "--requests-per-worker", "1",
+                        "--max-tokens", "3", "--prompt-tokens", "4"]) == 0
+    assert "concurrency 1, 1 requests" in capsys.readouterr().out
     assert client_main(["generate", "Hello", "--url", triton_server.grpc_url, "--max-tokens", "5"]) == 0
     assert "finish_reason=" in capsys.readouterr().err
     assert client_main(["generate", "Hello", "--protocol", "http", "--url", triton_server.http_url,

@@ -19,7 +19,8 @@ from hybrid_runtime.reference import forward, greedy_generate
 from hybrid_runtime.tokenizer import Tokenizer
 from hybrid_runtime.weights_io import SafetensorsFile
 
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "chat_template.jinja")
 PROMPT = "The weather today"
 
 

@@ -86,8 +86,8 @@ def test_constructor_normalises_sequences() -> None:
     ('{"presence_penalty": 0.5}', "presence_penalty"),
     ('{"frequency_penalty": "-1"}', "frequency_penalty"),
     ('{"repetition_penalty": 1.1}', "repetition_penalty"),
-    ('{"logprobs": 0}', "logprobs"),
-    ('{"logprobs": 5}', "logprobs"),
+    ('{"logprobs": 21}', "logprobs"),
+    ('{"logprobs": -1}', "logprobs"),
 ])
 def test_bad_values(payload: str, field: str) -> None:
     with pytest.raises(RequestValidationError) as ei:

@@ -210,3 +210,25 @@ def test_stop_with_detokenizer(tok: Tokenizer) -> None:
         if hit:
             break
     assert "".join(out) == "The fox 🚀 jumps. "
+
+
+def test_token_bytes_of_a_byte_level_tokenizer(default_bundle: Path) -> None:
+    tok = Tokenizer.from_dir(default_bundle)
+    text = "Serving hybrid models: café, 中文, emoji 🙂\n\ttabs <|im_end|>"
+    ids = tok.encode(text)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")  # every byte once, fragments of characters included
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)
+    assert tok.token_bytes(ids[-1]) == b"<|im_end|>"  # a special (added) token is its content
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.token_bytes(10**6)
+
+
+def test_token_bytes_of_a_byte_fallback_tokenizer() -> None:
+    vocab = {"<unk>": 0, "<0xE4>": 1, "<0xB8>": 2, "<0xAD>": 3, "▁a": 4, "b": 5}
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    raw.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.Replace("▁", " "),
+                                                tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()])
+    tok = Tokenizer(raw)
+    assert [tok.token_bytes(i) for i in (1, 2, 3)] == [b"\xe4", b"\xb8", b"\xad"]
+    assert tok.token_bytes(4) == b" a" and tok.token_bytes(5) == b"b"

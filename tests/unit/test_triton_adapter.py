@@ -15,6 +15,7 @@ import pytest
 
 from deploy.inflight import CancelWatcher, SendQueue
 from deploy.triton_adapter import (
+    LogprobsEncoder,
     ParameterError,
     ParsedRequest,
     ReplyBuilder,
@@ -22,6 +23,7 @@ from deploy.triton_adapter import (
     parse_request,
 )
 from deploy.triton_metrics import TritonMetrics
+from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
 from hybrid_runtime.serving import Event
 
@@ -177,6 +179,36 @@ def test_unstreamed_reply_is_one_final_with_prompt() -> None:
     assert _text(replies[3]) == "Say: Hello" and replies[3].outputs["output_ids"].tolist() == [1, 2, 3, 9]
     b = ReplyBuilder(ParsedRequest("x", None, SamplingParams(), False, False), "x")
     assert _text(b.on_event(_events()[-1])) == "Hello"
+
+
+def _lp(i: int) -> TokenLogprobs:
+    return TokenLogprobs(-float(i), ((i, -float(i)),))
+
+
+def test_logprobs_and_prompt_length_outputs() -> None:
+    enc = LogprobsEncoder(lambda t: bytes([97 + t]))
+    lps = {1: _lp(1), 2: _lp(2), 3: _lp(3), 9: _lp(9)}
+    events = [Event(e.request_id, e.text, e.token_ids, e.final, e.finish_reason, e.error, e.output_ids,
+                    num_prompt_tokens=7 if e.final else 0,
+                    logprobs=tuple(lps[i] for i in (e.output_ids if e.final else e.token_ids)))
+              for e in _events()]
+
+    def ids_of(reply) -> list[int]:
+        return [d["token_id"] for d in json.loads(reply.outputs["output_logprobs"][0])]
+
+    for stream in (True, False):
+        b = ReplyBuilder(ParsedRequest("p", None, SamplingParams(logprobs=1), stream, False), "p", logprobs=enc)
+        replies = [r for r in (b.on_event(ev) for ev in events) if r is not None]
+        assert [ids_of(r) for r in replies] == [r.outputs["output_ids"].tolist() for r in replies]
+        assert [i for r in replies for i in ids_of(r)] == [1, 2, 3, 9]
+        assert replies[-1].outputs["num_input_tokens"].tolist() == [7]
+        assert all("num_input_tokens" not in r.outputs for r in replies[:-1])
+        doc = json.loads(replies[-1].outputs["output_logprobs"][0])[-1]
+        assert doc == {"token_id": 9, "token": "j", "bytes": [106], "logprob": -9.0,
+                       "top_logprobs": [{"token_id": 9, "token": "j", "bytes": [106], "logprob": -9.0}]}
+    # Not asked for: no output_logprobs at all, even with an encoder.
+    b = ReplyBuilder(ParsedRequest("p", None, SamplingParams(), True, False), "p", logprobs=enc)
+    assert all("output_logprobs" not in b.on_event(ev).outputs for ev in _events())
 
 
 def test_error_and_cancelled_finals() -> None:
@@ -456,6 +488,7 @@ def test_model_py_streams_rejects_and_cancels(model) -> None:
         assert req.sender.done.wait(60)
     (err, flags), = bad.sender.responses
     assert flags == 1 and err.error.code == "INVALID_ARG" and "max_tokens" in err.error.message()
+    assert err.error.message().startswith("[INVALID_ARG] ")  # gRPC streams carry the text, not the code
 
     tokens = [r.outputs for r, f in streamed.sender.responses if f == 0]
     final = streamed.sender.responses[-1][0].outputs
@@ -470,3 +503,20 @@ def test_model_py_streams_rejects_and_cancels(model) -> None:
     endless.cancelled = True  # the watcher notices within ~50 ms and cancels it in the engine
     assert endless.sender.done.wait(30)
     assert endless.sender.responses[-1][0].outputs["finish_reason"][0] == b"cancelled"
+
+
+def test_model_py_sends_logprobs_and_prompt_length(model) -> None:
+    req = _Request(text_input=_bytes("The quick brown fox 🙂".encode()), stream=np.array([True]),
+                   sampling_parameters=_bytes(b'{"ignore_eos": true, "max_tokens": 6, "logprobs": 2}'))
+    model.execute([req])
+    assert req.sender.done.wait(60)
+    outs = [r.outputs for r, _ in req.sender.responses]
+    docs = [d for o in outs for d in json.loads(o["output_logprobs"][0])]
+    ids = [int(i) for o in outs for i in o["output_ids"]]
+    assert [d["token_id"] for d in docs] == ids and len(ids) == 6
+    tok = model.engine.tokenizer
+    for d in docs:
+        assert bytes(d["bytes"]) == tok.token_bytes(d["token_id"]) and len(d["top_logprobs"]) == 2
+        assert d["top_logprobs"][0]["logprob"] >= d["top_logprobs"][1]["logprob"]
+        assert d["top_logprobs"][0]["token_id"] == d["token_id"]  # greedy
+    assert outs[-1]["num_input_tokens"].tolist() == [len(tok.encode("The quick brown fox 🙂"))]

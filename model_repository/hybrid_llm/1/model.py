@@ -17,7 +17,15 @@ from functools import partial
 import triton_python_backend_utils as pb_utils
 
 from deploy.inflight import CancelWatcher, SendQueue
-from deploy.triton_adapter import Reply, ReplyBuilder, configure_logging, parse_parameters, parse_request
+from deploy.triton_adapter import (
+    LogprobsEncoder,
+    Reply,
+    ReplyBuilder,
+    configure_logging,
+    parse_parameters,
+    parse_request,
+    triton_error,
+)
 from deploy.triton_metrics import TritonMetrics
 from hybrid_runtime.sampling import RequestValidationError
 from hybrid_runtime.serving import Event, ServingEngine
@@ -25,14 +33,10 @@ from hybrid_runtime.serving import Event, ServingEngine
 log = logging.getLogger("deploy.model")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# RequestValidationError.code -> TritonError code name (the stub adds TritonError to pb_utils only
-# after this module is imported, so the codes are looked up when an error is sent).
-_CODES = {"invalid_argument": "INVALID_ARG", "unsupported": "INVALID_ARG", "unavailable": "UNAVAILABLE"}
-
-
 def _error(message: str, code: str) -> pb_utils.InferenceResponse:
-    triton_code = getattr(pb_utils.TritonError, _CODES.get(code, "INTERNAL"))
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton_code))
+    # The stub adds TritonError to pb_utils only after this module is imported: look the code up now.
+    name, text = triton_error(message, code)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError, name)))
 
 
 def _send(sender, reply: Reply) -> None:
@@ -61,6 +65,7 @@ class TritonPythonModel:
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
         self.engine = ServingEngine(self.params.engine_dir, self.params.runtime_options()).start()
+        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         name, version = args["model_name"], args["model_version"]
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
@@ -86,7 +91,7 @@ class TritonPythonModel:
             if parsed.prepend_prompt:
                 prompt_text = parsed.prompt if parsed.prompt is not None else \
                     self.engine.tokenizer.decode(parsed.prompt_ids or ())
-            builder = ReplyBuilder(parsed, prompt_text, self.metrics.observe)
+            builder = ReplyBuilder(parsed, prompt_text, self.metrics.observe, self.logprobs)
             self.watcher.add(request_id, request)  # before submit: the final event may come at once
             self.engine.submit(parsed.generation_request(request_id), partial(self._on_event, sender, builder))
             self.watcher.arm(request_id)
