@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..ops.dispatcher import (
+    CHUNK_ALIGN,
     DecodeAttentionDispatcher,
     DecodeBatch,
     LaunchPlan,
@@ -53,13 +54,22 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
 
 
 def class_blocks(dispatcher: DecodeAttentionDispatcher, batch_at_max: DecodeBatch) -> list[int]:
-    """The chunk counts graphs are captured for, for one bucket: 1, 2, 4, ... up to the dispatcher's own
-    choice for the longest context (``batch_at_max``: the bucket's batch at max_seq_len)."""
-    top = plan(batch_at_max, dispatcher.mode, dispatcher.limits, dispatcher.workspace_capacity).blocks_per_seq
-    out, b = [], 1
-    while b <= graph_blocks(top):
-        out.append(b)
-        b *= 2
+    """The chunk counts graphs are captured for, for one bucket: 1, 2, 4, ... up to the largest class the
+    dispatcher picks for any context up to the longest (``batch_at_max``: the bucket's batch at max_seq_len).
+    Every context length is swept in steps of the chunk alignment, since chunk alignment can make a shorter
+    context split into more chunks than the longest one (1024 tokens: 8 chunks of 128; 1088: 6 of 192)."""
+    from dataclasses import replace
+
+    longest = max(batch_at_max.context_lens)
+    B = batch_at_max.batch_size
+    top = 1
+    for n in sorted({*range(CHUNK_ALIGN, longest + 1, CHUNK_ALIGN), longest}):
+        b = replace(batch_at_max, context_lens=(n,) * B, page_tables=batch_at_max.page_tables)
+        top = max(top, plan(b, dispatcher.mode, dispatcher.limits, dispatcher.workspace_capacity).blocks_per_seq)
+    out, blocks = [], 1
+    while blocks <= graph_blocks(top):
+        out.append(blocks)
+        blocks *= 2
     return out
 
 

@@ -67,6 +67,21 @@ def test_graph_plan_classes_cover_every_context_with_a_fixed_grid() -> None:
         assert all(getattr(longer, f) == getattr(gp, f) for f in same)
 
 
+def test_the_captured_classes_cover_every_context() -> None:
+    """Whatever the contexts (up to max_seq_len), a decode step's class is one a graph was captured for (chunk
+    alignment can give a shorter context more chunks than the longest: 1024 -> 8, 1088 -> 6 on this device)."""
+    limits = DeviceLimits("sim-h200", sm_count=132, max_shared_mem_optin=227 * 1024,
+                          optin_set=frozenset({SINGLE, MULTI}))
+    d = DecodeAttentionDispatcher("auto", limits, 64 << 20)
+    rng = np.random.default_rng(3)
+    for B, max_len in ((1, 1088), (8, 1088), (8, 32832), (64, 4096), (3, 500)):
+        classes = class_blocks(d, batch([max_len] * B))
+        for _ in range(200):
+            lens = rng.integers(1, max_len + 1, B).tolist()
+            c = choose(batch(lens), B, d, lambda k, classes=classes: k[1] in classes, True)
+            assert c.key is not None, (B, max_len, lens, classes, c)
+
+
 def test_choose_replays_only_captured_valid_classes() -> None:
     d = DecodeAttentionDispatcher("auto", H200, 64 << 20)
     bt = batch([5000, 12, 900, 1])
