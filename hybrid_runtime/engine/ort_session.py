@@ -1,0 +1,110 @@
+"""onnxruntime plumbing shared by the CPU backend's sessions (engine segments and the CPU operators).
+
+* One intra-op thread pool for the whole process. A bundle is dozens of sessions (one per segment, plus
+  the operators' own), run one after the other; with a pool per session every session's workers spin on
+  the same two cores after its run, and a decode step of the 334M benchmark model took 295 ms of segment
+  time instead of 24 ms (measured on the 2-core CI machine); per-session pools that stop spinning after
+  each run (``session.force_spinning_stop``) pay a wake-up on every run instead (a b1 decode step 48-82 ms
+  vs 38-42 ms with the shared pool, prefill 2.5x slower). The pool is sized by the first
+  :func:`session_options` call of the process; later calls that ask for another size get the existing
+  pool (logged), since onnxruntime cannot resize it. onnxruntime then refuses sessions of the same
+  process that ask for threads of their own (``use_per_session_threads must be false``): every session
+  of a process that hosts this runtime has to come from :func:`session_options`.
+* One memory arena for the whole process (``session.use_env_allocators``). A session's own arena keeps
+  the peak of its intermediate tensors forever; with dozens of sessions that is every segment's
+  prefill-sized intermediates at once, so they share one arena that grows to the largest single run.
+* :class:`Binding`: IOBinding that rebinds an input or output only when its buffer, shape or dtype
+  changed. Binding a CPU numpy array is zero-copy (onnxruntime reads the array's memory at run time), so
+  a decode step that reuses the same buffers binds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as _C
+
+if TYPE_CHECKING:
+    import onnx
+
+log = logging.getLogger("hybrid_runtime.engine")
+
+_lock = threading.Lock()
+_pool_threads: int | None = None  # the size the process-wide pool was created with (0 = onnxruntime's default)
+
+
+def session_options(intra_op_threads: int | None = 0) -> ort.SessionOptions:
+    """Options for a CPU session on the process-wide intra-op pool (``0`` = onnxruntime's default size,
+    one thread per physical core; ``None`` = the pool as it is, or the default size if none exists yet).
+    Graph optimisation level: extended (workaround ort-cpu-extended-graph-opt)."""
+    global _pool_threads
+    with _lock:
+        if _pool_threads is None:
+            _pool_threads = intra_op_threads or 0
+            _C.set_global_thread_pool_sizes(_pool_threads, 1)
+            try:  # kSameAsRequested (1): grow by what a run needs, not to the next power of two
+                ort.create_and_register_allocator(
+                    ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT),
+                    ort.OrtArenaCfg(0, 1, -1, -1))
+            except Exception as e:  # the process registered a CPU allocator of its own: sessions use that one
+                log.warning("onnxruntime: shared CPU arena not registered (%s)", e)
+        elif intra_op_threads is not None and intra_op_threads != _pool_threads:
+            log.warning("onnxruntime: this process's thread pool has %s intra-op threads; a session asked for %s "
+                        "(one pool per process, sized by its first session)", _pool_threads or "default",
+                        intra_op_threads or "default")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    opts.use_per_session_threads = False
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.use_env_allocators", "1")
+    return opts
+
+
+def cpu_session(model: str | Path | onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:
+    """An InferenceSession on the CPU execution provider from a path or an in-memory model."""
+    src = str(model) if isinstance(model, str | Path) else model.SerializeToString()
+    return ort.InferenceSession(src, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+class Binding:
+    """An IOBinding of one session that remembers what is bound and rebinds only on a change.
+
+    Arrays must be C-contiguous numpy arrays on the host; they are read (inputs) or written (outputs) in
+    place when :meth:`run` is called, so they must stay alive and unchanged in shape until then.
+    """
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+        self._b = session.io_binding()
+        self._bound: dict[str, tuple[int, tuple[int, ...], str]] = {}
+
+    def clear(self) -> None:
+        self._b.clear_binding_inputs()
+        self._b.clear_binding_outputs()
+        self._bound.clear()
+
+    @staticmethod
+    def _key(arr: np.ndarray) -> tuple[int, tuple[int, ...], str]:
+        if not arr.flags.c_contiguous:
+            raise ValueError("onnxruntime binding needs a C-contiguous array")
+        return arr.ctypes.data, arr.shape, arr.dtype.str
+
+    def input(self, name: str, arr: np.ndarray) -> None:
+        key = self._key(arr)
+        if self._bound.get(name) != key:
+            self._b.bind_cpu_input(name, arr)
+            self._bound[name] = key
+
+    def output(self, name: str, arr: np.ndarray) -> None:
+        key = self._key(arr)
+        if self._bound.get("\0" + name) != key:
+            self._b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            self._bound["\0" + name] = key
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self._b)
