@@ -22,7 +22,7 @@ from .ops.base import SeqStep, StatefulOps, make_ops
 from .ops.cpu import CpuOps
 from .ops.dispatcher import DecodeAttentionDispatcher
 from .ops.moe import MoE
-from .pipeline import plan_segments, state_weight_names
+from .pipeline import plan_segments
 from .state_cache import StateCache
 from .weights_io import SafetensorsFile
 
@@ -51,8 +51,7 @@ class ModelRunner:
                               f"in 16..256")
         sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
         self.conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
-        state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}
-        self.moe = {i: MoE(cfg, state_w, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
+        self.moe = {i: MoE(cfg, sw, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
         pages = num_kv_pages or lim.num_kv_pages
         self.kv_layout = KVLayout(pages, lim.page_size, cfg.num_kv_heads, cfg.head_dim, np.float32,
                                   len(cfg.attention_layers))
