@@ -1,5 +1,6 @@
-"""The numpy backend of the stateful mixers: host state and KV buffers, the CPU kernels of
-:mod:`.gdn` and :mod:`.attention`, and the guarded dispatcher with its numpy kernels."""
+"""The CPU backend of the stateful mixers: host state and KV buffers, the GDN mixer through onnxruntime's
+kernels (:mod:`.gdn_ort`; :mod:`.gdn` is its numpy oracle), the numpy attention of :mod:`.attention`, and
+the guarded dispatcher with its numpy kernels."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..state_cache import StateCache
 from .attention import prefill_attention
 from .base import SeqStep
 from .dispatcher import DecodeAttentionDispatcher
-from .gdn import gdn_decode, gdn_prefill
+from .gdn_ort import OrtGdn
 
 
 class CpuOps:
@@ -31,25 +32,20 @@ class CpuOps:
         self.kv_layout = kv_layout
         self.kv = KVCache(kv_layout, cfg.attention_layers)
         self.dispatcher = DecodeAttentionDispatcher(mode=multi_block_mode)  # type: ignore[arg-type]
-        self._dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
-                      cfg.linear_value_head_dim)
+        self._gdn = OrtGdn(cfg)
 
     def reset_slot(self, slot: int) -> None:
         self.state.reset(slot)
 
     def gdn(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, u: np.ndarray,
             g: np.ndarray, beta: np.ndarray) -> np.ndarray:
-        """u ``[T, C]``, g/beta ``[T, nv]`` -> core ``[T, nv*dv]``; DECODE in one batched call, PREFILL
-        per sequence chunk."""
+        """u ``[T, C]``, g/beta ``[T, nv]`` -> core ``[T, nv*dv]``: one onnxruntime run for the whole batch
+        (:class:`.gdn_ort.OrtGdn`), DECODE and PREFILL alike."""
         conv, rec, w = self.state.conv[layer], self.state.recurrent[layer], self.conv_w[layer]
+        slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
         if phase == Phase.DECODE:
-            slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
-            return gdn_decode(conv, rec, slots, u, g, beta, w, *self._dims)
-        core = np.empty((len(u), self.cfg.value_dim), np.float32)
-        for i, s in enumerate(steps):
-            a, b = int(bounds[i]), int(bounds[i + 1])
-            core[a:b] = gdn_prefill(conv, rec, s.slot, u[a:b], g[a:b], beta[a:b], w, *self._dims)
-        return core
+            return self._gdn.decode(conv, rec, slots, u, g, beta, w)
+        return self._gdn.prefill(conv, rec, slots, bounds, u, g, beta, w)
 
     def attention(self, layer: int, phase: Phase, steps: list[SeqStep], bounds: np.ndarray, positions: np.ndarray,
                   pages: np.ndarray, offsets: np.ndarray, q: np.ndarray, k: np.ndarray,
