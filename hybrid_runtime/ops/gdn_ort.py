@@ -5,23 +5,29 @@ Math and buffers as in :mod:`.gdn` (whose numpy functions stay the oracle of the
 pre-conv channels, ``g``/``beta`` per value head; conv buffer ``[rows, K-1, C]`` (oldest first), recurrent
 buffer ``[rows, nv, dk, dv]``. Two graphs:
 
-* DECODE (one token per sequence): ``CausalConvWithState`` (channels-last state, the buffer's layout),
-  l2-normalised q/k, k repeated per value head, ``LinearAttention`` (``gated_delta``; query head
-  ``j // (nv/nk)`` serves value head ``j``, the model's grouping).
-* PREFILL (ragged chunks): ``VarlenCausalConvWithState`` over the packed tokens (channels-first state: the
-  batch's few conv rows are transposed in and out), then the tokens are laid out ``[B, Tmax]`` with
-  inert zero padding (q = k = v = 0, g = beta = 0 leaves a state exactly as it was) for the chunked
-  ``LinearAttention``, and gathered back to packed order.
+* DECODE (one token per sequence): the conv as K multiply-adds over window ++ token, l2-normalised q/k,
+  k repeated per value head, ``LinearAttention`` (``gated_delta``; query head ``j // (nv/nk)`` serves value
+  head ``j``, the model's grouping).
+* PREFILL (ragged chunks): each sequence's window ++ chunk laid out ``[B, K-1+Tmax]`` by one Gather, one
+  depthwise ``Conv``, the new windows gathered from the same rows, and the chunked ``LinearAttention`` over
+  ``[B, Tmax]`` with inert zero padding (q = k = v = 0, g = beta = 0 leave a state exactly as it was); the
+  output is gathered back to packed order.
+
+onnxruntime's own ``CausalConvWithState`` / ``VarlenCausalConvWithState`` (4-17x slower here) and
+``GatedDeltaNet`` (10.5 ms vs 1.4 ms per b16 decode layer) were measured and are not used.
 
 The recurrent state is updated in place: when the batch's slots, sorted, are one contiguous range, the
 session reads and writes that range of the pool directly (the batch's token rows are put in slot order
 instead, which costs a few KB); otherwise only the batch's rows are gathered into a scratch block and
 scattered back. ``LinearAttention`` handles each (sequence, head) state on its own, reading it before
 writing it, so input and output may be the same memory (``tests/unit/test_gdn_ort.py`` checks the result
-against the numpy oracle, in place and not).
+against the numpy oracle, in place and not). The slot layout of a step is validated once and shared by
+all its layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -62,21 +68,25 @@ class _Graph:
         return m
 
 
+def _silu(g: _Graph, x: str, out: str) -> None:
+    g.op("Sigmoid", [x], [x + "_sig"])
+    g.op("Mul", [x, x + "_sig"], [out])
+
+
 def _qkv_and_attention(g: _Graph, cfg: ModelConfig, x3: str, gate3: str, beta3: str) -> None:
     """x3 ``[B, T, C]`` post-conv channels, gate3/beta3 ``[B, T, nv]`` -> node outputs ``o`` ``[B, T, nv*dv]``
     and ``rec_out`` (the updated state of input ``rec``)."""
     nk, dk, nv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads
     kd, vd, r = nk * dk, cfg.value_dim, nv // nk
-    g.op("Split", [x3, g.const("split_qkv", np.array([kd, kd, vd], np.int64))], ["q_raw", "k_raw", "v"], axis=2)
-    heads = g.const("heads_shape", np.array([0, 0, nk, dk], np.int64))
+    g.op("Split", [x3, g.const("split_qkv", np.array([2 * kd, vd], np.int64))], ["qk_raw", "v"], axis=2)
+    # q and k heads side by side: x / sqrt(sum(x^2) + 1e-6) per head, as in ops.gdn._l2norm
+    g.op("Reshape", ["qk_raw", g.const("qk_heads", np.array([0, 0, 2 * nk, dk], np.int64))], ["qk_h"])
+    g.op("ReduceSumSquare", ["qk_h"], ["qk_ss"], axes=[-1], keepdims=1)
+    g.op("Add", ["qk_ss", g.const("l2_eps", np.array(1e-6, np.float32))], ["qk_sse"])
+    g.op("Sqrt", ["qk_sse"], ["qk_norm"])
+    g.op("Div", ["qk_h", "qk_norm"], ["qk_n"])
+    g.op("Split", ["qk_n", g.const("split_qk", np.array([nk, nk], np.int64))], ["q_n", "k_n"], axis=2)
     flat = g.const("flat_keys", np.array([0, 0, kd], np.int64))
-    eps = g.const("l2_eps", np.array(1e-6, np.float32))
-    for name in ("q", "k"):  # x / sqrt(sum(x^2) + 1e-6) per head, as in ops.gdn._l2norm
-        g.op("Reshape", [f"{name}_raw", heads], [f"{name}_h"])
-        g.op("ReduceSumSquare", [f"{name}_h"], [f"{name}_ss"], axes=[-1], keepdims=1)
-        g.op("Add", [f"{name}_ss", eps], [f"{name}_sse"])
-        g.op("Sqrt", [f"{name}_sse"], [f"{name}_norm"])
-        g.op("Div", [f"{name}_h", f"{name}_norm"], [f"{name}_n"])
     g.op("Reshape", ["q_n", flat], ["q"])
     if r > 1:  # key head j // r serves value head j: [B, T, nk, 1, dk] -> [B, T, nk, r, dk] -> [B, T, nv*dk]
         g.op("Unsqueeze", ["k_n", g.const("axis3", np.array([3], np.int64))], ["k_u"])
@@ -84,51 +94,73 @@ def _qkv_and_attention(g: _Graph, cfg: ModelConfig, x3: str, gate3: str, beta3: 
         g.op("Reshape", ["k_e", g.const("flat_rep", np.array([0, 0, nv * dk], np.int64))], ["k"])
     else:
         g.op("Reshape", ["k_n", flat], ["k"])
+    # chunk_size 64 = scheduler.PREFILL_ALIGN: prompts are cut at chunk boundaries, so a token's result does not
+    # depend on where its prompt was split (the chunks of a call start at its first token)
     g.op("LinearAttention", ["q", "k", "v", "rec", gate3, beta3], ["o", "rec_out"], q_num_heads=nk, kv_num_heads=nv,
-         update_rule="gated_delta", scale=float(1.0 / np.sqrt(dk)))
+         update_rule="gated_delta", scale=float(1.0 / np.sqrt(dk)), chunk_size=64)
+
+
+def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+    return (cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim)
 
 
 def decode_graph(cfg: ModelConfig) -> onnx.ModelProto:
-    """u ``[B, C]``, g/beta ``[B, nv]``, conv_w ``[C, 1, K]``, conv_in ``[B, K-1, C]``, rec ``[B, nv, dk, dv]``
-    -> o ``[B, 1, nv*dv]``, conv_out ``[B, K-1, C]``, rec_out (= rec's shape)."""
-    C, K, nv, dk, dv = cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
-        cfg.linear_value_head_dim
+    """u ``[B, 1, C]``, g/beta ``[B, 1, nv]``, conv_wt ``[K, C]``, conv_in ``[B, K-1, C]``, rec ``[B, nv, dk, dv]``
+    -> o ``[B, 1, nv*dv]``, conv_out ``[B, K-1, C]``, rec_out (= rec's shape).
+
+    The conv of one new token is K multiply-adds per channel: window ++ token, times the taps, summed
+    (onnxruntime's CausalConvWithState took 66 us at B=1 and 0.7 ms at B=16 for this; these nodes ~10 us)."""
+    C, K, nv, dk, dv = _dims(cfg)
     g = _Graph()
-    ax1 = g.const("axis1", np.array([1], np.int64))
-    g.op("Unsqueeze", ["u", ax1], ["u3"])
-    g.op("Unsqueeze", ["g", ax1], ["g3"])
-    g.op("Unsqueeze", ["beta", ax1], ["beta3"])
-    g.op("CausalConvWithState", ["u3", "conv_w", "", "conv_in"], ["x3", "conv_out"], activation="silu",
-         channels_last=1)
-    _qkv_and_attention(g, cfg, "x3", "g3", "beta3")
-    ins = [_vi("u", _F, ["B", C]), _vi("g", _F, ["B", nv]), _vi("beta", _F, ["B", nv]), _vi("conv_w", _F, [C, 1, K]),
-           _vi("conv_in", _F, ["B", K - 1, C]), _vi("rec", _F, ["B", nv, dk, dv])]
+    g.op("Concat", ["conv_in", "u"], ["win"], axis=1)  # [B, K, C], oldest first
+    g.op("Mul", ["win", "conv_wt"], ["taps"])
+    g.op("ReduceSum", ["taps", g.const("axis1", np.array([1], np.int64))], ["pre"], keepdims=1)
+    _silu(g, "pre", "x3")
+    g.op("Slice", ["win", g.const("one", np.array([1], np.int64)), g.const("kk", np.array([K], np.int64)),
+                   g.const("axis1b", np.array([1], np.int64))], ["conv_out"])
+    _qkv_and_attention(g, cfg, "x3", "g", "beta")
+    ins = [_vi("u", _F, ["B", 1, C]), _vi("g", _F, ["B", 1, nv]), _vi("beta", _F, ["B", 1, nv]),
+           _vi("conv_wt", _F, [K, C]), _vi("conv_in", _F, ["B", K - 1, C]), _vi("rec", _F, ["B", nv, dk, dv])]
     outs = [_vi("o", _F, ["B", 1, nv * dv]), _vi("conv_out", _F, ["B", K - 1, C]),
             _vi("rec_out", _F, ["B", nv, dk, dv])]
     return g.model("gdn_decode", ins, outs)
 
 
 def prefill_graph(cfg: ModelConfig) -> onnx.ModelProto:
-    """u ``[T, C]`` (packed in slot order), g/beta ``[T, nv]``, conv_w, cu ``[B+1]`` int32, conv_in
-    ``[B, C, K-1]``, rec, pad_idx ``[B*Tmax]`` (a packed row, or T for padding), pad_shape ``[B, Tmax, -1]``,
-    out_idx ``[T]`` (padded row of each packed token, in the caller's order) -> o ``[T, nv*dv]``,
-    conv_out ``[B, C, K-1]``, rec_out."""
-    C, K, nv, dk, dv = cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
-        cfg.linear_value_head_dim
+    """Ragged chunks laid out ``[B, W = K-1+Tmax]`` by index (rows: ``conv_in`` rows, then the tokens, then a
+    zero row): u ``[T, C]``, g/beta ``[T, nv]``, conv_w ``[C, 1, K]``, conv_in ``[B, K-1, C]``, rec, win_idx
+    ``[B*W]`` (each sequence's window then tokens then zeros), state_idx ``[B*(K-1)]`` (its new window),
+    pad_idx ``[B*Tmax]`` (rows of g/beta, T = zero), shapes ``win_shape [B, W, C]``, ``pad_shape
+    [B, Tmax, 2nv]``, ``state_shape [B, K-1, C]``, out_idx ``[T]`` (padded row of each token) -> out
+    ``[T, nv*dv]``, conv_out ``[B, K-1, C]``, rec_out. The conv is one depthwise Conv over the padded
+    windows (onnxruntime's VarlenCausalConvWithState took 3.9 ms for 128 tokens of the benchmark model,
+    this 0.9 ms)."""
+    C, K, nv, dk, dv = _dims(cfg)
     g = _Graph()
-    g.op("VarlenCausalConvWithState", ["u", "conv_w", "cu", "", "conv_in"], ["x", "conv_out"], activation="silu")
-    g.op("Concat", ["x", "g", "beta"], ["feat"], axis=1)
-    g.op("Concat", ["feat", g.const("zero_row", np.zeros((1, C + 2 * nv), np.float32))], ["rows"], axis=0)
-    g.op("Gather", ["rows", "pad_idx"], ["padded"], axis=0)
-    g.op("Reshape", ["padded", "pad_shape"], ["p3"])
-    g.op("Split", ["p3", g.const("split_feat", np.array([C, nv, nv], np.int64))], ["x3", "g3", "beta3"], axis=2)
+    g.op("Reshape", ["conv_in", g.const("rows_shape", np.array([-1, C], np.int64))], ["win_rows"])
+    g.op("Concat", ["win_rows", "u", g.const("zero_u", np.zeros((1, C), np.float32))], ["rows"], axis=0)
+    g.op("Gather", ["rows", "win_idx"], ["win_flat"], axis=0)
+    g.op("Reshape", ["win_flat", "win_shape"], ["win"])  # [B, W, C]
+    g.op("Transpose", ["win"], ["win_t"], perm=[0, 2, 1])
+    g.op("Conv", ["win_t", "conv_w"], ["pre_t"], group=C, kernel_shape=[K])  # [B, C, Tmax]
+    g.op("Transpose", ["pre_t"], ["pre"], perm=[0, 2, 1])
+    _silu(g, "pre", "x3")
+    g.op("Gather", ["rows", "state_idx"], ["state_flat"], axis=0)
+    g.op("Reshape", ["state_flat", "state_shape"], ["conv_out"], allowzero=1)  # K = 1: a [B, 0, C] window
+    g.op("Concat", ["g", "beta", ], ["gb"], axis=1)
+    g.op("Concat", ["gb", g.const("zero_gb", np.zeros((1, 2 * nv), np.float32))], ["gb_rows"], axis=0)
+    g.op("Gather", ["gb_rows", "pad_idx"], ["gb_flat"], axis=0)
+    g.op("Reshape", ["gb_flat", "pad_shape"], ["gb3"])
+    g.op("Split", ["gb3", g.const("split_gb", np.array([nv, nv], np.int64))], ["g3", "beta3"], axis=2)
     _qkv_and_attention(g, cfg, "x3", "g3", "beta3")
     g.op("Reshape", ["o", g.const("flat_out", np.array([-1, nv * dv], np.int64))], ["o_rows"])
     g.op("Gather", ["o_rows", "out_idx"], ["out"], axis=0)
     ins = [_vi("u", _F, ["T", C]), _vi("g", _F, ["T", nv]), _vi("beta", _F, ["T", nv]), _vi("conv_w", _F, [C, 1, K]),
-           _vi("cu", _I32, ["B1"]), _vi("conv_in", _F, ["B", C, K - 1]), _vi("rec", _F, ["B", nv, dk, dv]),
-           _vi("pad_idx", _I64, ["P"]), _vi("pad_shape", _I64, [3]), _vi("out_idx", _I64, ["T"])]
-    outs = [_vi("out", _F, ["T", nv * dv]), _vi("conv_out", _F, ["B", C, K - 1]), _vi("rec_out", _F, ["B", nv, dk, dv])]
+           _vi("conv_in", _F, ["B", K - 1, C]), _vi("rec", _F, ["B", nv, dk, dv]), _vi("win_idx", _I64, ["BW"]),
+           _vi("state_idx", _I64, ["BK"]), _vi("pad_idx", _I64, ["BT"]), _vi("win_shape", _I64, [3]),
+           _vi("pad_shape", _I64, [3]), _vi("state_shape", _I64, [3]), _vi("out_idx", _I64, ["T"])]
+    outs = [_vi("out", _F, ["T", nv * dv]), _vi("conv_out", _F, ["B", K - 1, C]), _vi("rec_out", _F, ["B", nv, dk, dv])]
     return g.model("gdn_prefill", ins, outs)
 
 
@@ -144,21 +176,47 @@ class OrtGdn:
         self._decode = Binding(cpu_session(decode_graph(cfg), opts))
         self._prefill = Binding(cpu_session(prefill_graph(cfg), opts))
         self._out = np.empty((0, cfg.value_dim), np.float32)  # decode output rows, grown on demand
+        self._last: _Plan | None = None  # the previous call's slot plan (every layer of a step shares it)
+        # id(conv_w) -> (conv_w, [C, 1, K], [K, C]); holding conv_w keeps its id from being reused
+        self._taps_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _taps(self, conv_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """conv_w ``[C, K]`` as ``[C, 1, K]`` (prefill's Conv) and ``[K, C]`` (decode's taps), made once per layer."""
+        hit = self._taps_cache.get(id(conv_w))
+        if hit is None or hit[0] is not conv_w:
+            w = np.ascontiguousarray(conv_w, np.float32)
+            hit = self._taps_cache[id(conv_w)] = (conv_w, w.reshape(w.shape[0], 1, -1), np.ascontiguousarray(w.T))
+        return hit[1], hit[2]
+
+    def _plan(self, rows: int, slots: np.ndarray, bounds: np.ndarray | None) -> _Plan:
+        """The layout of this batch's slots (and chunks), validated once and reused by every layer of a step:
+        the runner calls each layer with the same slots."""
+        key = (rows, tuple(slots.tolist()) if isinstance(slots, np.ndarray) else tuple(slots),
+               None if bounds is None else tuple(np.asarray(bounds).tolist()))
+        if self._last is not None and self._last.key == key:
+            return self._last
+        B = len(key[1]) if bounds is None else len(key[2]) - 1
+        idx = _check_slots(np.asarray(slots), rows, B)
+        order = np.argsort(idx, kind="stable")
+        s = idx[order]
+        lo = int(s[0]) if B and int(s[-1]) - int(s[0]) + 1 == B and (B == 1 or (np.diff(s) == 1).all()) else None
+        plan = _Plan(key, s, None if (order == np.arange(B)).all() else order, lo)
+        if bounds is not None:
+            plan.prefill_indices(np.asarray(bounds, np.int64), order, self.cfg.conv_kernel, self.cfg.conv_dim)
+        self._last = plan
+        return plan
 
     @staticmethod
-    def _w(conv_w: np.ndarray) -> np.ndarray:
-        """conv_w ``[C, K]`` as the kernels' ``[C, 1, K]`` (a view of a contiguous float32 array)."""
-        return np.ascontiguousarray(conv_w, np.float32).reshape(conv_w.shape[0], 1, conv_w.shape[-1])
+    def _gather(buf: np.ndarray, plan: _Plan) -> np.ndarray:
+        """The batch's rows of a state buffer in slot order: a view of the pool when they are one range."""
+        return buf[plan.lo:plan.lo + len(plan.s)] if plan.lo is not None else buf[plan.s]
 
     @staticmethod
-    def _rows(rec_buf: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-        """(slot order of the batch, the batch's recurrent rows in that order, whether those rows are a view
-        of the pool). Sorted slots forming one range are used in place; anything else is gathered."""
-        order = np.argsort(slots, kind="stable")
-        s = slots[order]
-        if len(s) and s[-1] - s[0] + 1 == len(s) and (len(s) == 1 or (np.diff(s) == 1).all()):
-            return order, rec_buf[s[0]:s[-1] + 1], True
-        return order, rec_buf[s], False  # fancy indexing: a copy of just these rows
+    def _scatter(buf: np.ndarray, plan: _Plan, rows: np.ndarray) -> None:
+        if plan.lo is not None:
+            buf[plan.lo:plan.lo + len(plan.s)] = rows
+        else:
+            buf[plan.s] = rows
 
     def decode(self, conv_buf: np.ndarray, rec_buf: np.ndarray, slots: np.ndarray, u: np.ndarray, g: np.ndarray,
                beta: np.ndarray, conv_w: np.ndarray) -> np.ndarray:
@@ -166,29 +224,29 @@ class OrtGdn:
         a buffer valid until the next decode call)."""
         u, g, beta = (np.asarray(x, np.float32) for x in (u, g, beta))
         _check(conv_buf, rec_buf, u, g, beta, np.asarray(conv_w), *self.dims)
-        idx = _check_slots(slots, conv_buf.shape[0], u.shape[0])
-        B = len(idx)
-        order, rec, in_place = self._rows(rec_buf, idx)
-        s = idx[order]
-        same = (order == np.arange(B)).all()
-        u_, g_, b_ = (np.ascontiguousarray(x) if same else x[order] for x in (u, g, beta))
-        conv_in = conv_buf[s]  # [B, K-1, C]: a small copy
-        conv_out = np.empty_like(conv_in)
+        plan = self._plan(conv_buf.shape[0], slots, None)
+        B, order = len(plan.s), plan.order
+        if order is not None:  # token rows into slot order (a few KB), so the states can stay in place
+            u, g, beta = u[order], g[order], beta[order]
+        rec = self._gather(rec_buf, plan)
+        conv_out = np.empty((B, *conv_buf.shape[1:]), np.float32)
         if self._out.shape[0] < B:
             self._out = np.empty((B, self.cfg.value_dim), np.float32)
         o = self._out[:B]
         bd = self._decode
-        for name, arr in (("u", u_), ("g", g_), ("beta", b_), ("conv_w", self._w(conv_w)), ("conv_in", conv_in),
-                          ("rec", rec)):
-            bd.input(name, arr)
+        for name, arr in (("u", u), ("g", g), ("beta", beta)):
+            bd.input(name, np.ascontiguousarray(arr).reshape(B, 1, -1))
+        bd.input("conv_wt", self._taps(conv_w)[1])
+        bd.input("conv_in", self._gather(conv_buf, plan))
+        bd.input("rec", rec)
         bd.output("o", o.reshape(B, 1, -1))
         bd.output("conv_out", conv_out)
         bd.output("rec_out", rec)
         bd.run()
-        conv_buf[s] = conv_out
-        if not in_place:
-            rec_buf[s] = rec
-        if not same:
+        self._scatter(conv_buf, plan, conv_out)
+        if plan.lo is None:
+            self._scatter(rec_buf, plan, rec)
+        if order is not None:
             o[order] = o.copy()
         return o
 
@@ -196,43 +254,63 @@ class OrtGdn:
                 u: np.ndarray, g: np.ndarray, beta: np.ndarray, conv_w: np.ndarray) -> np.ndarray:
         """Chunks of B sequences (sequence i: tokens ``bounds[i]:bounds[i+1]``, at least one each), each
         continuing from its slot's state, like :func:`.gdn.gdn_prefill` per sequence. Returns ``[T, nv*dv]``."""
-        u, g, beta = (np.asarray(x, np.float32) for x in (u, g, beta))
+        u, g, beta = (np.ascontiguousarray(x, np.float32) for x in (u, g, beta))
         _check(conv_buf, rec_buf, u, g, beta, np.asarray(conv_w), *self.dims)
-        idx = _check_slots(slots, conv_buf.shape[0], len(bounds) - 1)
         bounds = np.asarray(bounds, np.int64)
-        lens = np.diff(bounds)
-        if (lens < 1).any() or bounds[0] != 0 or bounds[-1] != len(u):
+        if len(bounds) < 2 or (np.diff(bounds) < 1).any() or bounds[0] != 0 or bounds[-1] != len(u):
             raise ValueError(f"bounds {bounds.tolist()} must split the {len(u)} tokens into non-empty chunks")
-        B, T, Tmax = len(idx), len(u), int(lens.max())
-        order, rec, in_place = self._rows(rec_buf, idx)
-        s = idx[order]
-        rank = np.empty(B, np.int64)
-        rank[order] = np.arange(B)
-        cu = np.concatenate([[0], np.cumsum(lens[order])]).astype(np.int32)
-        seq = np.repeat(np.arange(B), lens)  # sequence (caller's order) of each packed token
-        t = np.arange(T) - bounds[seq]  # position within its chunk
-        packed = cu[rank[seq]] + t  # where each token goes in slot-ordered packing
-        out_idx = rank[seq] * Tmax + t
-        pad_idx = np.full(B * Tmax, T, np.int64)  # T = the zero row
-        pad_idx[out_idx] = packed
-        if (packed == np.arange(T)).all():
-            u_, g_, b_ = (np.ascontiguousarray(x) for x in (u, g, beta))
-        else:
-            u_, g_, b_ = (np.empty_like(x) for x in (u, g, beta))
-            u_[packed], g_[packed], b_[packed] = u, g, beta
-        conv_in = np.ascontiguousarray(conv_buf[s].transpose(0, 2, 1))  # [B, C, K-1]
+        plan = self._plan(conv_buf.shape[0], slots, bounds)
+        rec = self._gather(rec_buf, plan)
+        conv_in = self._gather(conv_buf, plan)
         conv_out = np.empty_like(conv_in)
-        out = np.empty((T, self.cfg.value_dim), np.float32)
+        out = np.empty((len(u), self.cfg.value_dim), np.float32)
         bp = self._prefill
-        for name, arr in (("u", u_), ("g", g_), ("beta", b_), ("conv_w", self._w(conv_w)), ("cu", cu),
-                          ("conv_in", conv_in), ("rec", rec), ("pad_idx", pad_idx),
-                          ("pad_shape", np.array([B, Tmax, -1], np.int64)), ("out_idx", out_idx)):
+        for name, arr in (("u", u), ("g", g), ("beta", beta), ("conv_w", self._taps(conv_w)[0]),
+                          ("conv_in", conv_in), ("rec", rec), *plan.indices.items()):
             bp.input(name, arr)
         bp.output("out", out)
         bp.output("conv_out", conv_out)
         bp.output("rec_out", rec)
         bp.run()
-        conv_buf[s] = conv_out.transpose(0, 2, 1)
-        if not in_place:
-            rec_buf[s] = rec
+        self._scatter(conv_buf, plan, conv_out)
+        if plan.lo is None:
+            self._scatter(rec_buf, plan, rec)
         return out
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Slots of one batch: ``s`` in slot order (padded/state row j is slot ``s[j]``); ``order[j]`` = the
+    caller's row of slot row j (None: already in order); ``lo`` = first slot when ``s`` is one range (state
+    rows then used in place), else None; ``indices``: the prefill graph's index inputs."""
+
+    key: tuple
+    s: np.ndarray
+    order: np.ndarray | None
+    lo: int | None
+    indices: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def prefill_indices(self, bounds: np.ndarray, order: np.ndarray, K: int, C: int) -> None:
+        """Index inputs of :func:`prefill_graph` for chunks ``bounds`` (caller's order), rows in slot order."""
+        lens = np.diff(bounds)
+        B, T, Tmax = len(lens), int(bounds[-1]), int(lens.max())
+        rank = np.empty(B, np.int64)
+        rank[order] = np.arange(B)
+        n, start = lens[order][:, None], bounds[:-1][order][:, None]
+        first_tok, zero = B * (K - 1), B * (K - 1) + T  # rows of [window rows | tokens | zero row]
+        j = np.arange(B)[:, None]
+
+        def row(p: np.ndarray) -> np.ndarray:  # row index of position p of (window ++ chunk) of padded row j
+            return np.where(p < K - 1, j * (K - 1) + p, np.where(p < K - 1 + n, first_tok + start + p - (K - 1), zero))
+
+        t = np.arange(Tmax)[None, :]
+        seq = np.repeat(np.arange(B), lens)  # sequence (caller's order) of each packed token
+        self.indices = {
+            "win_idx": row(np.arange(K - 1 + Tmax)[None, :]).reshape(-1),
+            "state_idx": row(n + np.arange(K - 1)[None, :]).reshape(-1),  # the last K-1 of window ++ chunk
+            "pad_idx": np.where(t < n, start + t, T).reshape(-1),
+            "win_shape": np.array([B, K - 1 + Tmax, -1], np.int64),
+            "pad_shape": np.array([B, Tmax, -1], np.int64),
+            "state_shape": np.array([B, K - 1, C], np.int64),
+            "out_idx": rank[seq] * Tmax + (np.arange(T) - bounds[seq]),
+        }
