@@ -20,7 +20,7 @@ import onnx
 import onnxruntime
 
 from hybrid_runtime.config import MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
-from hybrid_runtime.ops.moe import interleave_gate_up
+from hybrid_runtime.ops.moe import fuse_gate_up
 from hybrid_runtime.pipeline import plan_segments, state_weight_names
 from hybrid_runtime.weights_io import save_safetensors
 
@@ -78,10 +78,10 @@ def _tokenizer_info(ckpt_dir: Path, eos_from_config: tuple[int, ...]) -> dict:
 
 
 def _state_weight(weights: dict, name: str) -> np.ndarray:
-    """A state weight by its bundle name; ``experts.gate_up_interleaved`` is derived from gate/up."""
-    if name.endswith(".experts.gate_up_interleaved"):
-        p = name.removesuffix("gate_up_interleaved")
-        return interleave_gate_up(weights[p + "gate_proj"], weights[p + "up_proj"])
+    """A state weight by its bundle name; ``experts.gate_up_proj`` is fused from gate/up."""
+    if name.endswith(".experts.gate_up_proj"):
+        p = name.removesuffix("gate_up_proj")
+        return fuse_gate_up(weights[p + "gate_proj"], weights[p + "up_proj"])
     return weights[name]
 
 

@@ -1,15 +1,22 @@
-"""Sparse MoE FFN on the host: one onnxruntime session per MoE layer around the ``com.microsoft.MoE`` kernel.
+"""Sparse MoE FFN on the host: one onnxruntime session per MoE layer, routing and experts in one run.
 
-Only the routed experts run, so the cost grows with top-k, not with the expert count: the kernel gathers
-each expert's tokens and runs one GEMM per expert over all of them (MLAS, every core, no Python loop).
-The router (softmax over all experts, top-k, renormalised when ``norm_topk_prob``) is the kernel's; the
-gated shared expert runs in the same session. Weights are the bundle's
-memory-mapped state weights, handed to the session as external initializers that it reads in place,
-so there is no second host copy: pages come from the file mapping.
+The graph routes every token (softmax over all experts, top-k, renormalised when ``norm_topk_prob``),
+sorts the (token, expert) pairs by expert, splits them into one group per expert and runs each group
+through that expert's SwiGLU as two GEMMs against constant weights, then weights, un-sorts and sums the
+k results per token and adds the gated shared expert. Only the routed experts do work: an expert
+without tokens gets an empty group (its nodes run on zero rows and read no weights), so the cost grows
+with top-k and not with the expert count; there is no Python loop over experts or tokens.
 
-Expert gate/up weights are stored interleaved, ``experts.gate_up_interleaved [E, 2I, H]`` with row
-``2j`` = gate row ``j`` and ``2j+1`` = up row ``j``: the layout of the kernel's fused SwiGLU
-(``swiglu_fusion=1``). :func:`interleave_gate_up` builds it (the builder writes it into the bundle).
+Why not onnxruntime's ``com.microsoft.MoE`` kernel (measured on the 334M benchmark model): it does not
+prepack its weights, so every expert GEMM of two or more rows re-packs 3 MB of weights (3.6 ms per layer
+at 16 tokens), and a one-row GEMM takes a GEMV path whose last bits differ, so a token's output
+depended on how many other tokens shared its expert (batch invariance of sampled tokens broke). Constant
+weights are prepacked once by MLAS, whose GEMMs give every row the same bits whatever the row count.
+
+Weights come from the bundle's state weights: ``experts.gate_up_proj [E, 2I, H]`` (per expert the gate
+rows, then the up rows: transformers' fused layout), ``experts.down_proj [E, H, I]``, the router
+``gate [E, H]`` and the shared expert. With a :class:`SafetensorsFile` the session reads them from the
+file as ONNX external data (no Python-side copy; after prepacking onnxruntime keeps only its packed copy).
 """
 
 from __future__ import annotations
@@ -30,10 +37,9 @@ from ..weights_io import SafetensorsFile
 _KEEP_TOKENS = 64
 
 
-def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """``gate``, ``up`` ``[E, I, H]`` -> ``[E, 2I, H]`` with gate row j at 2j and up row j at 2j+1."""
-    E, inter, hidden = gate.shape
-    return np.stack([gate, up], axis=2).reshape(E, 2 * inter, hidden)
+def fuse_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``gate``, ``up`` ``[E, I, H]`` -> ``[E, 2I, H]``: per expert the gate rows, then the up rows."""
+    return np.concatenate([gate, up], axis=1)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -41,56 +47,100 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 def _external(name: str, shape: list[int]) -> TensorProto:
-    """An initializer whose data the session gets from ``SessionOptions.add_external_initializers``."""
+    """An initializer whose data comes from outside the graph (a file range, or an in-memory array)."""
     t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
     t.external_data.add(key="location", value="added-at-session-creation")
     return t
 
 
+def _const(name: str, values: list, dtype: type = np.int64) -> TensorProto:
+    return onnx.numpy_helper.from_array(np.array(values, dtype), name)
+
+
 def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
-    """``h [T, H]`` -> ``y [T, H]``. Weights are external initializers (:data:`_NAMES`): constant weights
-    are the kernel's fast path (as graph inputs it re-lays them out on every call, ~10x slower at T=1)."""
+    """``h [T, H]`` -> ``y [T, H]``. Weights are external initializers named by :func:`weight_names`."""
     H, E, inter, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    f = TensorProto.FLOAT
-    inits = [_external("router", [E, H]), _external("fc1", [E, 2 * inter, H]), _external("fc2", [E, H, inter])]
-    nodes = [helper.make_node("Gemm", ["h", "router"], ["logits"], transB=1),
-             helper.make_node("MoE", ["h", "logits", "fc1", "", "fc2"], ["routed" if si else "y"],
-                              domain="com.microsoft", k=cfg.num_experts_per_tok, activation_type="swiglu",
-                              swiglu_fusion=1, normalize_routing_weights=int(cfg.norm_topk_prob),
-                              activation_alpha=1.0, activation_beta=0.0)]  # plain SiLU(g) * u
+    k = cfg.num_experts_per_tok
+    n = helper.make_node
+    inits = [_external("router", [E, H]), _const("k", [k]), _const("flat", [-1]), _const("col", [-1, 1]),
+             _const("zero", [0]), _const("one", [1]), _const("depth", [E]), _const("per_token", [-1, k]),
+             _const("halves", [inter, inter]), _const("onehot_values", [0, 1])]
+    nodes = [n("Gemm", ["h", "router"], ["logits"], transB=1),
+             n("Softmax", ["logits"], ["probs"], axis=-1),
+             n("TopK", ["probs", "k"], ["top_p", "top_e"], axis=-1)]  # [T, k], by descending probability
+    if cfg.norm_topk_prob:
+        nodes += [n("ReduceSum", ["top_p", "one"], ["top_sum"], keepdims=1),
+                  n("Div", ["top_p", "top_sum"], ["top_w"])]
+    else:
+        nodes += [n("Identity", ["top_p"], ["top_w"])]
+    # (token, expert) pairs r = t*k + j, sorted by expert (ties by r: keys are distinct), grouped per expert
+    nodes += [n("Reshape", ["top_e", "flat"], ["pair_e"]),  # [R]
+              n("Shape", ["pair_e"], ["num_pairs"]),
+              n("Squeeze", ["num_pairs", "zero"], ["num_pairs_s"]),
+              n("Range", ["zero_s", "num_pairs_s", "one_s"], ["pair_r"]),
+              n("Mul", ["pair_e", "num_pairs_s"], ["e_major"]),
+              n("Add", ["e_major", "pair_r"], ["sort_key"]),
+              n("Neg", ["sort_key"], ["neg_key"]),
+              n("TopK", ["neg_key", "num_pairs"], ["_sorted", "order"], axis=0),  # ascending sort_key
+              n("Div", ["order", "k"], ["pair_tok"]),  # token of each sorted pair
+              n("Reshape", ["top_w", "col"], ["pair_w"]),
+              n("Gather", ["pair_w", "order"], ["sorted_w"], axis=0),  # [R, 1]
+              n("OneHot", ["pair_e", "depth", "onehot_values"], ["pair_hot"], axis=-1),
+              n("ReduceSum", ["pair_hot", "zero"], ["counts"], keepdims=0),  # [E] pairs per expert
+              n("Gather", ["h", "pair_tok"], ["x_sorted"], axis=0),  # [R, H]
+              n("Split", ["x_sorted", "counts"], [f"x{e}" for e in range(E)], axis=0),
+              # position of pair r in the sorted order: the inverse permutation
+              n("ScatterElements", ["pair_r", "order", "pair_r"], ["pos"], axis=0),
+              n("Reshape", ["pos", "per_token"], ["pos_tk"])]  # [T, k]
+    inits += [_const("zero_s", 0), _const("one_s", 1)]
+    # per expert one GEMM up and one down; the SwiGLU between them runs once over all pairs
+    inits += [t for e in range(E) for t in (_external(f"w1_{e}", [2 * inter, H]), _external(f"w2_{e}", [H, inter]))]
+    nodes += [n("Gemm", [f"x{e}", f"w1_{e}"], [f"a{e}"], transB=1) for e in range(E)]  # [M_e, 2I]
+    nodes += [n("Concat", [f"a{e}" for e in range(E)], ["a_sorted"], axis=0),
+              n("Split", ["a_sorted", "halves"], ["g_sorted", "u_sorted"], axis=1),
+              n("Sigmoid", ["g_sorted"], ["g_sig"]),
+              n("Mul", ["g_sorted", "g_sig"], ["g_act"]),
+              n("Mul", ["g_act", "u_sorted"], ["z_sorted"]),
+              n("Split", ["z_sorted", "counts"], [f"z{e}" for e in range(E)], axis=0)]
+    nodes += [n("Gemm", [f"z{e}", f"w2_{e}"], [f"y{e}"], transB=1) for e in range(E)]  # [M_e, H]
+    nodes += [n("Concat", [f"y{e}" for e in range(E)], ["y_sorted"], axis=0),
+              n("Mul", ["y_sorted", "sorted_w"], ["y_weighted"]),
+              n("Gather", ["y_weighted", "pos_tk"], ["y_tk"], axis=0),  # [T, k, H]
+              n("ReduceSum", ["y_tk", "one"], ["routed" if si else "y"], keepdims=0)]  # j = 0..k-1, in order
     if si:
-        inits += [_external(n, s) for n, s in
+        inits += [_external(name, shape) for name, shape in
                   (("s_gate", [si, H]), ("s_up", [si, H]), ("s_down", [H, si]), ("s_gate_w", [1, H]))]
-        nodes += [helper.make_node("Gemm", ["h", "s_gate"], ["sg"], transB=1),
-                  helper.make_node("Gemm", ["h", "s_up"], ["su"], transB=1),
-                  helper.make_node("Sigmoid", ["sg"], ["sg_sig"]),
-                  helper.make_node("Mul", ["sg", "sg_sig"], ["sg_act"]),
-                  helper.make_node("Mul", ["sg_act", "su"], ["s_mid"]),
-                  helper.make_node("Gemm", ["s_mid", "s_down"], ["s_out"], transB=1),
-                  helper.make_node("Gemm", ["h", "s_gate_w"], ["s_logit"], transB=1),
-                  helper.make_node("Sigmoid", ["s_logit"], ["s_scale"]),
-                  helper.make_node("Mul", ["s_out", "s_scale"], ["shared"]),
-                  helper.make_node("Add", ["routed", "shared"], ["y"])]
-    graph = helper.make_graph(nodes, f"moe{layer}", [helper.make_tensor_value_info("h", f, ["T", H])],
-                              [helper.make_tensor_value_info("y", f, ["T", H])], inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-runtime")
+        nodes += [n("Gemm", ["h", "s_gate"], ["sg"], transB=1),
+                  n("Gemm", ["h", "s_up"], ["su"], transB=1),
+                  n("Sigmoid", ["sg"], ["sg_sig"]),
+                  n("Mul", ["sg", "sg_sig"], ["sg_act"]),
+                  n("Mul", ["sg_act", "su"], ["s_mid"]),
+                  n("Gemm", ["s_mid", "s_down"], ["s_out"], transB=1),
+                  n("Gemm", ["h", "s_gate_w"], ["s_logit"], transB=1),
+                  n("Sigmoid", ["s_logit"], ["s_scale"]),
+                  n("Mul", ["s_out", "s_scale"], ["shared"]),
+                  n("Add", ["routed", "shared"], ["y"])]
+    graph = helper.make_graph(nodes, f"moe{layer}", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["T", H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hybrid-runtime")
     model.ir_version = 8
     return model
 
 
-_NAMES = {"router": "gate", "fc1": "experts.gate_up_interleaved", "fc2": "experts.down_proj",
-          "s_gate": "shared_expert.gate_proj", "s_up": "shared_expert.up_proj", "s_down": "shared_expert.down_proj",
-          "s_gate_w": "shared_expert_gate"}  # graph initializer -> state weight name after "layers.{i}.mlp."
+def _external_inits(model: onnx.ModelProto) -> list[TensorProto]:
+    return [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+
+
+_SHARED = {"s_gate": "shared_expert.gate_proj", "s_up": "shared_expert.up_proj", "s_down": "shared_expert.down_proj",
+           "s_gate_w": "shared_expert_gate"}  # graph initializer -> state weight name after "layers.{i}.mlp."
 
 
 class MoE:
     """One MoE layer: its onnxruntime session over the layer's ``layers.{i}.mlp.*`` state weights.
 
-    ``weights`` is the bundle's :class:`SafetensorsFile`: the session's initializers are external data
-    pointing into that file, which onnxruntime maps (no copy; only the pages of experts in use become
-    resident). A plain mapping of arrays (tests; bundles without ``experts.gate_up_interleaved``, which
-    is then interleaved here) is handed over as in-memory initializers, which onnxruntime copies.
+    ``weights`` is the bundle's :class:`SafetensorsFile` (initializers become external data pointing into
+    the file) or a plain mapping of arrays (tests, and bundles that store ``experts.gate_proj`` /
+    ``up_proj`` apart: those are fused here, a copy), handed over as in-memory initializers.
     ``intra_op_threads``: None = the process's onnxruntime pool as it is.
     """
 
@@ -99,39 +149,51 @@ class MoE:
         p = f"layers.{layer}.mlp."
         self.cfg, self.layer = cfg, layer
         self.top_k, self.renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        names = {k: p + v for k, v in _NAMES.items() if cfg.shared_expert_intermediate_size or not k.startswith("s_")}
-        get = weights.get
+        E, inter = cfg.num_experts, cfg.moe_intermediate_size
         stored = set(weights.keys())
-        if names["fc1"] not in stored:
-            names.pop("fc1")
-        file_backed = isinstance(weights, SafetensorsFile) and "fc1" in names and all(
-            weights.dtype(n) == "F32" for n in names.values())
-        # Views of the state weights (memory-mapped for a bundle) for numpy_forward; never copied here.
-        self.weights: dict[str, np.ndarray] = {k: get(n) for k, n in names.items()}
-        if "fc1" not in self.weights:  # a bundle from before the interleaved layout
-            self.weights["fc1"] = interleave_gate_up(get(p + "experts.gate_proj"), get(p + "experts.up_proj"))
-        fc1 = self.weights["fc1"]
-        self.gate, self.up, self.down = fc1[:, 0::2], fc1[:, 1::2], self.weights["fc2"]  # [E, I, H] x2, [E, H, I]
-        self.router = self.weights["router"]  # [E, H]
+        get = weights.get
+        fused = p + "experts.gate_up_proj" in stored
+        gate_up = get(p + "experts.gate_up_proj") if fused else fuse_gate_up(get(p + "experts.gate_proj"),
+                                                                             get(p + "experts.up_proj"))
+        # Views of the state weights (memory-mapped for a bundle), for numpy_forward; never copied here.
+        self.gate, self.up, self.down = gate_up[:, :inter], gate_up[:, inter:], get(p + "experts.down_proj")
+        self.router = get(p + "gate")  # [E, H]
         self.shared = cfg.shared_expert_intermediate_size > 0
+        self.shared_w = {g: get(p + s) for g, s in _SHARED.items()} if self.shared else {}
         opts = session_options(intra_op_threads)
         model = moe_graph(cfg, layer)
-        if file_backed:
-            assert isinstance(weights, SafetensorsFile)
+        if isinstance(weights, SafetensorsFile) and fused and all(
+                weights.dtype(nm) == "F32" for nm in stored if nm.startswith(p)):
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(weights.path.parent))
-            for init in model.graph.initializer:
-                offset, length = weights.data_range(names[init.name])
+            ranges = self._file_ranges(weights, p)
+            for init in _external_inits(model):
+                offset, length = ranges[init.name]
                 del init.external_data[:]
                 for key, value in (("location", weights.path.name), ("offset", offset), ("length", length)):
                     init.external_data.add(key=key, value=str(value))
         else:
-            values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(self.weights[i.name], np.float32))
-                      for i in model.graph.initializer]
-            opts.add_external_initializers([i.name for i in model.graph.initializer], values)
+            arrays = {"router": self.router, **self.shared_w}
+            for e in range(E):
+                arrays[f"w1_{e}"], arrays[f"w2_{e}"] = gate_up[e], self.down[e]
+            ext = _external_inits(model)
+            self._values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arrays[i.name], np.float32))
+                            for i in ext]  # kept alive: the session may read them
+            opts.add_external_initializers([i.name for i in ext], self._values)
         self._session = cpu_session(model, opts)
         self._binding = Binding(self._session)
         self._keep = np.empty((_KEEP_TOKENS, cfg.hidden_size), np.float32)
+
+    def _file_ranges(self, sw: SafetensorsFile, p: str) -> dict[str, tuple[int, int]]:
+        """Byte ranges in the state-weights file of every initializer (one expert = one block of a tensor)."""
+        ranges = {"router": sw.data_range(p + "gate")}
+        ranges.update({g: sw.data_range(p + s) for g, s in _SHARED.items() if self.shared})
+        (gu, gu_len), (dn, dn_len) = sw.data_range(p + "experts.gate_up_proj"), sw.data_range(p + "experts.down_proj")
+        E = self.cfg.num_experts
+        for e in range(E):
+            ranges[f"w1_{e}"] = (gu + e * gu_len // E, gu_len // E)
+            ranges[f"w2_{e}"] = (dn + e * dn_len // E, dn_len // E)
+        return ranges
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         """``h [T, H]`` (post-attention-normed) -> FFN output ``[T, H]`` float32, a buffer valid until
@@ -146,7 +208,7 @@ class MoE:
         self._binding.run()
         return out
 
-    # ---- the numpy form of the same computation (tests compare the kernel with it) ---------------
+    # ---- the numpy form of the same computation (tests compare the graph with it) -----------------
     def route(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k expert ids ``[T, k]`` (descending probability) and their weights ``[T, k]``."""
         logits = h @ self.router.T
@@ -167,7 +229,7 @@ class MoE:
                 x = h[t:t + 1]
                 out[t] += w * ((_silu(x @ self.gate[e].T) * (x @ self.up[e].T)) @ self.down[e].T)[0]
         if self.shared:
-            wi = self.weights
-            y = (_silu(h @ wi["s_gate"].T) * (h @ wi["s_up"].T)) @ wi["s_down"].T
-            out += y / (1.0 + np.exp(-(h @ wi["s_gate_w"].T)))
+            sw = self.shared_w
+            y = (_silu(h @ sw["s_gate"].T) * (h @ sw["s_up"].T)) @ sw["s_down"].T
+            out += y / (1.0 + np.exp(-(h @ sw["s_gate_w"].T)))
         return out
