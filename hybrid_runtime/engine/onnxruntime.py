@@ -1,11 +1,12 @@
 """onnxruntime (CPU) backend: one InferenceSession per segment (weights loaded once), IOBinding contexts.
 
 Sessions share the process-wide intra-op thread pool and one memory arena (:mod:`.ort_session`). Output
-buffers belong to the engine, not to each context: per profile there are two *banks* of buffers sized
-to the profile's maximum token count, and segment ``i`` writes into bank ``i % 2``. A segment's outputs
-therefore stay valid while the operator after it and the next segment run (which read them), and are
-overwritten by the segment after that. One bank per segment would hold every segment's prefill-sized
-outputs at once: about 240 MB more resident memory for the 334M benchmark model at 512-token chunks.
+buffers belong to the engine, not to each context: per profile there are two *banks*, flat storage for
+the outputs of one segment at the profile's maximum token count (each output a contiguous ``[n, width]``
+block of it), and segment ``i`` writes into bank ``i % 2``. A segment's outputs therefore stay valid
+while the operator after it and the next segment run (which read them), and are overwritten by the
+segment after that. Buffers per segment would hold every segment's prefill-sized outputs at once: about
+240 MB more resident memory for the 334M benchmark model at 512-token chunks.
 Each run binds only what changed (a decode step reusing the same buffers binds nothing); nothing is
 allocated on the serving path.
 """
@@ -25,7 +26,7 @@ from .ort_session import Binding, cpu_session, session_options
 
 log = logging.getLogger("hybrid_runtime.engine")
 
-Bank = dict[str, np.ndarray]  # output name -> [max_tokens, width] buffer
+Bank = np.ndarray  # flat float32 storage shared by the segments of one parity
 
 
 class OrtContext(ExecutionContext):
@@ -35,25 +36,27 @@ class OrtContext(ExecutionContext):
         super().__init__(spec, profile)
         self.session = session
         self.binding = Binding(session)
-        self._buffers: Bank = {}
+        self._bank = bank
         self.bind(profile, bank)
 
     def bind(self, profile: ProfileSpec, bank: Bank) -> None:
-        """(Re)bind to ``profile``: outputs go to ``bank`` (buffers sized to its max), every binding cleared."""
+        """(Re)bind to ``profile``: outputs go to ``bank`` (sized to its max), every binding cleared."""
         self.profile = profile
         self.binding.clear()
-        self._buffers = {name: bank[name] for name, _, _ in self.spec.outputs}
+        self._bank = bank
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = self.check(inputs)
         b = self.binding
         for name, arr in inputs.items():
             b.input(name, np.ascontiguousarray(arr))
-        outs = {}
-        for name, _, width in self.spec.outputs:
-            view = self._buffers[name][:n]
+        outs, offset = {}, 0
+        for name, dt, width in self.spec.outputs:  # each output a contiguous [n, width] block of the bank
+            size = n * max(width, 1)
+            view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
             outs[name] = view if width else view[:, 0]
             b.output(name, outs[name])
+            offset += size
         b.run()
         return outs
 
@@ -84,14 +87,13 @@ class OrtEngine(Engine):
         log.info("onnxruntime engine: %d segments, %d contexts (%s)", len(self._specs), self.num_contexts(), pinning)
 
     def _bank(self, profile: ProfileSpec, parity: int) -> Bank:
-        """Buffers for every output name of the segments of this parity, each as wide as its widest use.
-        np.zeros maps untouched pages lazily: a buffer costs memory only for the rows a run has written."""
-        widths: dict[str, tuple[int, str]] = {}
-        for spec in self._specs[parity::2]:
-            for name, dt, width in spec.outputs:
-                w, _ = widths.get(name, (0, dt))
-                widths[name] = (max(w, width, 1), dt)
-        return {name: np.zeros((profile.max_tokens, w), np.dtype(dt)) for name, (w, dt) in widths.items()}
+        """Storage for the outputs of any one segment of this parity at the profile's max token count.
+        np.zeros maps untouched pages lazily: a bank costs memory only for what runs have written."""
+        widest = max((sum(max(w, 1) for _, _, w in spec.outputs) for spec in self._specs[parity::2]), default=0)
+        for spec in self._specs:
+            if any(np.dtype(dt).itemsize != 4 for _, dt, _ in spec.outputs):
+                raise ValueError(f"segment {spec.name}: outputs must be 4-byte types to share a bank")
+        return np.zeros(profile.max_tokens * widest, np.float32)
 
     @property
     def segments(self) -> tuple[SegmentSpec, ...]:

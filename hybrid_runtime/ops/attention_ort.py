@@ -30,8 +30,9 @@ from .dispatcher import MULTI, SINGLE, Kernel, LaunchPlan
 
 CHUNK = 64  # key positions per partial
 _MASKED = np.float32(-1e30)
-# Bound on the score elements (B * Hkv * L * queries * G) of one run; longer prefills run in query blocks.
-_MAX_SCORES = 1 << 20
+# Bound on the largest intermediate of one run, the per-chunk outputs B * Hkv * (L / CHUNK) * queries * G * hd
+# floats (4 MB); longer prefills run in blocks of queries (a query's result does not depend on its block).
+_MAX_PARTIALS = 1 << 20
 
 
 def _graph(H: int, Hkv: int, hd: int, G2: int) -> onnx.ModelProto:
@@ -124,7 +125,8 @@ class OrtAttention:
         qp = q[rows]  # [B, Tmax, H, hd]
         out = np.empty_like(q, dtype=np.float32)
         done = 0
-        block = max(1, min(Tmax, _MAX_SCORES // max(1, B * self.Hkv * self.G2 * int((start_pos + lens).max()))))
+        chunks = -(-int((start_pos + lens).max()) // CHUNK)
+        block = max(1, min(Tmax, _MAX_PARTIALS // (B * self.Hkv * chunks * self.G2 * self.hd)))
         while done < Tmax:
             n = min(block, Tmax - done)
             cnt = np.clip(lens - done, 0, n)  # real queries of each sequence in this block

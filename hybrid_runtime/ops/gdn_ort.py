@@ -253,64 +253,116 @@ class OrtGdn:
     def prefill(self, conv_buf: np.ndarray, rec_buf: np.ndarray, slots: np.ndarray, bounds: np.ndarray,
                 u: np.ndarray, g: np.ndarray, beta: np.ndarray, conv_w: np.ndarray) -> np.ndarray:
         """Chunks of B sequences (sequence i: tokens ``bounds[i]:bounds[i+1]``, at least one each), each
-        continuing from its slot's state, like :func:`.gdn.gdn_prefill` per sequence. Returns ``[T, nv*dv]``."""
+        continuing from its slot's state, like :func:`.gdn.gdn_prefill` per sequence. Returns ``[T, nv*dv]``.
+
+        Runs in blocks of at most :data:`_BLOCK_TOKENS` padded tokens (windows of whole 64-token chunks of
+        a few sequences), which bounds the session's intermediates; a window boundary is a chunk boundary
+        and the state carries over exactly, so blocking changes no bit of the result."""
         u, g, beta = (np.ascontiguousarray(x, np.float32) for x in (u, g, beta))
         _check(conv_buf, rec_buf, u, g, beta, np.asarray(conv_w), *self.dims)
         bounds = np.asarray(bounds, np.int64)
         if len(bounds) < 2 or (np.diff(bounds) < 1).any() or bounds[0] != 0 or bounds[-1] != len(u):
             raise ValueError(f"bounds {bounds.tolist()} must split the {len(u)} tokens into non-empty chunks")
         plan = self._plan(conv_buf.shape[0], slots, bounds)
-        rec = self._gather(rec_buf, plan)
-        conv_in = self._gather(conv_buf, plan)
-        conv_out = np.empty_like(conv_in)
+        rec = self._gather(rec_buf, plan)  # [B, ...] in slot order: the pool's rows or a copy of them
+        conv = np.ascontiguousarray(self._gather(conv_buf, plan))  # working windows, slot order (small)
         out = np.empty((len(u), self.cfg.value_dim), np.float32)
         bp = self._prefill
-        for name, arr in (("u", u), ("g", g), ("beta", beta), ("conv_w", self._taps(conv_w)[0]),
-                          ("conv_in", conv_in), ("rec", rec), *plan.indices.items()):
-            bp.input(name, arr)
-        bp.output("out", out)
-        bp.output("conv_out", conv_out)
-        bp.output("rec_out", rec)
-        bp.run()
-        self._scatter(conv_buf, plan, conv_out)
+        taps = self._taps(conv_w)[0]
+        for blk in plan.blocks:
+            for name, arr in (("u", u), ("g", g), ("beta", beta), ("conv_w", taps)):
+                bp.input(name, arr)  # rebound only when a large input was let go after the last run
+            j0, j1 = blk.rows
+            conv_in = conv[j0:j1] if blk.seqs is None else conv[blk.seqs]
+            rec_in = rec[j0:j1] if blk.seqs is None else rec[blk.seqs]
+            conv_out, o = np.empty_like(conv_in), np.empty((len(blk.tokens), self.cfg.value_dim), np.float32)
+            bp.input("conv_in", conv_in)
+            bp.input("rec", rec_in)
+            for name, arr in blk.indices.items():
+                bp.input(name, arr)
+            bp.output("out", o)
+            bp.output("conv_out", conv_out)
+            bp.output("rec_out", rec_in)
+            bp.run()
+            if blk.seqs is None:
+                conv[j0:j1] = conv_out
+            else:
+                conv[blk.seqs], rec[blk.seqs] = conv_out, rec_in
+            out[blk.tokens] = o
+        self._scatter(conv_buf, plan, conv)
         if plan.lo is None:
             self._scatter(rec_buf, plan, rec)
         return out
 
 
+# Padded tokens (sequences x window) of one prefill run: bounds the session's intermediates (about 80 MB
+# for 4 x 128 tokens of the 334M benchmark model in one run; about 20 MB per 128).
+_BLOCK_TOKENS = 128
+_WINDOW = 128  # tokens of a sequence per block: whole 64-token delta-rule chunks
+
+
+@dataclass(slots=True)
+class _Block:
+    """One prefill run: padded rows ``rows`` = (j0, j1) of the slot-ordered batch, or ``seqs`` (their
+    indices) when not one range; ``tokens`` = packed rows of its outputs; ``indices`` = index inputs."""
+
+    rows: tuple[int, int]
+    seqs: np.ndarray | None
+    tokens: np.ndarray
+    indices: dict[str, np.ndarray]
+
+
 @dataclass(slots=True)
 class _Plan:
-    """Slots of one batch: ``s`` in slot order (padded/state row j is slot ``s[j]``); ``order[j]`` = the
-    caller's row of slot row j (None: already in order); ``lo`` = first slot when ``s`` is one range (state
-    rows then used in place), else None; ``indices``: the prefill graph's index inputs."""
+    """Slots of one batch: ``s`` in slot order (state row j is slot ``s[j]``); ``order[j]`` = the caller's
+    row of slot row j (None: already in order); ``lo`` = first slot when ``s`` is one range (state rows
+    then used in place), else None; ``blocks``: the prefill runs."""
 
     key: tuple
     s: np.ndarray
     order: np.ndarray | None
     lo: int | None
-    indices: dict[str, np.ndarray] = field(default_factory=dict)
+    blocks: list[_Block] = field(default_factory=list)
 
     def prefill_indices(self, bounds: np.ndarray, order: np.ndarray, K: int, C: int) -> None:
-        """Index inputs of :func:`prefill_graph` for chunks ``bounds`` (caller's order), rows in slot order."""
-        lens = np.diff(bounds)
-        B, T, Tmax = len(lens), int(bounds[-1]), int(lens.max())
-        rank = np.empty(B, np.int64)
-        rank[order] = np.arange(B)
-        n, start = lens[order][:, None], bounds[:-1][order][:, None]
-        first_tok, zero = B * (K - 1), B * (K - 1) + T  # rows of [window rows | tokens | zero row]
-        j = np.arange(B)[:, None]
+        """The blocks of :meth:`OrtGdn.prefill` for chunks ``bounds`` (caller's order), rows in slot order:
+        token windows of :data:`_WINDOW`, each over groups of the sequences that have tokens in it."""
+        lens = np.diff(bounds)[order]  # slot order
+        start = bounds[:-1][order]
+        T = int(bounds[-1])
+        group = max(1, _BLOCK_TOKENS // _WINDOW)
+        for w0 in range(0, int(lens.max()), _WINDOW):
+            active = np.flatnonzero(lens > w0)
+            for a in range(0, len(active), group):
+                js = active[a:a + group]
+                n = np.minimum(lens[js] - w0, _WINDOW)[:, None]  # tokens of each sequence in the window
+                first = (start[js] + w0)[:, None]  # packed row of each one's first token in the window
+                contiguous = bool(js[-1] - js[0] + 1 == len(js))
+                self.blocks.append(_Block((int(js[0]), int(js[-1]) + 1), None if contiguous else js,
+                                          *_block_indices(n, first, T, K, C)))
 
-        def row(p: np.ndarray) -> np.ndarray:  # row index of position p of (window ++ chunk) of padded row j
-            return np.where(p < K - 1, j * (K - 1) + p, np.where(p < K - 1 + n, first_tok + start + p - (K - 1), zero))
 
-        t = np.arange(Tmax)[None, :]
-        seq = np.repeat(np.arange(B), lens)  # sequence (caller's order) of each packed token
-        self.indices = {
-            "win_idx": row(np.arange(K - 1 + Tmax)[None, :]).reshape(-1),
-            "state_idx": row(n + np.arange(K - 1)[None, :]).reshape(-1),  # the last K-1 of window ++ chunk
-            "pad_idx": np.where(t < n, start + t, T).reshape(-1),
-            "win_shape": np.array([B, K - 1 + Tmax, -1], np.int64),
-            "pad_shape": np.array([B, Tmax, -1], np.int64),
-            "state_shape": np.array([B, K - 1, C], np.int64),
-            "out_idx": rank[seq] * Tmax + (np.arange(T) - bounds[seq]),
-        }
+def _block_indices(n: np.ndarray, first: np.ndarray, T: int, K: int, C: int
+                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Index inputs of :func:`prefill_graph` for b sequences with ``n [b, 1]`` tokens starting at packed rows
+    ``first [b, 1]`` (inputs: their windows, then all T tokens, then a zero row), and the packed rows of
+    the block's outputs."""
+    b, Tmax = len(n), int(n.max())
+    first_tok, zero = b * (K - 1), b * (K - 1) + T  # rows of [window rows | tokens | zero row]
+    j = np.arange(b)[:, None]
+
+    def row(p: np.ndarray) -> np.ndarray:  # row index of position p of (window ++ chunk) of padded row j
+        return np.where(p < K - 1, j * (K - 1) + p, np.where(p < K - 1 + n, first_tok + first + p - (K - 1), zero))
+
+    t = np.arange(Tmax)[None, :]
+    valid = t < n
+    tokens = (first + t)[valid]
+    return tokens, {
+        "win_idx": row(np.arange(K - 1 + Tmax)[None, :]).reshape(-1),
+        "state_idx": row(n + np.arange(K - 1)[None, :]).reshape(-1),  # the last K-1 of window ++ chunk
+        "pad_idx": np.where(valid, first + t, T).reshape(-1),
+        "win_shape": np.array([b, K - 1 + Tmax, -1], np.int64),
+        "pad_shape": np.array([b, Tmax, -1], np.int64),
+        "state_shape": np.array([b, K - 1, C], np.int64),
+        "out_idx": (j * Tmax + t)[valid],
+    }

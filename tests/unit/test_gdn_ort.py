@@ -111,3 +111,26 @@ def test_bad_inputs_raise_and_leave_the_buffers() -> None:
     with pytest.raises(ValueError, match="shape"):
         op.decode(conv, rec, np.array([1]), u[:1, :-1], g[:1], beta[:1], w)
     assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0)
+
+
+@pytest.mark.parametrize("block_tokens", [128, 512])  # one sequence per run, or several (a non-contiguous group)
+def test_prefill_of_long_chunks_runs_in_windows(block_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks longer than a window (several runs per sequence, the state carried between them), and
+    groups of sequences in one run; the result equals the numpy oracle."""
+    from hybrid_runtime.ops import gdn_ort
+
+    monkeypatch.setattr(gdn_ort, "_BLOCK_TOKENS", block_tokens)
+    nk, dk, nv, dv = SHAPES[1]
+    rng = np.random.default_rng(block_tokens)
+    op, sl = _op(nk, dk, nv, dv, 4), np.array([5, 0, 7, 2], np.int64)
+    lens = [300, 5, 129, 64]
+    bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    conv, rec, u, g, beta, w = _case(rng, int(bounds[-1]), nk, dk, nv, dv, 4)
+    conv_ref, rec_ref = conv.copy(), rec.copy()
+    got = op.prefill(conv, rec, sl, bounds, u, g, beta, w)
+    want = np.concatenate([gdn.gdn_prefill(conv_ref, rec_ref, int(s), u[a:b], g[a:b], beta[a:b], w, nk, dk, nv, dv)
+                           for s, a, b in zip(sl, bounds[:-1], bounds[1:])])
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(conv, conv_ref)
+    np.testing.assert_allclose(rec, rec_ref, atol=ATOL, rtol=0)
+    assert len(op._last.blocks) == (7 if block_tokens == 128 else 3)  # 3 + 1 + 2 + 1 windows, or 3 groups
