@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from ..config import Manifest, ProfileSpec, SegmentSpec
 from .base import PINNING_MODES, Engine, ExecutionContext, Phase
-from .ort_session import Binding, cpu_session, session_options
+from .ort_session import Binding, FileMappings, cpu_session, session_options
 
 log = logging.getLogger("hybrid_runtime.engine")
 
@@ -84,6 +84,8 @@ class OrtEngine(Engine):
             else:
                 self._contexts.append([OrtContext(sess, spec, self._profiles[Phase.PREFILL],
                                                   self._banks[Phase.PREFILL][i % 2])])
+        # What onnxruntime still maps of the bundle after prepacking: tables read a row at a time (embedding).
+        self._mapped = FileMappings(Path(bundle_dir) / "segments")
         log.info("onnxruntime engine: %d segments, %d contexts (%s)", len(self._specs), self.num_contexts(), pinning)
 
     def _bank(self, profile: ProfileSpec, parity: int) -> Bank:
@@ -114,4 +116,7 @@ class OrtEngine(Engine):
         return ctx
 
     def run(self, segment: int, phase: Phase, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.context(segment, phase).run(inputs)
+        out = self.context(segment, phase).run(inputs)
+        if segment == 0:
+            self._mapped.release()  # the rows just read stay in the page cache, not in this process
+        return out

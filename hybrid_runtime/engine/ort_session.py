@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from pathlib import Path
@@ -67,6 +68,41 @@ def session_options(intra_op_threads: int | None = 0) -> ort.SessionOptions:
     # 16 x 128 prefill of the 334M model). Without them intermediates come from the arena one by one.
     opts.enable_mem_pattern = False
     return opts
+
+
+class FileMappings:
+    """This process's mappings of the files in one folder (onnxruntime memory-maps the initializers it
+    keeps as they are, such as an embedding table that Gather reads a row per token).
+
+    :meth:`release` drops their resident pages from the process (``MADV_DONTNEED``; the pages stay in the
+    page cache, the next read maps them again). A fault in a file mapping maps up to 64 KB of cached
+    neighbours, so 1024 random tokens left 50 MB of the 131 MB embedding table of the 334M benchmark model
+    resident where their rows are 4 MB; the engine releases the table after each embed run. Safe for
+    read-only use: a private mapping that was never written reads back the file's bytes. Linux only;
+    elsewhere it does nothing."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self._madvise = None
+        try:
+            lines = Path("/proc/self/maps").read_text().splitlines()
+            self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            return
+        root = str(Path(folder).resolve()) + "/"
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(root):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                self.ranges.append((lo, hi - lo))
+
+    def release(self) -> None:
+        if self._madvise is not None:
+            for lo, n in self.ranges:
+                self._madvise(ctypes.c_void_p(lo), ctypes.c_size_t(n), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
 
 
 def cpu_session(model: str | Path | onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:
