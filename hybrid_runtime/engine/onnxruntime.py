@@ -44,21 +44,26 @@ class OrtContext(ExecutionContext):
         self.profile = profile
         self.binding.clear()
         self._bank = bank
+        self._views: dict[int, dict[str, np.ndarray]] = {}  # token count -> output views of the bank
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = self.check(inputs)
         b = self.binding
         for name, arr in inputs.items():
             b.input(name, np.ascontiguousarray(arr))
-        outs, offset = {}, 0
-        for name, dt, width in self.spec.outputs:  # each output a contiguous [n, width] block of the bank
-            size = n * max(width, 1)
-            view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
-            outs[name] = view if width else view[:, 0]
-            b.output(name, outs[name])
-            offset += size
+        outs = self._views.get(n)
+        if outs is None:  # each output a contiguous [n, width] block of the bank (the same objects every run)
+            outs, offset = {}, 0
+            for name, dt, width in self.spec.outputs:
+                size = n * max(width, 1)
+                view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
+                outs[name] = view if width else view[:, 0]
+                offset += size
+            self._views[n] = outs
+        for name, view in outs.items():
+            b.output(name, view)
         b.run()
-        return outs
+        return dict(outs)
 
 
 class OrtEngine(Engine):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -122,7 +123,8 @@ class Binding:
     def __init__(self, session: ort.InferenceSession) -> None:
         self.session = session
         self._b = session.io_binding()
-        self._bound: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        # name ("\0" + name for outputs) -> (weak reference to the array last bound, its address, shape, dtype)
+        self._bound: dict[str, tuple[weakref.ref, int, tuple[int, ...], str]] = {}
         self._refs: dict[str, np.ndarray] = {}
 
     def clear(self) -> None:
@@ -130,28 +132,29 @@ class Binding:
         self._b.clear_binding_outputs()
         self._bound.clear()
 
-    @staticmethod
-    def _key(arr: np.ndarray) -> tuple[int, tuple[int, ...], str]:
+    def _bind(self, key: str, arr: np.ndarray) -> bool:
+        """Record ``arr`` for ``key``; True when it must be bound (not the very array, or not the same
+        memory and shape, as last time). The same live array object is the same memory and shape."""
+        self._refs[key] = arr  # alive until the run (a temporary of the caller's would be freed before it)
+        last = self._bound.get(key)
+        if last is not None and last[0]() is arr:
+            return False
         if not arr.flags.c_contiguous:
             raise ValueError("onnxruntime binding needs a C-contiguous array")
-        return arr.ctypes.data, arr.shape, arr.dtype.str
+        ptr, shape, dt = arr.ctypes.data, arr.shape, arr.dtype.char
+        self._bound[key] = (weakref.ref(arr), ptr, shape, dt)
+        return last is None or last[1:] != (ptr, shape, dt)
 
     def input(self, name: str, arr: np.ndarray) -> None:
-        key = self._key(arr)
-        self._refs[name] = arr  # alive until the run (a temporary of the caller's would be freed before it)
-        if self._bound.get(name) != key:
+        if self._bind(name, arr):
             # By address, not bind_cpu_input: that one keeps a reference to the array until the name is
             # bound again, so each segment would hold on to the prefill-sized operator output it last read
             # (36 MB over the GDN layers of the 334M model).
             self._b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-            self._bound[name] = key
 
     def output(self, name: str, arr: np.ndarray) -> None:
-        key = self._key(arr)
-        self._refs["\0" + name] = arr
-        if self._bound.get("\0" + name) != key:
+        if self._bind("\0" + name, arr):
             self._b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-            self._bound["\0" + name] = key
 
     def run(self) -> None:
         try:

@@ -176,6 +176,7 @@ class OrtGdn:
         self._decode = Binding(cpu_session(decode_graph(cfg), opts))
         self._prefill = Binding(cpu_session(prefill_graph(cfg), opts))
         self._out = np.empty((0, cfg.value_dim), np.float32)  # decode output rows, grown on demand
+        self._out_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: _Plan | None = None  # the previous call's slot plan (every layer of a step shares it)
         # id(conv_w) -> (conv_w, [C, 1, K], [K, C]); holding conv_w keeps its id from being reused
         self._taps_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -232,14 +233,17 @@ class OrtGdn:
         conv_out = np.empty((B, *conv_buf.shape[1:]), np.float32)
         if self._out.shape[0] < B:
             self._out = np.empty((B, self.cfg.value_dim), np.float32)
-        o = self._out[:B]
+            self._out_views = {}
+        o = self._out_views.get(B)
+        if o is None:  # the same objects every call: no rebinding
+            o = self._out_views[B] = (self._out[:B], self._out[:B].reshape(B, 1, -1))
         bd = self._decode
         for name, arr in (("u", u), ("g", g), ("beta", beta)):
             bd.input(name, np.ascontiguousarray(arr).reshape(B, 1, -1))
         bd.input("conv_wt", self._taps(conv_w)[1])
         bd.input("conv_in", self._gather(conv_buf, plan))
         bd.input("rec", rec)
-        bd.output("o", o.reshape(B, 1, -1))
+        bd.output("o", o[1])
         bd.output("conv_out", conv_out)
         bd.output("rec_out", rec)
         bd.run()
@@ -247,8 +251,8 @@ class OrtGdn:
         if plan.lo is None:
             self._scatter(rec_buf, plan, rec)
         if order is not None:
-            o[order] = o.copy()
-        return o
+            o[0][order] = o[0].copy()
+        return o[0]
 
     def prefill(self, conv_buf: np.ndarray, rec_buf: np.ndarray, slots: np.ndarray, bounds: np.ndarray,
                 u: np.ndarray, g: np.ndarray, beta: np.ndarray, conv_w: np.ndarray) -> np.ndarray:

@@ -58,30 +58,27 @@ def _const(name: str, values: list, dtype: type = np.int64) -> TensorProto:
 
 
 def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
-    """``h [T, H]`` -> ``y [T, H]``. Weights are external initializers named by :func:`weight_names`."""
+    """``h [T, H]``, ``pair_r`` = 0..T*k-1, ``num_pairs`` = [T*k] -> ``y [T, H]``. Weights are external
+    initializers: ``router``, ``w1_{e}`` / ``w2_{e}`` per expert, ``s_*`` for the shared expert."""
     H, E, inter, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     k = cfg.num_experts_per_tok
     n = helper.make_node
     inits = [_external("router", [E, H]), _const("k", [k]), _const("flat", [-1]), _const("col", [-1, 1]),
              _const("zero", [0]), _const("one", [1]), _const("depth", [E]), _const("per_token", [-1, k]),
              _const("halves", [inter, inter]), _const("onehot_values", [0, 1])]
-    nodes = [n("Gemm", ["h", "router"], ["logits"], transB=1),
-             n("Softmax", ["logits"], ["probs"], axis=-1),
-             n("TopK", ["probs", "k"], ["top_p", "top_e"], axis=-1)]  # [T, k], by descending probability
-    if cfg.norm_topk_prob:
-        nodes += [n("ReduceSum", ["top_p", "one"], ["top_sum"], keepdims=1),
-                  n("Div", ["top_p", "top_sum"], ["top_w"])]
+    nodes = [n("Gemm", ["h", "router"], ["logits"], transB=1)]
+    if cfg.norm_topk_prob:  # softmax over all experts, renormalised over the top k = softmax over the top-k logits
+        nodes += [n("TopK", ["logits", "k"], ["top_l", "top_e"], axis=-1),  # [T, k], descending
+                  n("Softmax", ["top_l"], ["top_w"], axis=-1)]
     else:
-        nodes += [n("Identity", ["top_p"], ["top_w"])]
-    # (token, expert) pairs r = t*k + j, sorted by expert (ties by r: keys are distinct), grouped per expert
+        nodes += [n("Softmax", ["logits"], ["probs"], axis=-1),
+                  n("TopK", ["probs", "k"], ["top_w", "top_e"], axis=-1)]
+    # (token, expert) pairs r = t*k + j, sorted by expert (ties by r: keys are distinct), grouped per expert;
+    # pair_r = 0..R-1 and num_pairs = [R] are inputs (R = T*k)
     nodes += [n("Reshape", ["top_e", "flat"], ["pair_e"]),  # [R]
-              n("Shape", ["pair_e"], ["num_pairs"]),
-              n("Squeeze", ["num_pairs", "zero"], ["num_pairs_s"]),
-              n("Range", ["zero_s", "num_pairs_s", "one_s"], ["pair_r"]),
-              n("Mul", ["pair_e", "num_pairs_s"], ["e_major"]),
+              n("Mul", ["pair_e", "num_pairs"], ["e_major"]),
               n("Add", ["e_major", "pair_r"], ["sort_key"]),
-              n("Neg", ["sort_key"], ["neg_key"]),
-              n("TopK", ["neg_key", "num_pairs"], ["_sorted", "order"], axis=0),  # ascending sort_key
+              n("TopK", ["sort_key", "num_pairs"], ["_sorted", "order"], axis=0, largest=0),  # ascending
               n("Div", ["order", "k"], ["pair_tok"]),  # token of each sorted pair
               n("Reshape", ["top_w", "col"], ["pair_w"]),
               n("Gather", ["pair_w", "order"], ["sorted_w"], axis=0),  # [R, 1]
@@ -92,7 +89,6 @@ def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
               # position of pair r in the sorted order: the inverse permutation
               n("ScatterElements", ["pair_r", "order", "pair_r"], ["pos"], axis=0),
               n("Reshape", ["pos", "per_token"], ["pos_tk"])]  # [T, k]
-    inits += [_const("zero_s", 0), _const("one_s", 1)]
     # per expert one GEMM up and one down; the SwiGLU between them runs once over all pairs
     inits += [t for e in range(E) for t in (_external(f"w1_{e}", [2 * inter, H]), _external(f"w2_{e}", [H, inter]))]
     nodes += [n("Gemm", [f"x{e}", f"w1_{e}"], [f"a{e}"], transB=1) for e in range(E)]  # [M_e, 2I]
@@ -120,8 +116,11 @@ def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
                   n("Sigmoid", ["s_logit"], ["s_scale"]),
                   n("Mul", ["s_out", "s_scale"], ["shared"]),
                   n("Add", ["routed", "shared"], ["y"])]
-    graph = helper.make_graph(nodes, f"moe{layer}", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["T", H])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])], inits)
+    ins = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["T", H]),
+           helper.make_tensor_value_info("pair_r", TensorProto.INT64, ["R"]),
+           helper.make_tensor_value_info("num_pairs", TensorProto.INT64, [1])]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])]
+    graph = helper.make_graph(nodes, f"moe{layer}", ins, outs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hybrid-runtime")
     model.ir_version = 8
     return model
@@ -182,7 +181,9 @@ class MoE:
             opts.add_external_initializers([i.name for i in ext], self._values)
         self._session = cpu_session(model, opts)
         self._binding = Binding(self._session)
-        self._keep = np.empty((_KEEP_TOKENS, cfg.hidden_size), np.float32)
+        keep = np.empty((_KEEP_TOKENS, cfg.hidden_size), np.float32)
+        self._keep_views = [keep[:t] for t in range(_KEEP_TOKENS + 1)]  # the same objects every call: no rebinding
+        self._pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # T -> (0..T*k-1, [T*k])
 
     def _file_ranges(self, sw: SafetensorsFile, p: str) -> dict[str, tuple[int, int]]:
         """Byte ranges in the state-weights file of every initializer (one expert = one block of a tensor)."""
@@ -200,10 +201,16 @@ class MoE:
         this layer's next call."""
         h = np.ascontiguousarray(h, np.float32)
         T = h.shape[0]
-        out = self._keep[:T] if T <= _KEEP_TOKENS else np.empty((T, self.cfg.hidden_size), np.float32)
+        out = self._keep_views[T] if T <= _KEEP_TOKENS else np.empty((T, self.cfg.hidden_size), np.float32)
         if T == 0:
             return out
         self._binding.input("h", h)
+        pairs = self._pairs.get(T)
+        if pairs is None:
+            R = T * self.top_k
+            pairs = self._pairs[T] = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
+        self._binding.input("pair_r", pairs[0])
+        self._binding.input("num_pairs", pairs[1])
         self._binding.output("y", out)
         self._binding.run()
         return out
