@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..engine.ort_session import Binding, cpu_session, session_options
 from .gdn import _check, _check_slots
 
-_F, _I64, _I32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+_F, _I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
 def _vi(name: str, elem: int, shape: list) -> onnx.ValueInfoProto:
@@ -52,8 +52,7 @@ class _Graph:
         self.inits: list[onnx.TensorProto] = []
 
     def op(self, op_type: str, inputs: list[str], outputs: list[str], **attrs) -> None:
-        domain = "com.microsoft" if op_type in ("LinearAttention", "CausalConvWithState",
-                                                "VarlenCausalConvWithState") else ""
+        domain = "com.microsoft" if op_type == "LinearAttention" else ""
         self.nodes.append(helper.make_node(op_type, inputs, outputs, domain=domain, **attrs))
 
     def const(self, name: str, arr: np.ndarray) -> str:
