@@ -117,7 +117,8 @@ class Binding:
 
     Arrays must be C-contiguous numpy arrays on the host; they are read (inputs) or written (outputs) in
     place when :meth:`run` is called; the binding holds them until the run is over, then only their
-    addresses (the next run binds every input and output again, which costs nothing when unchanged).
+    addresses, so every run must bind every input and output again (free when unchanged; :meth:`run`
+    refuses otherwise rather than read memory that may have been freed).
     """
 
     def __init__(self, session: ort.InferenceSession) -> None:
@@ -157,6 +158,9 @@ class Binding:
             self._b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
 
     def run(self) -> None:
+        if self._refs.keys() != self._bound.keys():  # an address from an earlier round may be freed memory by now
+            raise RuntimeError(f"bind every input and output before each run; not this time: "
+                               f"{sorted(k.lstrip(chr(0)) for k in self._bound.keys() - self._refs.keys())}")
         try:
             self.session.run_with_iobinding(self._b)
         finally:
