@@ -138,7 +138,7 @@ class Binding:
         memory and shape, as last time). The same live array object is the same memory and shape."""
         self._refs[key] = arr  # alive until the run (a temporary of the caller's would be freed before it)
         last = self._bound.get(key)
-        if last is not None and last[0]() is arr:
+        if last is not None and last[0]() is arr and last[2] == arr.shape:  # (an array's shape can be assigned)
             return False
         if not arr.flags.c_contiguous:
             raise ValueError("onnxruntime binding needs a C-contiguous array")
