@@ -95,7 +95,8 @@ class FileMappings:
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].startswith(root):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                self.ranges.append((lo, hi - lo))
+                if hi - lo >= _MIN_RELEASE:  # the tables; not the few-page leftovers of prepacked weights
+                    self.ranges.append((lo, hi - lo))
 
     def release(self) -> None:
         if self._madvise is not None:
@@ -104,6 +105,7 @@ class FileMappings:
 
 
 _MADV_DONTNEED = 4
+_MIN_RELEASE = 1 << 20
 
 
 def cpu_session(model: str | Path | onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:

@@ -103,7 +103,8 @@ class OrtAttention:
         self.G2 = self.G if self.G > 1 else 2
         self._bd = Binding(cpu_session(_graph(self.H, self.Hkv, self.hd, self.G2), session_options(intra_op_threads)))
         self._scale = np.array(1.0 / np.sqrt(head_dim), np.float32)
-        self._last: tuple | None = None  # (key, kidx, mask, nc) of the previous call: the layers of a step share it
+        self._last: tuple | None = None  # (key, kidx, mask, shapes) of the last call: the layers of a step share it
+        self._outs: dict[tuple[int, int], np.ndarray] = {}  # (B, Tq) -> output buffer, valid until the next call
 
     def kernels(self) -> dict[str, Kernel]:
         """Both dispatcher kernels; they compute the same fixed-chunk partials whatever the plan."""
@@ -139,8 +140,8 @@ class OrtAttention:
         return out
 
     def _indices(self, B: int, Tq: int, ps: int, page_tables: Sequence, key_lens: np.ndarray, first_pos: np.ndarray,
-                 num_q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(kidx ``[B, Hkv, L]`` pool rows of the keys, mask ``[B, 1, nc, CHUNK, Tq*G2]``, nc)."""
+                 num_q: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """(kidx ``[B, Hkv, L]`` pool rows of the keys, mask ``[B, 1, nc, CHUNK, Tq*G2]``, the shape inputs)."""
         Hkv = self.Hkv
         nc = max(1, -(-int(key_lens.max()) // CHUNK))
         L = nc * CHUNK
@@ -157,28 +158,31 @@ class OrtAttention:
         visible &= np.arange(Tq)[None, None, :] < num_q[:, None, None]  # padding queries see nothing
         mask = np.where(visible, np.float32(0), _MASKED)  # [B, L, Tq]
         mask = np.repeat(mask, self.G2, axis=2).reshape(B, 1, nc, CHUNK, Tq * self.G2)
-        return kidx, np.ascontiguousarray(mask), nc
+        shapes = {"kv_shape": np.array([B, Hkv, nc, CHUNK, self.hd], np.int64),
+                  "q_shape": np.array([B, Tq, Hkv, self.G, self.hd], np.int64),
+                  "o_shape": np.array([B, Hkv, Tq, self.G2, self.hd], np.int64)}
+        return kidx, np.ascontiguousarray(mask), shapes
 
     def attend(self, q: np.ndarray, k_buf: np.ndarray, v_buf: np.ndarray, page_tables: Sequence,
                key_lens: np.ndarray, first_pos: np.ndarray, num_q: np.ndarray) -> np.ndarray:
         """Queries ``q [B, Tq, H, hd]``: query ``t < num_q[b]`` of sequence b sits at ``first_pos[b] + t`` and
-        sees keys ``0..min(its position, key_lens[b]-1)``; pools ``[pages, ps, Hkv, hd]`` -> ``[B, Tq, H, hd]``."""
+        sees keys ``0..min(its position, key_lens[b]-1)``; pools ``[pages, ps, Hkv, hd]`` -> ``[B, Tq, H, hd]``, a
+        buffer valid until the next call."""
         B, Tq = q.shape[:2]
         ps, Hkv, hd = k_buf.shape[1], self.Hkv, self.hd
         key = (B, Tq, ps, key_lens.tobytes(), first_pos.tobytes(), num_q.tobytes(),
                tuple(len(t) for t in page_tables), b"".join(np.asarray(t, np.int64).tobytes() for t in page_tables))
         if self._last is None or self._last[0] != key:  # the layers of a step share these
             self._last = (key, *self._indices(B, Tq, ps, page_tables, key_lens, first_pos, num_q))
-        _, kidx, mask, nc = self._last
-        out = np.empty((B, Tq, self.H, hd), np.float32)
+        _, kidx, mask, shapes = self._last
+        out = self._outs.get((B, Tq))
+        if out is None:  # kept per shape: the same object every call, no rebinding
+            out = self._outs[(B, Tq)] = np.empty((B, Tq, self.H, hd), np.float32)
         bd = self._bd
         rows = (k_buf.shape[0] * ps * Hkv, hd)
         for name, arr in (("q", np.ascontiguousarray(q, np.float32)), ("scale", self._scale),
                           ("k_rows", k_buf.reshape(rows)), ("v_rows", v_buf.reshape(rows)),
-                          ("kidx", kidx), ("mask", mask),
-                          ("kv_shape", np.array([B, Hkv, nc, CHUNK, hd], np.int64)),
-                          ("q_shape", np.array([B, Tq, Hkv, self.G, hd], np.int64)),
-                          ("o_shape", np.array([B, Hkv, Tq, self.G2, hd], np.int64))):
+                          ("kidx", kidx), ("mask", mask), *shapes.items()):
             bd.input(name, arr)
         bd.output("out", out)
         bd.run()

@@ -174,8 +174,8 @@ class OrtGdn:
         opts = session_options(intra_op_threads)
         self._decode = Binding(cpu_session(decode_graph(cfg), opts))
         self._prefill = Binding(cpu_session(prefill_graph(cfg), opts))
-        self._out = np.empty((0, cfg.value_dim), np.float32)  # decode output rows, grown on demand
-        self._out_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # decode outputs per (B, K-1, C): (o [B, nv*dv], o as [B, 1, nv*dv], conv_out [B, K-1, C])
+        self._out_views: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._last: _Plan | None = None  # the previous call's slot plan (every layer of a step shares it)
         # id(conv_w) -> (conv_w, [C, 1, K], [K, C]); holding conv_w keeps its id from being reused
         self._taps_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -229,13 +229,12 @@ class OrtGdn:
         if order is not None:  # token rows into slot order (a few KB), so the states can stay in place
             u, g, beta = u[order], g[order], beta[order]
         rec = self._gather(rec_buf, plan)
-        conv_out = np.empty((B, *conv_buf.shape[1:]), np.float32)
-        if self._out.shape[0] < B:
-            self._out = np.empty((B, self.cfg.value_dim), np.float32)
-            self._out_views = {}
-        o = self._out_views.get(B)
-        if o is None:  # the same objects every call: no rebinding
-            o = self._out_views[B] = (self._out[:B], self._out[:B].reshape(B, 1, -1))
+        o = self._out_views.get((B, *conv_buf.shape[1:]))
+        if o is None:  # output buffers kept per shape, the same objects every call: no rebinding
+            o = self._out_views[(B, *conv_buf.shape[1:])] = (
+                out := np.empty((B, self.cfg.value_dim), np.float32), out.reshape(B, 1, -1),
+                np.empty((B, *conv_buf.shape[1:]), np.float32))
+        conv_out = o[2]
         bd = self._decode
         for name, arr in (("u", u), ("g", g), ("beta", beta)):
             bd.input(name, np.ascontiguousarray(arr).reshape(B, 1, -1))
