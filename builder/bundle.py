@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 
 from hybrid_runtime.config import MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
+from hybrid_runtime.ops.moe import fuse_gate_up
 from hybrid_runtime.pipeline import plan_segments, state_weight_names
 from hybrid_runtime.weights_io import save_safetensors
 
@@ -74,6 +76,14 @@ def _tokenizer_info(ckpt_dir: Path, eos_from_config: tuple[int, ...]) -> dict:
     if "tokenizer.json" not in files:
         raise ConfigError(f"no tokenizer.json in {ckpt_dir}: a bundle needs the tokenizer to serve text")
     return {"files": files, "eos_token_ids": list(eos_from_config)}
+
+
+def _state_weight(weights: dict, name: str) -> np.ndarray:
+    """A state weight by its bundle name; ``experts.gate_up_proj`` is fused from gate/up."""
+    if name.endswith(".experts.gate_up_proj"):
+        p = name.removesuffix("gate_up_proj")
+        return fuse_gate_up(weights[p + "gate_proj"], weights[p + "up_proj"])
+    return weights[name]
 
 
 def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
@@ -138,7 +148,7 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
             shutil.rmtree(tmp, ignore_errors=True)  # no half-built bundle is left behind
             raise
     progress("writing state weights")
-    save_safetensors(tmp / STATE_WEIGHTS, {n: weights[n] for n in state_weight_names(cfg)})
+    save_safetensors(tmp / STATE_WEIGHTS, {n: _state_weight(weights, n) for n in state_weight_names(cfg)})
     ckpt_dir = Path(checkpoint)
     tok = _tokenizer_info(ckpt_dir, cfg.eos_token_ids)
     for name in tok["files"]:

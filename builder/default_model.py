@@ -229,7 +229,12 @@ def write_default_checkpoint(out_dir: Path, seed: int = 0, progress: Callable[[s
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     progress(f"tokenizer: {vocab_size} tokens, eos {EOS_TOKEN!r} = {eos_id}")
 
-    cfg = {**DEFAULT_CONFIG, **(overrides or {}), "vocab_size": vocab_size, "eos_token_id": eos_id,
+    # The model's vocabulary is the tokenizer's, unless an override asks for a larger one (a benchmark shape
+    # with a real-sized lm_head): ids past the tokenizer's are valid model inputs that no text encodes to.
+    want = int((overrides or {}).get("vocab_size", vocab_size))
+    if want < vocab_size:
+        raise ValueError(f"vocab_size override {want} is smaller than the tokenizer's {vocab_size} tokens")
+    cfg = {**DEFAULT_CONFIG, **(overrides or {}), "vocab_size": want, "eos_token_id": eos_id,
            "pad_token_id": eos_id}
     (out / "config.json").write_text(_json_text(cfg), encoding="utf-8")
     gen = {"_from_model_config": True, "eos_token_id": eos_id, "output_attentions": False,

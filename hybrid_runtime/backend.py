@@ -5,8 +5,9 @@ their tensors live.
 the backend for every piece; the backend decides the tensor type. Two kinds:
 
 * :class:`HostBackend` (bundle backends ``onnxruntime`` and ``tensorrt``): the engine's segments (onnxruntime
-  on the CPU; TensorRT plans), the stateful operators of ``device`` (numpy :class:`~hybrid_runtime.ops.cpu.CpuOps`
-  or the CUDA kernels of :class:`~hybrid_runtime.cuda.operators.CudaOps`), MoE in numpy and the host sampler.
+  on the CPU; TensorRT plans), the stateful operators of ``device`` (:class:`~hybrid_runtime.ops.cpu.CpuOps`,
+  onnxruntime sessions, or the CUDA kernels of :class:`~hybrid_runtime.cuda.operators.CudaOps`), MoE through
+  onnxruntime (:mod:`hybrid_runtime.ops.moe`) and the host sampler.
   Tensors between the pieces are host numpy arrays.
 * :class:`~hybrid_runtime.cuda.backend.CudaBackend` (bundle backend ``cuda``): everything on one GPU (program
   ops as fused kernels + cuBLASLt, device MoE, device sampler, whole-step CUDA graphs for decode). Tensors are
@@ -31,7 +32,6 @@ from .engine import Engine, Phase, load_engine
 from .kv_cache import KVLayout
 from .ops.base import SeqStep, StatefulOps, make_ops
 from .ops.moe import MoE
-from .pipeline import state_weight_names
 from .sampler import TokenLogprobs, sample, token_logprobs
 from .sampling import SamplingParams
 from .weights_io import SafetensorsFile
@@ -115,7 +115,7 @@ class HostCtx:
 
 
 class HostBackend:
-    """Engine segments + the stateful operators of ``device`` + numpy MoE + the host sampler."""
+    """Engine segments + the stateful operators of ``device`` + host MoE (onnxruntime) + the host sampler."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, intra_op_threads: int = 0,
@@ -126,8 +126,7 @@ class HostBackend:
         self.engine = engine or load_engine(bundle_dir, manifest, pinning, intra_op_threads)
         sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
         conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
-        state_w = {n: sw.get(n) for n in state_weight_names(cfg) if "mlp." in n}
-        self.moe_layers = {i: MoE(cfg, state_w, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
+        self.moe_layers = {i: MoE(cfg, sw, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
         pages = num_kv_pages or lim.num_kv_pages
         self.kv_layout = KVLayout(pages, lim.page_size, cfg.num_kv_heads, cfg.head_dim, np.float32,
                                   len(cfg.attention_layers))

@@ -89,7 +89,8 @@ def state_weight_names(cfg: ModelConfig) -> list[str]:
             names.append(f"layers.{i}.linear_attn.conv1d")
         if cfg.ffn_types[i] == MOE:
             p = f"layers.{i}.mlp."
-            names += [p + "gate", p + "experts.gate_proj", p + "experts.up_proj", p + "experts.down_proj"]
+            # gate_up_proj [E, 2I, H]: per expert the gate rows, then the up rows (transformers' fused layout)
+            names += [p + "gate", p + "experts.gate_up_proj", p + "experts.down_proj"]
             if cfg.shared_expert_intermediate_size:
                 names += [p + "shared_expert.gate_proj", p + "shared_expert.up_proj",
                           p + "shared_expert.down_proj", p + "shared_expert_gate"]

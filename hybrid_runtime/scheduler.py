@@ -60,6 +60,12 @@ class Batch:
     steps: list[SeqStep]
 
 
+# A prompt chunk that stops short of the prompt's end stops at a multiple of this many tokens. The
+# chunked kernels (the CPU GDN's 64-token delta-rule chunks) then see a prompt cut at the same places
+# whatever shares its step, so its prefill has the same bits alone and in a batch (batch invariance).
+PREFILL_ALIGN = 64
+
+
 class Scheduler:
     """Owns the waiting queue, the running list, the slot allocator and the page allocator."""
 
@@ -109,7 +115,10 @@ class Scheduler:
         if prefilling:
             budget, seqs, steps = self.limits.max_num_tokens, [], []
             for s in prefilling:
-                n = min(len(s.prompt_ids) - s.num_prefilled, budget)
+                left = len(s.prompt_ids) - s.num_prefilled
+                n = min(left, budget)
+                if n < left and self.limits.max_num_tokens >= PREFILL_ALIGN:
+                    n -= n % PREFILL_ALIGN  # see PREFILL_ALIGN
                 if n <= 0:
                     break
                 end = s.num_prefilled + n

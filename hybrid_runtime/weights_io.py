@@ -78,6 +78,12 @@ class SafetensorsFile:
         return np.frombuffer(self._mm, dtype=dt, count=(end - start) // dt.itemsize,
                              offset=self._base + start).reshape(info["shape"])
 
+    def data_range(self, name: str) -> tuple[int, int]:
+        """``(offset, length)`` in bytes of a tensor's raw data within the file (ONNX external data can
+        point there, so a session reads the tensor from this file without a copy of its own)."""
+        start, end = self.header[name]["data_offsets"]
+        return self._base + start, end - start
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32 for floating types (bf16/f16 widened exactly), else its own type."""
         arr = self.raw(name)

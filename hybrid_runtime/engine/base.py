@@ -65,8 +65,9 @@ class ExecutionContext(ABC):
 
     @abstractmethod
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Check, then execute. Returned arrays may be views of context-owned buffers that stay valid
-        until this context runs again."""
+        """Check, then execute. Returned arrays may be views of engine-owned buffers that stay valid until
+        the engine runs another segment after the next one (onnxruntime: two banks shared by alternating
+        segments), which is as long as the runner reads them: the mixer after a segment and the next segment."""
 
 
 class Engine(ABC):

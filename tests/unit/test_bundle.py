@@ -17,6 +17,7 @@ from builder.bundle import BuildOptions, build_bundle, describe, verify_checksum
 from builder.checkpoint import Checkpoint, load_weights
 from hybrid_runtime import reference
 from hybrid_runtime.config import BundleError, ConfigError, Manifest
+from hybrid_runtime.engine.ort_session import cpu_session, session_options
 
 
 def test_manifest_records_limits_profiles_and_toolkit(default_bundle: Path) -> None:
@@ -65,11 +66,11 @@ def test_embed_and_head_segments_reproduce_the_reference(default_bundle: Path, d
     cfg, w = ck.config, load_weights(ck)
     m = Manifest.load(default_bundle)
     ids = np.array([5, 17, 300, 2047, 9], np.int64)
-    head = ort.InferenceSession(str(default_bundle / m.segments[-1].onnx))
+    head = cpu_session(default_bundle / m.segments[-1].onnx, session_options())
     x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
     want = reference.rmsnorm1p(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].T
     np.testing.assert_allclose(head.run(None, {"x": x})[0], want, atol=1e-4, rtol=1e-5)
-    embed = ort.InferenceSession(str(default_bundle / m.segments[0].onnx))
+    embed = cpu_session(default_bundle / m.segments[0].onnx, session_options())
     out = dict(zip([o.name for o in embed.get_outputs()], embed.run(None, {"input_ids": ids})))
     np.testing.assert_array_equal(out["x_next"], w["embed_tokens"][ids])
     h = reference.rmsnorm1p(w["embed_tokens"][ids], w["layers.0.input_layernorm"], cfg.rms_norm_eps)

@@ -14,6 +14,7 @@ from builder.bundle import BuildOptions, build_bundle, verify_checksums
 from builder.checkpoint import Checkpoint, load_weights
 from builder.segments import build_segment
 from hybrid_runtime.config import Manifest
+from hybrid_runtime.engine.ort_session import session_options
 from hybrid_runtime.program import (
     OPS,
     Op,
@@ -73,7 +74,8 @@ def test_numpy_interpreter_equals_the_onnx_lowering(ckpt: tuple[str, Path]) -> N
     kinds = set()
     for plan, program in programs(cfg):
         kinds |= {op.kind for op in program}
-        sess = ort.InferenceSession(build_segment(cfg, w, plan, 128).SerializeToString(),
+        # every session of this process comes from session_options (one process-wide thread pool)
+        sess = ort.InferenceSession(build_segment(cfg, w, plan, 128).SerializeToString(), session_options(None),
                                     providers=["CPUExecutionProvider"])
         feeds = _inputs(plan, cfg, 7, rng)
         got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))

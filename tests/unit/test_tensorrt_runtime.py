@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from builder.bundle import BuildOptions, build_bundle
@@ -29,6 +28,7 @@ from builder.tensorrt import expected_profiles
 from hybrid_runtime import trt_compat
 from hybrid_runtime.config import BundleError, Manifest, SegmentSpec
 from hybrid_runtime.engine import Phase, ShapeError, load_engine
+from hybrid_runtime.engine.ort_session import cpu_session, session_options
 from hybrid_runtime.engine.tensorrt import TrtEngine
 from hybrid_runtime.runner import ModelRunner
 from hybrid_runtime.sampling import SamplingParams
@@ -214,7 +214,7 @@ class FakeEngine:
         self.plan, self.rec, self.cuda = plan, rec, cuda
         self.contexts: list[FakeContext] = []
         self.widths = {n: w for n, _, w in (*plan["inputs"], *plan["outputs"])}
-        self.session = ort.InferenceSession(plan["onnx"], providers=["CPUExecutionProvider"])
+        self.session = cpu_session(plan["onnx"], session_options())  # the process-wide pool, as the runtime
         self.session.get_outputs()  # output order == plan["outputs"] order (checked below)
         assert [o.name for o in self.session.get_outputs()] == [n for n, _, _ in plan["outputs"]]
 
