@@ -15,16 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnxruntime
 
 from hybrid_runtime.config import MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
 from hybrid_runtime.ops.moe import fuse_gate_up
 from hybrid_runtime.pipeline import plan_segments, state_weight_names
+from hybrid_runtime.program import experts_gate_up
+from hybrid_runtime.quant import is_quantized
 from hybrid_runtime.weights_io import save_safetensors
 
-from . import workarounds
+from . import quant_bundle, workarounds
 from .checkpoint import Checkpoint, load_weights
 from .segments import build_segment
 
@@ -48,6 +49,7 @@ class BuildOptions:
     num_kv_pages: int = 0
     num_state_slots: int = 0
     target_arch: str = ""  # --backend tensorrt: "sm_89" / "8.9"; "" = the current GPU
+    quant_activations: str = "fp32"  # GPTQ checkpoints: MatMulNBits activations, fp32 | int8 (quant_bundle.py)
 
     def limits(self) -> Limits:
         return Limits(
@@ -78,11 +80,15 @@ def _tokenizer_info(ckpt_dir: Path, eos_from_config: tuple[int, ...]) -> dict:
     return {"files": files, "eos_token_ids": list(eos_from_config)}
 
 
-def _state_weight(weights: dict, name: str) -> np.ndarray:
-    """A state weight by its bundle name; ``experts.gate_up_proj`` is fused from gate/up."""
+def _state_weight(weights: dict, name: str):
+    """A state weight by its bundle name; ``experts.gate_up_proj`` is fused from gate/up (quantized
+    experts: per expert, by rows)."""
     if name.endswith(".experts.gate_up_proj"):
         p = name.removesuffix("gate_up_proj")
-        return fuse_gate_up(weights[p + "gate_proj"], weights[p + "up_proj"])
+        gate, up = weights[p + "gate_proj"], weights[p + "up_proj"]
+        if is_quantized(gate) or is_quantized(up):
+            return experts_gate_up(gate, up)
+        return fuse_gate_up(gate, up)
     return weights[name]
 
 
@@ -101,6 +107,10 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
     trt_target = None
+    if ckpt.quant is not None and opts.backend != "onnxruntime":
+        raise ConfigError(f"--backend {opts.backend}: GPTQ int{ckpt.quant.bits} checkpoints are not implemented "
+                          f"for this backend yet (the GPU W4A16 / W8A16 kernels are the GPU part of the GPTQ "
+                          f"issue); build with --backend onnxruntime (CPU, com.microsoft.MatMulNBits)")
     if opts.backend == "cuda":
         return _build_cuda(ckpt, Path(checkpoint), Path(output), opts, limits, progress, t0)
     if opts.backend == "tensorrt":  # fails here, before any work, when TensorRT is missing or cannot target
@@ -122,6 +132,9 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     progress(f"model: {cfg.model_type}, {cfg.num_layers} layers ({len(cfg.linear_layers)} linear, "
              f"{len(cfg.attention_layers)} full attention), {cfg.num_parameters() / 1e6:.1f}M parameters")
     weights = load_weights(ckpt, progress)
+    quant = None
+    if ckpt.quant is not None:
+        weights, quant = quant_bundle.plan(weights, ckpt.quant, opts.quant_activations, progress)
 
     out = Path(output)
     tmp = out.with_name(out.name + ".partial")
@@ -131,7 +144,8 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     specs: list[SegmentSpec] = []
     for n, plan in enumerate(plans, 1):
         progress(f"segment {n}/{len(plans)}: {plan.name}")
-        model = build_segment(cfg, weights, plan, limits.max_seq_len)
+        model = build_segment(cfg, weights, plan, limits.max_seq_len,
+                              accuracy_level=quant.accuracy_level if quant else 0)
         rel = f"segments/{plan.name}.onnx"
         onnx.save_model(model, str(tmp / rel), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=f"{plan.name}.onnx.data", size_threshold=1024)
@@ -148,7 +162,9 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
             shutil.rmtree(tmp, ignore_errors=True)  # no half-built bundle is left behind
             raise
     progress("writing state weights")
-    save_safetensors(tmp / STATE_WEIGHTS, {n: _state_weight(weights, n) for n in state_weight_names(cfg)})
+    level = quant.accuracy_level if quant else 0
+    save_safetensors(tmp / STATE_WEIGHTS, {k: v for n in state_weight_names(cfg) for k, v in
+                                           quant_bundle.state_tensors(n, _state_weight(weights, n), level).items()})
     ckpt_dir = Path(checkpoint)
     tok = _tokenizer_info(ckpt_dir, cfg.eos_token_ids)
     for name in tok["files"]:
@@ -159,7 +175,7 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         version=MANIFEST_VERSION, model=cfg, limits=limits, backend=opts.backend, dtype=dtype,
         segments=tuple(specs), state_weights=STATE_WEIGHTS, toolkit=toolkit, target=target,
         workarounds=tuple(w.record() for w in applied), checksums=checksums, tokenizer=tok,
-        trt_profiles=trt_profiles,
+        trt_profiles=trt_profiles, quantization=quant,
     )
     manifest.save(tmp)
     if out.exists():
@@ -235,4 +251,9 @@ def describe(bundle_dir: str | Path) -> str:
     lines += [f"segment {s.name}: in {[i[0] for i in s.inputs]} -> out {[o[0] for o in s.outputs]}"
               for s in m.segments]
     lines += [f"workaround {w['id']}: {w['action']} ({w['reason']})" for w in m.workarounds]
+    if m.quantization is not None:
+        q = m.quantization
+        lines.append(f"quantization: {q.method} int{q.bits} group {q.group_size} sym={q.sym} desc_act={q.desc_act} "
+                     f"({q.checkpoint_format}), {len(q.modules)} weights quantized, {q.activations} activations, "
+                     f"{len(q.fallbacks)} dequantised")
     return "\n".join(lines)

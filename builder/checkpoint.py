@@ -13,6 +13,12 @@ knows a single form:
 * ``conv1d.weight [C,1,K]`` becomes ``conv1d [C,K]``; ``lm_head`` is ``embed_tokens`` when tied.
 
 Vision (``model.visual.*``) and multi-token-prediction (``mtp.*``) tensors are ignored.
+
+GPTQ checkpoints (:mod:`builder.gptq`): a linear module stored as ``qweight`` / ``qzeros`` / ``scales`` /
+``g_idx`` is read as a :class:`~hybrid_runtime.quant.QuantLinear` (its rows are output features, so the
+renames above are the same row operations), stacked experts with a quantized one as
+:class:`~hybrid_runtime.quant.QuantExperts`. The router, the shared-expert gate, norms, conv weights and
+embeddings stay float (a quantized router or shared-expert gate is dequantized).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_runtime.config import DENSE, FULL, LINEAR, MOE, ConfigError, ModelConfig
+from hybrid_runtime.quant import QuantExperts, QuantLinear, as_float, is_quantized, take_rows
 from hybrid_runtime.weights_io import SafetensorsFile, WeightsFormatError
 
+from . import gptq
 from .hf_config import CheckpointLayout, load_hf_config
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
@@ -43,6 +51,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self.config, self.layout = load_hf_config(self.dir)
+        self.quant = gptq.read_scheme(self.dir)  # None: a float checkpoint
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         index = self.dir / "model.safetensors.index.json"
@@ -96,22 +105,55 @@ def _expect(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _split_qkvz(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
-    """Qwen3-Next grouped projections -> flat ``[q | k | v]``, z, b, a (rows are output channels)."""
+def _split_qkvz(cfg: ModelConfig, qkvz, ba) -> dict[str, object]:
+    """Qwen3-Next grouped projections -> flat ``[q | k | v]``, z, b, a (rows are output channels; the
+    weights may be float arrays or :class:`QuantLinear`, whose rows move alike)."""
     nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // nk
-    h = qkvz.shape[1]
-    g = qkvz.reshape(nk, 2 * dk + 2 * r * dv, h)
+    g = np.arange(qkvz.shape[0]).reshape(nk, 2 * dk + 2 * r * dv)  # row index per (key head, row in group)
     q, k = g[:, :dk], g[:, dk:2 * dk]
     v, z = g[:, 2 * dk:2 * dk + r * dv], g[:, 2 * dk + r * dv:]
-    gba = ba.reshape(nk, 2 * r, h)
-    flat = lambda t: t.reshape(-1, h)  # noqa: E731
+    gba = np.arange(ba.shape[0]).reshape(nk, 2 * r)
     return {
-        "in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], axis=0),
-        "in_proj_z": flat(z),
-        "in_proj_b": flat(gba[:, :r]),
-        "in_proj_a": flat(gba[:, r:]),
+        "in_proj_qkv": take_rows(qkvz, np.concatenate([q.ravel(), k.ravel(), v.ravel()])),
+        "in_proj_z": take_rows(qkvz, z.ravel()),
+        "in_proj_b": take_rows(ba, gba[:, :r].ravel()),
+        "in_proj_a": take_rows(ba, gba[:, r:].ravel()),
     }
+
+
+def _linear(ck: Checkpoint, module: str, shape: tuple[int, int], keep_float: bool = False):
+    """The weight ``[N, K]`` of the linear module stored as ``module`` (no ``.weight``): a float32 array,
+    or a :class:`QuantLinear` when the checkpoint stores it GPTQ-packed (``keep_float``: dequantized)."""
+    if not ck.has(module + ".qweight"):
+        if ck.has(module + ".weight") or ck.quant is None:
+            return _need(ck, module + ".weight", shape)
+        raise CheckpointError(f"module {module}: neither {module}.weight nor {module}.qweight is in the checkpoint")
+    if ck.quant is None:
+        raise CheckpointError(f"{module}.qweight is in the checkpoint but config.json has no quantization_config "
+                              "(and there is no quantize_config.json)")
+    m = ck.quant.module(module)
+    if m is None:  # a negative dynamic match, yet the tensors are packed: run them as they are stored
+        m = gptq.ModuleQuant(ck.quant.bits, ck.quant.group_size, ck.quant.sym, ck.quant.desc_act)
+    N, K = shape
+    if K % (32 // m.bits):
+        raise CheckpointError(f"{module}: {K} input features do not pack into int32 words of {m.bits}-bit codes")
+    want = gptq.expected_shapes(K, N, m)
+    t = {n: _need(ck, f"{module}.{n}", want[n]) for n in ("qweight", "qzeros", "scales")}
+    g_idx = _need(ck, module + ".g_idx", want["g_idx"]) if ck.has(module + ".g_idx") else None
+    if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= want["scales"][0]):
+        raise CheckpointError(f"{module}.g_idx: group indices outside 0..{want['scales'][0] - 1}")
+    if ck.has(module + ".bias") and np.any(ck.get(module + ".bias")):
+        raise CheckpointError(f"{module}.bias: a biased quantized linear is not part of this model family")
+    w = gptq.unpack_module(t["qweight"], t["qzeros"], t["scales"], g_idx, m.bits, m.group_size,
+                           ck.quant.checkpoint_format)
+    return w.dequantize() if keep_float else w
+
+
+def _stack_experts(items: list) -> np.ndarray | QuantExperts:
+    if any(isinstance(i, QuantLinear) for i in items):
+        return QuantExperts(tuple(items))
+    return np.stack(items)
 
 
 def _need(ck: Checkpoint, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -126,17 +168,20 @@ def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
     def need(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return _need(ck, name, shape)
 
+    def lin(module: str, shape: tuple[int, int], keep_float: bool = False):
+        return _linear(ck, module, shape, keep_float)
+
     yield f"layers.{i}.input_layernorm", need(p + "input_layernorm.weight", (h,))
     yield f"layers.{i}.post_attention_layernorm", need(p + "post_attention_layernorm.weight", (h,))
     if cfg.layer_types[i] == LINEAR:
         la = p + "linear_attn."
         nv, C, vd = cfg.linear_num_value_heads, cfg.conv_dim, cfg.value_dim
-        if ck.has(la + "in_proj_qkvz.weight"):
-            parts = _split_qkvz(cfg, need(la + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * vd, h)),
-                                need(la + "in_proj_ba.weight", (2 * nv, h)))
+        if ck.has(la + "in_proj_qkvz.weight") or ck.has(la + "in_proj_qkvz.qweight"):
+            parts = _split_qkvz(cfg, lin(la + "in_proj_qkvz", (2 * cfg.key_dim + 2 * vd, h)),
+                                lin(la + "in_proj_ba", (2 * nv, h)))
         else:
             shapes = {"in_proj_qkv": (C, h), "in_proj_z": (vd, h), "in_proj_b": (nv, h), "in_proj_a": (nv, h)}
-            parts = {n: need(la + n + ".weight", shp) for n, shp in shapes.items()}
+            parts = {n: lin(la + n, shp) for n, shp in shapes.items()}
         for n, arr in parts.items():
             yield f"layers.{i}.linear_attn.{n}", arr
         conv = need(la + "conv1d.weight", (C, 1, cfg.conv_kernel))
@@ -146,13 +191,13 @@ def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
         yield f"layers.{i}.linear_attn.A_log", need(la + "A_log", (nv,))
         yield f"layers.{i}.linear_attn.dt_bias", need(la + "dt_bias", (nv,))
         yield f"layers.{i}.linear_attn.norm", need(la + "norm.weight", (cfg.linear_value_head_dim,))
-        yield f"layers.{i}.linear_attn.out_proj", need(la + "out_proj.weight", (h, vd))
+        yield f"layers.{i}.linear_attn.out_proj", lin(la + "out_proj", (h, vd))
     else:
         sa = p + "self_attn."
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shapes = {"q_proj": (2 * qd, h), "k_proj": (kvd, h), "v_proj": (kvd, h), "o_proj": (h, qd)}
         for n, shp in shapes.items():
-            yield f"layers.{i}.self_attn.{n}", need(sa + n + ".weight", shp)
+            yield f"layers.{i}.self_attn.{n}", lin(sa + n, shp)
             if cfg.attention_bias:
                 yield f"layers.{i}.self_attn.{n}_bias", need(sa + n + ".bias", shp[:1])
         for n in ("q_norm", "k_norm"):
@@ -160,12 +205,15 @@ def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
     m = p + "mlp."
     if cfg.ffn_types[i] == DENSE:
         inter = cfg.intermediate_size
-        yield f"layers.{i}.mlp.gate_proj", need(m + "gate_proj.weight", (inter, h))
-        yield f"layers.{i}.mlp.up_proj", need(m + "up_proj.weight", (inter, h))
-        yield f"layers.{i}.mlp.down_proj", need(m + "down_proj.weight", (h, inter))
+        yield f"layers.{i}.mlp.gate_proj", lin(m + "gate_proj", (inter, h))
+        yield f"layers.{i}.mlp.up_proj", lin(m + "up_proj", (inter, h))
+        yield f"layers.{i}.mlp.down_proj", lin(m + "down_proj", (h, inter))
         return
     E, inter = cfg.num_experts, cfg.moe_intermediate_size
-    yield f"layers.{i}.mlp.gate", need(m + "gate.weight", (E, h))
+    yield f"layers.{i}.mlp.gate", lin(m + "gate", (E, h), keep_float=True)
+    if ck.has(m + "experts.gate_up_proj.qweight"):
+        raise gptq.GPTQError(f"{m}experts.gate_up_proj.qweight: quantized fused experts are not supported "
+                             "(per-expert experts.N.gate_proj / up_proj / down_proj are)")
     if ck.has(m + "experts.gate_up_proj"):  # transformers' fused in-memory form
         gu = need(m + "experts.gate_up_proj", (E, 2 * inter, h))
         yield f"layers.{i}.mlp.experts.gate_proj", np.ascontiguousarray(gu[:, :inter])
@@ -173,15 +221,15 @@ def _layer_weights(ck: Checkpoint, i: int) -> Iterator[tuple[str, np.ndarray]]:
         yield f"layers.{i}.mlp.experts.down_proj", need(m + "experts.down_proj", (E, h, inter))
     else:
         for n, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            yield f"layers.{i}.mlp.experts.{n}", np.stack(
-                [need(f"{m}experts.{e}.{n}.weight", shp) for e in range(E)])
+            yield f"layers.{i}.mlp.experts.{n}", _stack_experts(
+                [lin(f"{m}experts.{e}.{n}", shp) for e in range(E)])
     si = cfg.shared_expert_intermediate_size
     if si > 0:
         s = m + "shared_expert."
-        yield f"layers.{i}.mlp.shared_expert.gate_proj", need(s + "gate_proj.weight", (si, h))
-        yield f"layers.{i}.mlp.shared_expert.up_proj", need(s + "up_proj.weight", (si, h))
-        yield f"layers.{i}.mlp.shared_expert.down_proj", need(s + "down_proj.weight", (h, si))
-        yield f"layers.{i}.mlp.shared_expert_gate", need(m + "shared_expert_gate.weight", (1, h))
+        yield f"layers.{i}.mlp.shared_expert.gate_proj", lin(s + "gate_proj", (si, h))
+        yield f"layers.{i}.mlp.shared_expert.up_proj", lin(s + "up_proj", (si, h))
+        yield f"layers.{i}.mlp.shared_expert.down_proj", lin(s + "down_proj", (h, si))
+        yield f"layers.{i}.mlp.shared_expert_gate", lin(m + "shared_expert_gate", (1, h), keep_float=True)
 
 
 def load_weights(ck: Checkpoint, progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
@@ -189,17 +237,25 @@ def load_weights(ck: Checkpoint, progress: Callable[[str], None] | None = None) 
     cfg, p = ck.config, ck.layout.prefix
     vh = (cfg.vocab_size, cfg.hidden_size)
     w: dict[str, np.ndarray] = {}
+    if ck.has(p + "embed_tokens.qweight"):
+        raise gptq.GPTQError("a quantized embedding table (embed_tokens.qweight) is not supported: embeddings "
+                             "stay float")
     w["embed_tokens"] = _need(ck, p + "embed_tokens.weight", vh)
     w["norm"] = _need(ck, p + "norm.weight", (cfg.hidden_size,))
     if cfg.tie_word_embeddings:
         w["lm_head"] = w["embed_tokens"]
     else:
-        w["lm_head"] = _need(ck, "lm_head.weight", vh)
+        w["lm_head"] = _linear(ck, "lm_head", vh)
     for i in range(cfg.num_layers):
         if progress:
             progress(f"loading layer {i + 1}/{cfg.num_layers} ({cfg.layer_types[i]}, {cfg.ffn_types[i]})")
         w.update(_layer_weights(ck, i))
     return w
+
+
+def dequantize_weights(w: dict) -> dict[str, np.ndarray]:
+    """Canonical weights with every quantized one dequantized to float32 (for the numpy reference)."""
+    return {n: (as_float(v) if is_quantized(v) else v) for n, v in w.items()}
 
 
 def canonical_names(cfg: ModelConfig) -> list[str]:

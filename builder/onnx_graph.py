@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from hybrid_runtime.quant import LinearParts, QuantLinear, to_nbits
+
 OPSET = 17
 _ONNX_TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 
@@ -23,6 +25,8 @@ class GraphBuilder:
         self.outputs: list[onnx.ValueInfoProto] = []
         self._ids = itertools.count()
         self._consts: dict[tuple, str] = {}
+        self.accuracy_level = 0  # MatMulNBits: 0 = float32 activations, 4 = int8 (hybrid_runtime.quant)
+        self._ms_domain = False  # whether a com.microsoft op was used
 
     def _tmp(self, hint: str) -> str:
         return f"{hint}_{next(self._ids)}"
@@ -54,25 +58,50 @@ class GraphBuilder:
             self._consts[key] = self.weight(self._tmp("c"), np.asarray(value, dtype=np.float32))
         return self._consts[key]
 
-    def op(self, op_type: str, *inputs: str, hint: str | None = None, n_out: int = 1, **attrs) -> str:
+    def op(self, op_type: str, *inputs: str, hint: str | None = None, n_out: int = 1, domain: str = "",
+           **attrs) -> str:
         outs = [self._tmp(hint or op_type.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, domain=domain or None, **attrs))
+        self._ms_domain |= domain == "com.microsoft"
         return outs[0] if n_out == 1 else outs  # type: ignore[return-value]
 
     def model(self, doc: str = "") -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits, doc_string=doc)
-        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="hybrid-llm-builder")
+        opsets = [helper.make_opsetid("", OPSET)]
+        if self._ms_domain:
+            opsets.append(helper.make_opsetid("com.microsoft", 1))
+        m = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-llm-builder")
         m.ir_version = 8
         return m
 
     # ---- layers ---------------------------------------------------------------------------------
-    def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
-        """``x [T, in] @ w.T`` with ``w [out, in]`` as stored by nn.Linear."""
-        y = self.op("MatMul", x, self.weight(name, np.ascontiguousarray(w.T)), hint=name.split(".")[-1])
+    def linear(self, x: str, w: np.ndarray | QuantLinear | LinearParts, name: str,
+               bias: np.ndarray | None = None) -> str:
+        """``x [T, in] @ w.T`` with ``w [out, in]`` as stored by nn.Linear; a quantized ``w`` becomes
+        ``com.microsoft.MatMulNBits`` (row blocks of a :class:`LinearParts` one op each, concatenated)."""
+        if isinstance(w, LinearParts):
+            parts = [self._matmul(x, p, f"{name}.part{j}") for j, p in enumerate(w.parts)]
+            y = self.op("Concat", *parts, axis=1)
+        else:
+            y = self._matmul(x, w, name)
         if bias is not None:
             y = self.op("Add", y, self.weight(name + ".bias", bias))
         return y
+
+    def _matmul(self, x: str, w: np.ndarray | QuantLinear, name: str) -> str:
+        hint = name.split(".")[-1]
+        if not isinstance(w, QuantLinear):
+            return self.op("MatMul", x, self.weight(name, np.ascontiguousarray(w.T)), hint=hint)
+        nb = to_nbits(w)
+        if nb.perm is not None:  # act order: the op reads x[:, perm] (perm == k_in: a zero column)
+            if np.any(nb.perm == nb.k_in):
+                x = self.op("Pad", x, self.const_i64([0, 0, 0, 1]))
+            x = self.op("Gather", x, self.weight(name + ".perm", nb.perm), axis=1, hint=hint + "_perm")
+        ins = [x, self.weight(name + ".qB", nb.B), self.weight(name + ".qscales", nb.scales)]
+        if nb.zero_points is not None:
+            ins.append(self.weight(name + ".qzeros", nb.zero_points))
+        return self.op("MatMulNBits", *ins, domain="com.microsoft", hint=hint, K=nb.K, N=nb.N, bits=nb.bits,
+                       block_size=nb.block_size, accuracy_level=self.accuracy_level)
 
     def split(self, x: str, sizes: list[int], axis: int = -1) -> list[str]:
         return self.op("Split", x, self.const_i64(sizes), n_out=len(sizes), axis=axis)  # type: ignore[return-value]

@@ -82,9 +82,12 @@ def _lower(g: GraphBuilder, op: Op, env: dict[str, str], weight: Callable[[str],
     env.update(zip(op.outputs, outs))
 
 
-def build_segment(cfg: ModelConfig, w: Weights, plan: SegmentPlan, rope_len: int) -> onnx.ModelProto:
-    """The ONNX graph of one segment, from canonical checkpoint weights ``w`` (see :mod:`builder.checkpoint`)."""
+def build_segment(cfg: ModelConfig, w: Weights, plan: SegmentPlan, rope_len: int,
+                  accuracy_level: int = 0) -> onnx.ModelProto:
+    """The ONNX graph of one segment, from canonical checkpoint weights ``w`` (see :mod:`builder.checkpoint`);
+    quantized linears become MatMulNBits with ``accuracy_level`` (:mod:`hybrid_runtime.quant`)."""
     g = GraphBuilder(plan.name)
+    g.accuracy_level = accuracy_level
     program = segment_program(cfg, plan)
     env = {n: g.input(n, dt, width) for n, dt, width in plan.inputs}
     cache: dict[str, np.ndarray] = {}

@@ -32,6 +32,7 @@ from .engine import Engine, Phase, load_engine
 from .kv_cache import KVLayout
 from .ops.base import SeqStep, StatefulOps, make_ops
 from .ops.moe import MoE
+from .quant import check_state_weights
 from .sampler import TokenLogprobs, sample, token_logprobs
 from .sampling import SamplingParams
 from .weights_io import SafetensorsFile
@@ -125,6 +126,9 @@ class HostBackend:
         self.kind = manifest.backend
         self.engine = engine or load_engine(bundle_dir, manifest, pinning, intra_op_threads)
         sw = SafetensorsFile(Path(bundle_dir) / manifest.state_weights)
+        names = list(sw.keys())
+        check_state_weights(manifest.quantization, names,
+                            {n.removesuffix(".nbits_meta"): sw.get(n) for n in names if n.endswith(".nbits_meta")})
         conv_w = {i: np.ascontiguousarray(sw.get(f"layers.{i}.linear_attn.conv1d")) for i in cfg.linear_layers}
         self.moe_layers = {i: MoE(cfg, sw, i) for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe"}
         pages = num_kv_pages or lim.num_kv_pages

@@ -246,6 +246,8 @@ class Manifest:
     created_by: str = "hybrid-llm builder"
     # backend "tensorrt": segment -> per profile {"name", "index", "inputs": {input: {"min", "opt", "max"}}}
     trt_profiles: dict[str, Any] = field(default_factory=dict)
+    # a GPTQ checkpoint's bundle: hybrid_runtime.quant.QuantRecord (None: float weights)
+    quantization: Any = None
 
     @property
     def profiles(self) -> tuple[ProfileSpec, ProfileSpec]:
@@ -272,6 +274,7 @@ class Manifest:
             "checksums": dict(self.checksums),
             "tokenizer": dict(self.tokenizer),
             **({"trt_profiles": self.trt_profiles} if self.trt_profiles else {}),
+            **({"quantization": self.quantization.to_dict()} if self.quantization is not None else {}),
         }
 
     def save(self, bundle_dir: Path) -> None:
@@ -314,6 +317,13 @@ class Manifest:
                 tokenizer=d["tokenizer"],
                 created_by=d.get("created_by", ""),
                 trt_profiles=d.get("trt_profiles", {}),
+                quantization=_quant_record(d.get("quantization")),
             )
         except (KeyError, TypeError) as e:
             raise BundleError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from e
+
+
+def _quant_record(d: dict[str, Any] | None) -> Any:
+    from .quant import QuantRecord  # quant imports this module
+
+    return None if d is None else QuantRecord.from_dict(d)

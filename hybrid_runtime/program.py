@@ -43,6 +43,7 @@ import numpy as np
 
 from .config import DENSE, LINEAR, MOE, ModelConfig
 from .pipeline import SegmentPlan, plan_segments
+from .quant import QuantExperts, as_float, concat_rows, is_quantized
 
 PROGRAM_VERSION = 1
 OPS = ("embed", "rmsnorm", "add", "add_rmsnorm", "linear", "gdn_gates", "attn_qkv", "gated_rmsnorm",
@@ -131,11 +132,13 @@ def stored_weight_specs(cfg: ModelConfig, rope_len: int) -> list[WeightSpec]:
 
 def derive_weight(cfg: ModelConfig, name: str, get: Callable[[str], np.ndarray], rope_len: int) -> np.ndarray:
     """The runtime weight ``name`` (float32) from canonical checkpoint weights ``get(canonical_name)``
-    (``builder.checkpoint`` names). Fused layouts and the ``1 + w`` of zero-centred norms happen here."""
+    (``builder.checkpoint`` names). Fused layouts and the ``1 + w`` of zero-centred norms happen here.
+    A quantized canonical weight (:mod:`hybrid_runtime.quant`) gives a quantized runtime weight (fused
+    by rows: :func:`~hybrid_runtime.quant.concat_rows`); the other weights are never quantized."""
     from .reference import rope_tables
 
-    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    cat = lambda *names: np.concatenate([f32(get(n)) for n in names], axis=0)  # noqa: E731
+    f32 = lambda a: a if is_quantized(a) else np.asarray(a, np.float32)  # noqa: E731
+    cat = lambda *names: concat_rows([f32(get(n)) for n in names])  # noqa: E731
     if name in ("embed_tokens", "lm_head"):
         return f32(get(name))
     if name in ("rope_cos", "rope_sin"):
@@ -165,8 +168,8 @@ def derive_weight(cfg: ModelConfig, name: str, get: Callable[[str], np.ndarray],
         "mlp.gate_up": lambda: cat(mlp + "gate_proj", mlp + "up_proj"),
         "mlp.down": lambda: f32(get(mlp + "down_proj")),
         "mlp.router": lambda: f32(get(mlp + "gate")),
-        "mlp.experts.gate_up": lambda: np.concatenate([f32(get(mlp + "experts.gate_proj")),
-                                                       f32(get(mlp + "experts.up_proj"))], axis=1),
+        "mlp.experts.gate_up": lambda: experts_gate_up(f32(get(mlp + "experts.gate_proj")),
+                                                        f32(get(mlp + "experts.up_proj"))),
         "mlp.experts.down": lambda: f32(get(mlp + "experts.down_proj")),
         "mlp.shared.gate_up": lambda: cat(mlp + "shared_expert.gate_proj", mlp + "shared_expert.up_proj"),
         "mlp.shared.down": lambda: f32(get(mlp + "shared_expert.down_proj")),
@@ -174,7 +177,17 @@ def derive_weight(cfg: ModelConfig, name: str, get: Callable[[str], np.ndarray],
     }
     if rest not in table:
         raise KeyError(f"unknown runtime weight {name!r}")
-    return np.ascontiguousarray(table[rest]())
+    out = table[rest]()
+    return out if is_quantized(out) else np.ascontiguousarray(out)
+
+
+def experts_gate_up(gate, up):
+    """``[E, I, H]`` gate and up -> ``[E, 2I, H]``, per expert the gate rows, then the up rows."""
+    if isinstance(gate, QuantExperts) or isinstance(up, QuantExperts):
+        E = gate.shape[0]
+        item = lambda w, e: w.items[e] if isinstance(w, QuantExperts) else w[e]  # noqa: E731
+        return QuantExperts(tuple(concat_rows([item(gate, e), item(up, e)]) for e in range(E)))
+    return np.concatenate([gate, up], axis=1)
 
 
 def runtime_weights(cfg: ModelConfig, canonical: Mapping[str, np.ndarray], rope_len: int,
@@ -324,7 +337,7 @@ def apply_op(op: Op, env: dict[str, np.ndarray], w: Mapping[str, np.ndarray]) ->
         x2 = ins[0] + ins[1]
         outs = [x2, _rms(x2, a["eps"]) * W[0]]
     elif op.kind == "linear":
-        y = ins[0] @ W[0].T
+        y = ins[0] @ as_float(W[0]).T
         if len(W) > 1:
             y = y + W[1]
         outs = [y + ins[1] if len(ins) > 1 else y]

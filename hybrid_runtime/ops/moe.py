@@ -17,19 +17,26 @@ Weights come from the bundle's state weights: ``experts.gate_up_proj [E, 2I, H]`
 rows, then the up rows: transformers' fused layout), ``experts.down_proj [E, H, I]``, the router
 ``gate [E, H]`` and the shared expert. With a :class:`SafetensorsFile` the session reads them from the
 file as ONNX external data (no Python-side copy; after prepacking onnxruntime keeps only its packed copy).
+
+GPTQ bundles store the experts' and the shared expert's projections in ``com.microsoft.MatMulNBits``
+layout (``<weight>.nbits_B`` / ``nbits_scales`` / ``nbits_zp`` / ``nbits_perm`` / ``nbits_meta``, see
+:mod:`hybrid_runtime.quant`); their GEMMs become MatMulNBits nodes over the same external data (an act-order
+weight first gathers its input columns). The router and the shared-expert gate stay float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ..config import ModelConfig
+from ..config import BundleError, ModelConfig
 from ..engine.ort_session import Binding, cpu_session, session_options
+from ..quant import nbits_dequantize
 from ..weights_io import SafetensorsFile
 
 # Outputs up to this many tokens go to a buffer the layer keeps (a decode step allocates nothing);
@@ -46,9 +53,9 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def _external(name: str, shape: list[int]) -> TensorProto:
+def _external(name: str, shape: list[int], dtype: int = TensorProto.FLOAT) -> TensorProto:
     """An initializer whose data comes from outside the graph (a file range, or an in-memory array)."""
-    t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
+    t = TensorProto(name=name, data_type=dtype, dims=shape, data_location=TensorProto.EXTERNAL)
     t.external_data.add(key="location", value="added-at-session-creation")
     return t
 
@@ -57,15 +64,63 @@ def _const(name: str, values: list, dtype: type = np.int64) -> TensorProto:
     return onnx.numpy_helper.from_array(np.array(values, dtype), name)
 
 
-def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+_QUANT_DTYPES = {"B": TensorProto.UINT8, "s": TensorProto.FLOAT, "z": TensorProto.UINT8, "p": TensorProto.INT64}
+_FILE_DTYPES = {TensorProto.FLOAT: "F32", TensorProto.UINT8: "U8", TensorProto.INT64: "I64"}
+_QUANT_STORED = {"B": "nbits_B", "s": "nbits_scales", "z": "nbits_zp", "p": "nbits_perm"}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantGemm:
+    """How one (per-expert) projection is stored in MatMulNBits layout: from ``<weight>.nbits_meta`` and
+    which optional tensors exist. ``parts``: the graph initializer suffixes (``B``, ``s``, ``z``, ``p``)."""
+
+    K: int
+    N: int
+    bits: int
+    block_size: int
+    accuracy_level: int
+    k_in: int
+    parts: tuple[str, ...]
+    zp_len: int
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.K // self.block_size)
+
+    def shapes(self) -> dict[str, list[int]]:
+        return {"B": [self.N, self.n_blocks, self.block_size * self.bits // 8], "s": [self.N * self.n_blocks],
+                "z": [self.zp_len], "p": [self.K]}
+
+
+def _gemm(nodes: list, inits: list, x: str, w: str, out: str, q: QuantGemm | None) -> None:
+    """``out = x @ W.T`` for the weight initializer(s) named ``w`` (float ``[N, K]``, or MatMulNBits parts)."""
+    if q is None:
+        nodes.append(helper.make_node("Gemm", [x, w], [out], transB=1))
+        return
+    inits += [_external(f"{w}_{part}", q.shapes()[part], _QUANT_DTYPES[part]) for part in q.parts]
+    if "p" in q.parts:  # act order: the op reads x[:, perm]; perm == k_in names a zero column
+        if q.k_in < q.K:
+            nodes.append(helper.make_node("Pad", [x, "pad_one_col"], [f"{out}_xpad"]))
+            x = f"{out}_xpad"
+        nodes.append(helper.make_node("Gather", [x, f"{w}_p"], [f"{out}_xperm"], axis=1))
+        x = f"{out}_xperm"
+    ins = [x, f"{w}_B", f"{w}_s"] + ([f"{w}_z"] if "z" in q.parts else [])
+    nodes.append(helper.make_node("MatMulNBits", ins, [out], domain="com.microsoft", K=q.K, N=q.N, bits=q.bits,
+                                  block_size=q.block_size, accuracy_level=q.accuracy_level))
+
+
+def moe_graph(cfg: ModelConfig, layer: int, quant: Mapping[str, QuantGemm] | None = None) -> onnx.ModelProto:
     """``h [T, H]``, ``pair_r`` = 0..T*k-1, ``num_pairs`` = [T*k] -> ``y [T, H]``. Weights are external
-    initializers: ``router``, ``w1_{e}`` / ``w2_{e}`` per expert, ``s_*`` for the shared expert."""
+    initializers: ``router``, ``w1_{e}`` / ``w2_{e}`` per expert, ``s_*`` for the shared expert; a weight
+    kind in ``quant`` (``w1``, ``w2``, ``s_gate``, ``s_up``, ``s_down``) is MatMulNBits parts ``<name>_B``,
+    ``_s`` and the optional ``_z`` (zero-points), ``_p`` (input permutation)."""
     H, E, inter, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     k = cfg.num_experts_per_tok
+    quant = quant or {}
     n = helper.make_node
     inits = [_external("router", [E, H]), _const("k", [k]), _const("flat", [-1]), _const("col", [-1, 1]),
              _const("zero", [0]), _const("one", [1]), _const("depth", [E]), _const("per_token", [-1, k]),
-             _const("halves", [inter, inter]), _const("onehot_values", [0, 1])]
+             _const("halves", [inter, inter]), _const("onehot_values", [0, 1]), _const("pad_one_col", [0, 0, 0, 1])]
     nodes = [n("Gemm", ["h", "router"], ["logits"], transB=1)]
     if cfg.norm_topk_prob:  # softmax over all experts, renormalised over the top k = softmax over the top-k logits
         nodes += [n("TopK", ["logits", "k"], ["top_l", "top_e"], axis=-1),  # [T, k], descending
@@ -90,29 +145,34 @@ def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
               n("ScatterElements", ["pair_r", "order", "pair_r"], ["pos"], axis=0),
               n("Reshape", ["pos", "per_token"], ["pos_tk"])]  # [T, k]
     # per expert one GEMM up and one down; the SwiGLU between them runs once over all pairs
-    inits += [t for e in range(E) for t in (_external(f"w1_{e}", [2 * inter, H]), _external(f"w2_{e}", [H, inter]))]
-    nodes += [n("Gemm", [f"x{e}", f"w1_{e}"], [f"a{e}"], transB=1) for e in range(E)]  # [M_e, 2I]
+    for kind, shape in (("w1", [2 * inter, H]), ("w2", [H, inter])):
+        if kind not in quant:
+            inits += [_external(f"{kind}_{e}", shape) for e in range(E)]
+    for e in range(E):
+        _gemm(nodes, inits, f"x{e}", f"w1_{e}", f"a{e}", quant.get("w1"))  # [M_e, 2I]
     nodes += [n("Concat", [f"a{e}" for e in range(E)], ["a_sorted"], axis=0),
               n("Split", ["a_sorted", "halves"], ["g_sorted", "u_sorted"], axis=1),
               n("Sigmoid", ["g_sorted"], ["g_sig"]),
               n("Mul", ["g_sorted", "g_sig"], ["g_act"]),
               n("Mul", ["g_act", "u_sorted"], ["z_sorted"]),
               n("Split", ["z_sorted", "counts"], [f"z{e}" for e in range(E)], axis=0)]
-    nodes += [n("Gemm", [f"z{e}", f"w2_{e}"], [f"y{e}"], transB=1) for e in range(E)]  # [M_e, H]
+    for e in range(E):
+        _gemm(nodes, inits, f"z{e}", f"w2_{e}", f"y{e}", quant.get("w2"))  # [M_e, H]
     nodes += [n("Concat", [f"y{e}" for e in range(E)], ["y_sorted"], axis=0),
               n("Mul", ["y_sorted", "sorted_w"], ["y_weighted"]),
               n("Gather", ["y_weighted", "pos_tk"], ["y_tk"], axis=0),  # [T, k, H]
               n("ReduceSum", ["y_tk", "one"], ["routed" if si else "y"], keepdims=0)]  # j = 0..k-1, in order
     if si:
         inits += [_external(name, shape) for name, shape in
-                  (("s_gate", [si, H]), ("s_up", [si, H]), ("s_down", [H, si]), ("s_gate_w", [1, H]))]
-        nodes += [n("Gemm", ["h", "s_gate"], ["sg"], transB=1),
-                  n("Gemm", ["h", "s_up"], ["su"], transB=1),
-                  n("Sigmoid", ["sg"], ["sg_sig"]),
+                  (("s_gate", [si, H]), ("s_up", [si, H]), ("s_down", [H, si]), ("s_gate_w", [1, H]))
+                  if name not in quant]
+        _gemm(nodes, inits, "h", "s_gate", "sg", quant.get("s_gate"))
+        _gemm(nodes, inits, "h", "s_up", "su", quant.get("s_up"))
+        nodes += [n("Sigmoid", ["sg"], ["sg_sig"]),
                   n("Mul", ["sg", "sg_sig"], ["sg_act"]),
-                  n("Mul", ["sg_act", "su"], ["s_mid"]),
-                  n("Gemm", ["s_mid", "s_down"], ["s_out"], transB=1),
-                  n("Gemm", ["h", "s_gate_w"], ["s_logit"], transB=1),
+                  n("Mul", ["sg_act", "su"], ["s_mid"])]
+        _gemm(nodes, inits, "s_mid", "s_down", "s_out", quant.get("s_down"))
+        nodes += [n("Gemm", ["h", "s_gate_w"], ["s_logit"], transB=1),
                   n("Sigmoid", ["s_logit"], ["s_scale"]),
                   n("Mul", ["s_out", "s_scale"], ["shared"]),
                   n("Add", ["routed", "shared"], ["y"])]
@@ -121,13 +181,24 @@ def moe_graph(cfg: ModelConfig, layer: int) -> onnx.ModelProto:
            helper.make_tensor_value_info("num_pairs", TensorProto.INT64, [1])]
     outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])]
     graph = helper.make_graph(nodes, f"moe{layer}", ins, outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hybrid-runtime")
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if quant else [])
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-runtime")
     model.ir_version = 8
     return model
 
 
 def _external_inits(model: onnx.ModelProto) -> list[TensorProto]:
     return [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+
+
+def _quant_gemm(get, stored: set[str], name: str) -> QuantGemm:
+    """The :class:`QuantGemm` of state weight ``name`` (stored in MatMulNBits layout)."""
+    K, N, bits, bs, level, k_in = (int(v) for v in np.asarray(get(name + ".nbits_meta")))
+    parts = tuple(k for k, v in _QUANT_STORED.items() if f"{name}.{v}" in stored)
+    if parts[:2] != ("B", "s"):
+        raise BundleError(f"state weight {name}: MatMulNBits tensors nbits_B / nbits_scales are missing")
+    zp_len = int(get(name + ".nbits_zp").shape[-1]) if "z" in parts else 0
+    return QuantGemm(K, N, bits, bs, level, k_in, parts, zp_len)
 
 
 _SHARED = {"s_gate": "shared_expert.gate_proj", "s_up": "shared_expert.up_proj", "s_down": "shared_expert.down_proj",
@@ -146,37 +217,34 @@ class MoE:
     def __init__(self, cfg: ModelConfig, weights: SafetensorsFile | Mapping[str, np.ndarray], layer: int,
                  intra_op_threads: int | None = None) -> None:
         p = f"layers.{layer}.mlp."
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self._p = cfg, layer, p
         self.top_k, self.renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        E, inter = cfg.num_experts, cfg.moe_intermediate_size
         stored = set(weights.keys())
         get = weights.get
-        fused = p + "experts.gate_up_proj" in stored
-        gate_up = get(p + "experts.gate_up_proj") if fused else fuse_gate_up(get(p + "experts.gate_proj"),
-                                                                             get(p + "experts.up_proj"))
-        # Views of the state weights (memory-mapped for a bundle), for numpy_forward; never copied here.
-        self.gate, self.up, self.down = gate_up[:, :inter], gate_up[:, inter:], get(p + "experts.down_proj")
-        self.router = get(p + "gate")  # [E, H]
+        self._get, self._stored = get, stored
         self.shared = cfg.shared_expert_intermediate_size > 0
-        self.shared_w = {g: get(p + s) for g, s in _SHARED.items()} if self.shared else {}
+        kinds = {"w1": "experts.gate_up_proj", "w2": "experts.down_proj"}
+        if self.shared:
+            kinds.update({g: s for g, s in _SHARED.items() if g != "s_gate_w"})
+        self.quant = {g: _quant_gemm(get, stored, p + s) for g, s in kinds.items() if p + s + ".nbits_meta" in stored}
+        fused = p + "experts.gate_up_proj" in stored or "w1" in self.quant
+        self._fused = fused
+        self.router = get(p + "gate")  # [E, H]
+        self._float: tuple | None = None  # numpy_forward's float experts, made on first use
         opts = session_options(intra_op_threads)
-        model = moe_graph(cfg, layer)
-        if isinstance(weights, SafetensorsFile) and fused and all(
-                weights.dtype(nm) == "F32" for nm in stored if nm.startswith(p)):
+        model = moe_graph(cfg, layer, self.quant)
+        if isinstance(weights, SafetensorsFile) and fused and self._dtypes_match(weights, model):
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(weights.path.parent))
-            ranges = self._file_ranges(weights, p)
+            ranges = self._file_ranges(weights, model)
             for init in _external_inits(model):
                 offset, length = ranges[init.name]
                 del init.external_data[:]
                 for key, value in (("location", weights.path.name), ("offset", offset), ("length", length)):
                     init.external_data.add(key=key, value=str(value))
         else:
-            arrays = {"router": self.router, **self.shared_w}
-            for e in range(E):
-                arrays[f"w1_{e}"], arrays[f"w2_{e}"] = gate_up[e], self.down[e]
             ext = _external_inits(model)
-            self._values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arrays[i.name], np.float32))
+            self._values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(self._array(i.name)))
                             for i in ext]  # kept alive: the session may read them
             opts.add_external_initializers([i.name for i in ext], self._values)
         self._session = cpu_session(model, opts)
@@ -185,16 +253,75 @@ class MoE:
         self._keep_views = [keep[:t] for t in range(_KEEP_TOKENS + 1)]  # the same objects every call: no rebinding
         self._pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # T -> (0..T*k-1, [T*k])
 
-    def _file_ranges(self, sw: SafetensorsFile, p: str) -> dict[str, tuple[int, int]]:
+    def _source(self, init: str) -> tuple[str, int | None]:
+        """State weight name and expert index (None: not per expert) of a graph initializer."""
+        p = self._p
+        if init.startswith(("w1_", "w2_")):
+            kind, rest = init[:2], init[3:]
+            e, _, part = rest.partition("_")
+            name = p + ("experts.gate_up_proj" if kind == "w1" else "experts.down_proj")
+            return (name + "." + _QUANT_STORED[part] if part else name), int(e)
+        for g, s in _SHARED.items():
+            if init == g:
+                return p + s, None
+            if init.startswith(g + "_") and init[len(g) + 1:] in _QUANT_STORED and g != "s_gate_w":
+                return p + s + "." + _QUANT_STORED[init[len(g) + 1:]], None
+        if init == "router":
+            return p + "gate", None
+        raise KeyError(init)
+
+    def _array(self, init: str) -> np.ndarray:
+        """The value of a graph initializer (tests, and bundles with unfused experts: a copy)."""
+        name, e = self._source(init)
+        if e is not None and not self._fused:  # experts.gate_proj / up_proj stored apart: fuse here
+            p = self._p
+            if init.startswith("w1_"):
+                return np.concatenate([self._get(p + "experts.gate_proj")[e], self._get(p + "experts.up_proj")[e]])
+        arr = self._get(name)
+        arr = arr[e] if e is not None else arr
+        return np.asarray(arr, np.float32) if arr.dtype.kind == "f" else np.asarray(arr)
+
+    def _dtypes_match(self, sw: SafetensorsFile, model: onnx.ModelProto) -> bool:
+        """Whether every initializer can be read from the file as stored (else they are copied, converted)."""
+        return all(sw.dtype(self._source(i.name)[0]) == _FILE_DTYPES[i.data_type] for i in _external_inits(model))
+
+    def _file_ranges(self, sw: SafetensorsFile, model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
         """Byte ranges in the state-weights file of every initializer (one expert = one block of a tensor)."""
-        ranges = {"router": sw.data_range(p + "gate")}
-        ranges.update({g: sw.data_range(p + s) for g, s in _SHARED.items() if self.shared})
-        (gu, gu_len), (dn, dn_len) = sw.data_range(p + "experts.gate_up_proj"), sw.data_range(p + "experts.down_proj")
         E = self.cfg.num_experts
-        for e in range(E):
-            ranges[f"w1_{e}"] = (gu + e * gu_len // E, gu_len // E)
-            ranges[f"w2_{e}"] = (dn + e * dn_len // E, dn_len // E)
+        ranges: dict[str, tuple[int, int]] = {}
+        for init in _external_inits(model):
+            name, e = self._source(init.name)
+            off, length = sw.data_range(name)
+            ranges[init.name] = (off + e * length // E, length // E) if e is not None else (off, length)
         return ranges
+
+    def _float_weights(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Float32 gate, up ``[E, I, H]``, down ``[E, H, I]`` and shared weights (numpy_forward only)."""
+        if self._float is None:
+            p, get, inter = self._p, self._get, self.cfg.moe_intermediate_size
+
+            def w(kind: str, name: str) -> np.ndarray:
+                if kind not in self.quant:
+                    return np.asarray(get(name), np.float32)
+                parts = {k: (get(f"{name}.{v}") if f"{name}.{v}" in self._stored else None)
+                         for k, v in _QUANT_STORED.items()}
+                meta = get(name + ".nbits_meta")
+                if kind in ("w1", "w2"):
+                    return np.stack([nbits_dequantize(parts["B"][e], parts["s"][e],
+                                                      None if parts["z"] is None else parts["z"][e],
+                                                      None if parts["p"] is None else parts["p"][e], meta)
+                                     for e in range(self.cfg.num_experts)])
+                return nbits_dequantize(parts["B"], parts["s"], parts["z"], parts["p"], meta)
+
+            if self._fused:
+                gate_up = w("w1", p + "experts.gate_up_proj")
+                gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            else:
+                gate, up = get(p + "experts.gate_proj"), get(p + "experts.up_proj")
+            down = w("w2", p + "experts.down_proj")
+            shared = {g: w(g, p + s) for g, s in _SHARED.items()} if self.shared else {}
+            self._float = (gate, up, down, shared)
+        return self._float
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         """``h [T, H]`` (post-attention-normed) -> FFN output ``[T, H]`` float32, a buffer valid until
@@ -230,13 +357,13 @@ class MoE:
     def numpy_forward(self, h: np.ndarray) -> np.ndarray:
         """The same FFN in numpy, one expert at a time (slow; tests only)."""
         top, wts = self.route(h)
+        gate, up, down, sw = self._float_weights()
         out = np.zeros_like(h)
         for t in range(h.shape[0]):
             for e, w in zip(top[t], wts[t]):
                 x = h[t:t + 1]
-                out[t] += w * ((_silu(x @ self.gate[e].T) * (x @ self.up[e].T)) @ self.down[e].T)[0]
+                out[t] += w * ((_silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T)[0]
         if self.shared:
-            sw = self.shared_w
             y = (_silu(h @ sw["s_gate"].T) * (h @ sw["s_up"].T)) @ sw["s_down"].T
             out += y / (1.0 + np.exp(-(h @ sw["s_gate_w"].T)))
         return out
