@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target-arch", default="",
                    help="--backend tensorrt: GPU architecture of the plans, e.g. sm_89 (default: the current GPU; "
                         "TensorRT-RTX can build for any of sm_75/80/86/89/120/121 without a GPU)")
+    b.add_argument("--quant-activations", default="fp32", choices=["fp32", "int8"],
+                   help="GPTQ checkpoints: activations of the MatMulNBits weight-only matmuls: fp32 (parity with the "
+                        "dequantised float model) or int8 (MLAS integer kernels: faster, logits differ slightly)")
     i = sub.add_parser("inspect", help="print a bundle's manifest summary")
     i.add_argument("bundle", type=Path)
     args = ap.parse_args(argv)
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                 max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
                                 max_num_tokens=args.max_num_tokens, page_size=args.page_size,
                                 num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots,
-                                target_arch=args.target_arch)
+                                target_arch=args.target_arch, quant_activations=args.quant_activations)
             build_bundle(args.checkpoint, args.output, opts, _progress)
         else:
             print(describe(args.bundle))

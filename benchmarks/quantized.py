@@ -1,0 +1,97 @@
+"""CPU benchmark of GPTQ weight-only int4 / int8 against fp32, the same model shape, in one run.
+
+The model is ``make bench``'s ``qwen3-next-334m`` shape (seeded random weights). Its GPTQ checkpoints are
+written by the tests' round-to-nearest packer (``tests/gptq_pack.py``; group size 128, symmetric, v1
+format, every linear of the layers quantized, lm_head, router and shared-expert gate float, as a GPTQ
+quantiser leaves them). Variants, each a bundle of its own:
+
+* ``fp32``: the float checkpoint (what ``make bench`` measures);
+* ``int4 a-fp32``: MatMulNBits with float32 activations (``--quant-activations fp32``: parity with the
+  float model of the dequantised weights);
+* ``int4 a-int8`` / ``int8 a-int8``: MatMulNBits with int8 activations (``--quant-activations int8``, MLAS's
+  integer kernels);
+* transformers fp32 on the float checkpoint: the same-run reference figure.
+
+Workload and measurement are ``benchmarks/offline.py``'s (its workers, each number from its own process,
+variants alternated ``--repeats`` times, best of the repeats with the spread).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import offline
+
+VARIANTS = {  # name -> (bits, activations); bits 0 = the float checkpoint
+    "fp32": (0, "fp32"),
+    "int4 a-fp32": (4, "fp32"),
+    "int4 a-int8": (4, "int8"),
+    "int8 a-int8": (8, "int8"),
+}
+MODEL = "qwen3-next-334m"
+
+
+def _prepare(root: Path, variant: str) -> Path:
+    from builder.bundle import BuildOptions, build_bundle
+    from tests.gptq_pack import write_gptq_checkpoint
+
+    ckpt, _ = offline._prepare(root, MODEL)
+    bits, act = VARIANTS[variant]
+    if not bits:
+        return root / f"{MODEL}_bundle"
+    qckpt = root / f"{MODEL}_gptq{bits}_ckpt"
+    if not (qckpt / "config.json").exists():
+        write_gptq_checkpoint(ckpt, qckpt, None, bits=bits, group_size=128, sym=True, fmt="gptq")
+    bundle = root / f"{MODEL}_gptq{bits}_{act}_bundle"
+    if not (bundle / "manifest.json").exists():
+        build_bundle(qckpt, bundle, BuildOptions(max_batch_size=max(offline.BATCHES), max_input_len=offline.PREFILL_LEN,
+                                                 max_seq_len=2 * offline.PREFILL_LEN, max_num_tokens=512,
+                                                 quant_activations=act), progress=lambda _m: None)
+    return bundle
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=Path("build/bench"))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    bundles = {v: _prepare(args.root, v) for v in VARIANTS}
+    ckpt = args.root / f"{MODEL}_ckpt"
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(args.repeats):  # alternate variants so slow phases of a shared machine hit all of them
+        for b in batches:
+            for v, bundle in bundles.items():
+                runs.setdefault((v, b), []).append(offline._spawn("ours", bundle, b))
+                print(v, b, runs[(v, b)][-1]["decode_tps"], flush=True)
+            runs.setdefault(("transformers fp32", b), []).append(offline._spawn("transformers", ckpt, b))
+    header = ("| variant | batch | decode tok/s | vs our fp32 | prefill tok/s | vs our fp32 | prefill 4 x 256 tok/s | "
+              "peak RSS GB | bundle MB |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for b in batches:
+        base = runs[("fp32", b)]
+        for v in [*VARIANTS, "transformers fp32"]:
+            rs = runs[(v, b)]
+            size = "" if v.startswith("transformers") else \
+                f"{sum(p.stat().st_size for p in bundles[v].rglob('*') if p.is_file()) / 1e6:.0f}"
+            longp = offline._cell([r["prefill_long_tps"] for r in rs]) if "prefill_long_tps" in rs[0] else ""
+            cells = [v, str(b), offline._cell([r["decode_tps"] for r in rs], "{:.1f}"),
+                     f"**{max(r['decode_tps'] for r in rs) / max(r['decode_tps'] for r in base):.2f}x**",
+                     offline._cell([r["prefill_tps"] for r in rs]),
+                     f"{max(r['prefill_tps'] for r in rs) / max(r['prefill_tps'] for r in base):.2f}x",
+                     longp, f"{min(r['peak_rss'] for r in rs) / 1e9:.2f}", size]
+            rows.append("| " + " | ".join(cells) + " |")
+    table = header + "\n" + "\n".join(rows)
+    print("\n" + table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = f"python -m benchmarks.quantized --repeats {args.repeats} --batches {args.batches} --out {args.out}"
+        args.out.write_text(f"Command: {cmd}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
