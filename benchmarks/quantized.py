@@ -9,25 +9,35 @@ quantiser leaves them). Variants, each a bundle of its own:
 * ``int4 a-fp32``: MatMulNBits with float32 activations (``--quant-activations fp32``: parity with the
   float model of the dequantised weights);
 * ``int4 a-int8`` / ``int8 a-int8``: MatMulNBits with int8 activations (``--quant-activations int8``, MLAS's
-  integer kernels);
+  integer kernels); ``+ lm_head``: the GPTQ checkpoint also quantizes lm_head (``lm_head: true``; the
+  32000 x 1024 head is 131 MB in float32, the largest single weight read per decode step);
 * transformers fp32 on the float checkpoint: the same-run reference figure.
 
 Workload and measurement are ``benchmarks/offline.py``'s (its workers, each number from its own process,
-variants alternated ``--repeats`` times, best of the repeats with the spread).
+variants alternated ``--repeats`` times, best of the repeats with the spread). Beside them, per variant, the
+median and the fastest single decode step at batch 1 (the runner driven directly: a 128-token prefill, then
+64 greedy steps, each timed): on a shared machine the median step says what a burst of other load does
+not.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from benchmarks import offline
 
-VARIANTS = {  # name -> (bits, activations); bits 0 = the float checkpoint
-    "fp32": (0, "fp32"),
-    "int4 a-fp32": (4, "fp32"),
-    "int4 a-int8": (4, "int8"),
-    "int8 a-int8": (8, "int8"),
+VARIANTS = {  # name -> (bits, activations, lm_head quantized); bits 0 = the float checkpoint
+    "fp32": (0, "fp32", False),
+    "int4 a-fp32": (4, "fp32", False),
+    "int4 a-int8": (4, "int8", False),
+    "int4 a-int8 + lm_head": (4, "int8", True),
+    "int8 a-int8": (8, "int8", False),
 }
 MODEL = "qwen3-next-334m"
 
@@ -37,18 +47,50 @@ def _prepare(root: Path, variant: str) -> Path:
     from tests.gptq_pack import write_gptq_checkpoint
 
     ckpt, _ = offline._prepare(root, MODEL)
-    bits, act = VARIANTS[variant]
+    bits, act, head = VARIANTS[variant]
     if not bits:
         return root / f"{MODEL}_bundle"
-    qckpt = root / f"{MODEL}_gptq{bits}_ckpt"
+    tag = f"gptq{bits}{'_head' if head else ''}"
+    qckpt = root / f"{MODEL}_{tag}_ckpt"
     if not (qckpt / "config.json").exists():
-        write_gptq_checkpoint(ckpt, qckpt, None, bits=bits, group_size=128, sym=True, fmt="gptq")
-    bundle = root / f"{MODEL}_gptq{bits}_{act}_bundle"
+        write_gptq_checkpoint(ckpt, qckpt, None, bits=bits, group_size=128, sym=True, fmt="gptq", lm_head=head)
+    bundle = root / f"{MODEL}_{tag}_{act}_bundle"
     if not (bundle / "manifest.json").exists():
         build_bundle(qckpt, bundle, BuildOptions(max_batch_size=max(offline.BATCHES), max_input_len=offline.PREFILL_LEN,
                                                  max_seq_len=2 * offline.PREFILL_LEN, max_num_tokens=512,
                                                  quant_activations=act), progress=lambda _m: None)
     return bundle
+
+
+def worker_steps(bundle: Path) -> dict:
+    """Batch 1 through the runner: per-step decode times (after a 128-token prefill and 4 warm steps)."""
+    import numpy as np
+
+    from hybrid_runtime.config import Manifest
+    from hybrid_runtime.engine import Phase
+    from hybrid_runtime.runner import ModelRunner, SeqStep
+
+    runner = ModelRunner(bundle, Manifest.load(bundle))
+    prompt = offline._prompts(1, offline.PROMPT, 1, runner.cfg.vocab_size)[0]
+    pages = list(range(0, 2 * offline.PREFILL_LEN // 16))
+    runner.state.reset(0)
+    t0 = time.perf_counter()
+    tok = int(np.argmax(runner.run(Phase.PREFILL, [SeqStep(0, pages, 0, prompt)])[0]))
+    prefill = time.perf_counter() - t0
+    times = []
+    for t in range(offline.NEW):
+        t0 = time.perf_counter()
+        tok = int(np.argmax(runner.run(Phase.DECODE, [SeqStep(0, pages, offline.PROMPT + t, [tok])])[0]))
+        times.append(time.perf_counter() - t0)
+    steps = sorted(times[4:])
+    return {"median_ms": 1e3 * steps[len(steps) // 2], "best_ms": 1e3 * steps[0], "prefill_s": prefill}
+
+
+def _spawn_steps(bundle: Path) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.quantized", "--worker-steps", str(bundle)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--worker-steps", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker_steps:
+        print(json.dumps(worker_steps(args.worker_steps)))
+        return 0
     batches = tuple(int(b) for b in args.batches.split(","))
     bundles = {v: _prepare(args.root, v) for v in VARIANTS}
     ckpt = args.root / f"{MODEL}_ckpt"
@@ -66,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             for v, bundle in bundles.items():
                 runs.setdefault((v, b), []).append(offline._spawn("ours", bundle, b))
-                print(v, b, runs[(v, b)][-1]["decode_tps"], flush=True)
+                if b == 1:
+                    runs[(v, b)][-1].update(_spawn_steps(bundle))
+                print(v, b, runs[(v, b)][-1], flush=True)
             runs.setdefault(("transformers fp32", b), []).append(offline._spawn("transformers", ckpt, b))
     header = ("| variant | batch | decode tok/s | vs our fp32 | prefill tok/s | vs our fp32 | prefill 4 x 256 tok/s | "
-              "peak RSS GB | bundle MB |\n|---|---|---|---|---|---|---|---|---|")
+              "peak RSS GB | bundle MB | b1 decode step median / best ms | median vs our fp32 |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for b in batches:
         base = runs[("fp32", b)]
@@ -78,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             size = "" if v.startswith("transformers") else \
                 f"{sum(p.stat().st_size for p in bundles[v].rglob('*') if p.is_file()) / 1e6:.0f}"
             longp = offline._cell([r["prefill_long_tps"] for r in rs]) if "prefill_long_tps" in rs[0] else ""
+            med = lambda rs: min(r["median_ms"] for r in rs)  # noqa: E731
+            step = (f"{med(rs):.1f} / {min(r['best_ms'] for r in rs):.1f}", f"**{med(base) / med(rs):.2f}x**") \
+                if "median_ms" in rs[0] else ("", "")
             cells = [v, str(b), offline._cell([r["decode_tps"] for r in rs], "{:.1f}"),
                      f"**{max(r['decode_tps'] for r in rs) / max(r['decode_tps'] for r in base):.2f}x**",
                      offline._cell([r["prefill_tps"] for r in rs]),
                      f"{max(r['prefill_tps'] for r in rs) / max(r['prefill_tps'] for r in base):.2f}x",
-                     longp, f"{min(r['peak_rss'] for r in rs) / 1e9:.2f}", size]
+                     longp, f"{min(r['peak_rss'] for r in rs) / 1e9:.2f}", size, *step]
             rows.append("| " + " | ".join(cells) + " |")
     table = header + "\n" + "\n".join(rows)
     print("\n" + table)
