@@ -99,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only the per-step batch-1 decode times (no offline workers, no transformers)")
     ap.add_argument("--worker-steps", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_steps:
         print(json.dumps(worker_steps(args.worker_steps)))
         return 0
+    if args.steps_only:
+        return _steps_table(args)
     batches = tuple(int(b) for b in args.batches.split(","))
     bundles = {v: _prepare(args.root, v) for v in VARIANTS}
     ckpt = args.root / f"{MODEL}_ckpt"
@@ -142,6 +146,26 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         cmd = f"python -m benchmarks.quantized --repeats {args.repeats} --batches {args.batches} --out {args.out}"
         args.out.write_text(f"Command: {cmd}\n\n{table}\n")
+    return 0
+
+
+def _steps_table(args: argparse.Namespace) -> int:
+    bundles = {v: _prepare(args.root, v) for v in VARIANTS}
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for v, bundle in bundles.items():
+            runs.setdefault(v, []).append(_spawn_steps(bundle))
+            print(v, runs[v][-1], flush=True)
+    med = {v: min(r["median_ms"] for r in rs) for v, rs in runs.items()}
+    rows = [f"| {v} | {med[v]:.1f} | {min(r['best_ms'] for r in rs):.1f} | **{med['fp32'] / med[v]:.2f}x** | "
+            f"{offline.PROMPT / min(r['prefill_s'] for r in rs):.0f} |" for v, rs in runs.items()]
+    table = ("| variant | b1 decode step median ms | best step ms | median vs our fp32 | prefill 128 tok/s |\n"
+             "|---|---|---|---|---|\n" + "\n".join(rows))
+    print("\n" + table)
+    if args.out:
+        cmd = f"python -m benchmarks.quantized --steps-only --repeats {args.repeats} --out {args.out}"
+        with open(args.out, "a") as f:
+            f.write(f"\nCommand: {cmd}\n\n{table}\n")
     return 0
 
 
