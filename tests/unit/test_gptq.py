@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from builder import gptq
@@ -24,6 +23,7 @@ from builder.checkpoint import Checkpoint, load_weights
 from builder.onnx_graph import GraphBuilder
 from hybrid_runtime.config import BundleError, ConfigError, Manifest
 from hybrid_runtime.engine import Phase
+from hybrid_runtime.engine.ort_session import cpu_session, session_options
 from hybrid_runtime.quant import QuantExperts, QuantLinear, nbits_dequantize, to_nbits
 from hybrid_runtime.runner import ModelRunner, SeqStep
 from tests import gptq_pack as gp
@@ -78,7 +78,7 @@ def test_matmul_nbits_equals_dequantised_matmul(bits: int, gs: int, sym: bool, a
         assert (nb.zero_points is None) == sym
         g = GraphBuilder("t")
         g.output(g.linear(g.input("x", "float32", K), ql, "w"), "y", "float32", N)
-        sess = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = cpu_session(g.model(), session_options())
         assert any(n.op_type == "MatMulNBits" for n in g.nodes)
         for T in (0, 1, 7):
             x = rng.standard_normal((T, K)).astype(np.float32)
@@ -90,7 +90,7 @@ def test_matmul_nbits_equals_dequantised_matmul(bits: int, gs: int, sym: bool, a
             for a in node.attribute:
                 if a.name == "accuracy_level":
                     a.i = 4
-        sess = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = cpu_session(g.model(), session_options())
         for T in (1, 7):
             x = rng.standard_normal((T, K)).astype(np.float32)
             ref = x @ W.T
@@ -108,7 +108,7 @@ def test_irregular_groups_are_padded_to_whole_blocks() -> None:
     assert nb.perm is not None and nb.K > K and np.any(nb.perm == K)
     g = GraphBuilder("t")
     g.output(g.linear(g.input("x", "float32", K), ql, "w"), "y", "float32", N)
-    sess = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = cpu_session(g.model(), session_options())
     x = rng.standard_normal((3, K)).astype(np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ ql.dequantize().T, atol=1e-4)
 
