@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target-arch", default="",
                    help="--backend tensorrt: GPU architecture of the plans, e.g. sm_89 (default: the current GPU; "
                         "TensorRT-RTX can build for any of sm_75/80/86/89/120/121 without a GPU)")
+    b.add_argument("--dummy-weights", action="store_true",
+                   help="--backend cuda: write no weights; the runtime generates seeded random weights on the GPU at "
+                        "load (benchmarks and load tests of a model shape without its checkpoint: only config.json "
+                        "and the tokenizer are read)")
     i = sub.add_parser("inspect", help="print a bundle's manifest summary")
     i.add_argument("bundle", type=Path)
     args = ap.parse_args(argv)
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                                 max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
                                 max_num_tokens=args.max_num_tokens, page_size=args.page_size,
                                 num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots,
-                                target_arch=args.target_arch)
+                                target_arch=args.target_arch, dummy_weights=args.dummy_weights)
             build_bundle(args.checkpoint, args.output, opts, _progress)
         else:
             print(describe(args.bundle))

@@ -23,6 +23,12 @@ MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
+# Manifest.state_weights of a cuda bundle built with --dummy-weights: no weights file; the runtime generates
+# seeded random weights on the device at load (benchmarks and load tests of a shape without its checkpoint,
+# like vLLM's --load-format dummy). Its outputs are meaningless.
+DUMMY_WEIGHTS = "(dummy: seeded random weights generated on the device at load)"
+
+
 class ConfigError(ValueError):
     """A configuration value that this project does not support (names the key and the value)."""
 

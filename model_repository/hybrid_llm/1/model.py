@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from functools import partial
 
 import triton_python_backend_utils as pb_utils
@@ -64,9 +65,12 @@ class TritonPythonModel:
         # One engine (its own thread, caches and contexts) per model instance; see config.pbtxt for
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
-        self.engine = ServingEngine(self.params.engine_dir, self.params.runtime_options()).start()
-        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         name, version = args["model_name"], args["model_version"]
+        self.name = name
+        options = self.params.runtime_options(args.get("model_instance_kind", "CPU"),
+                                              int(args.get("model_instance_device_id", 0) or 0))
+        self.engine = ServingEngine(self.params.engine_dir, options, on_fatal=self._on_fatal).start()
+        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
         self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version}).start()
@@ -112,6 +116,24 @@ class TritonPythonModel:
             self.metrics.poke()
         if reply is not None:
             self.sends.put(ev.request_id, partial(_send, sender, reply))
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine stopped for good (its GPU context is lost, or its thread died); every request in
+        flight has had its error response. Unload this model so that readiness probes see it (the server
+        and its other models stay up); an operator or orchestrator restarts it. Runs on the engine thread:
+        the unload request goes from a thread of its own (Triton calls finalize while it unloads)."""
+        log.critical("model instance unusable (%s: %s): unloading model %r so that it reports not ready; "
+                     "restart the server or POST /v2/repository/models/%s/load to load it again",
+                     type(error).__name__, error, self.name, self.name)
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as e:  # e.g. --model-control-mode=none: the model cannot unload itself
+                log.error("could not unload model %r (%s): it stays READY but refuses every request; run "
+                          "tritonserver with --model-control-mode=explicit (see deploy/README.md)", self.name, e)
+
+        threading.Thread(target=unload, name="hybrid-unload", daemon=True).start()
 
     def finalize(self) -> None:
         # Every in-flight request gets its final "cancelled" response; then the queue is drained.
