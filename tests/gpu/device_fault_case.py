@@ -39,6 +39,7 @@ def main() -> int:
     answered = done.wait(60)
     seconds = time.perf_counter() - t0
     after = None
+    first = dict(finals)
     if kind == "launch" and answered:  # the context survived: the engine still serves
         done.clear()
         finals.clear()
@@ -48,7 +49,7 @@ def main() -> int:
     be = eng.runner.backend
     health = be.dev.health()
     cause = getattr(eng.fatal, "cause", None)
-    print(json.dumps({"answered": answered, "seconds": round(seconds, 3), "finals": finals,
+    print(json.dumps({"answered": answered, "seconds": round(seconds, 3), "finals": first,
                       "fatal": type(eng.fatal).__name__ if eng.fatal else None, "on_fatal_calls": len(fatal),
                       "cause": getattr(cause, "name", None), "health": getattr(health, "name", None),
                       "after": after, "plan": be.memory_plan.describe() if be.memory_plan else None,
