@@ -290,7 +290,7 @@ class Manifest:
             raise BundleError(f"no {MANIFEST_NAME} in {bundle_dir}: build one with "
                               f"`python -m builder build --checkpoint CKPT --output {bundle_dir}`")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise BundleError(f"{path} is not valid JSON: {e}") from e
         if d.get("version") != MANIFEST_VERSION:
