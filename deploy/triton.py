@@ -109,6 +109,10 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     env["LD_LIBRARY_PATH"] = os.pathsep.join([d for d in libdirs if d and Path(d).is_dir()] + ([old] if old else []))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
+    # The stub ignores PYTHONPATH; model.py puts these first on its sys.path: this project, then what this
+    # interpreter searches (its venv, PYTHONPATH directories).
+    entries = [str(REPO)] + [p for p in sys.path if p and Path(p).is_dir() and p != str(REPO)]
+    env["HYBRID_LLM_SYS_PATH"] = os.pathsep.join(entries)
     return env
 
 

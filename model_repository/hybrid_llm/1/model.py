@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 from functools import partial
 
-import triton_python_backend_utils as pb_utils
+# The stub's interpreter ignores PYTHONPATH and sees only its own site-packages (measured on the GPU machine):
+# put the launching interpreter's search path first (deploy.triton.server_env passes it), so the stub imports
+# the same project and packages (a venv, PYTHONPATH directories) as the process that started the server.
+for _entry in reversed([p for p in os.environ.get("HYBRID_LLM_SYS_PATH", "").split(os.pathsep) if p]):
+    if _entry not in sys.path:
+        sys.path.insert(0, _entry)
 
-from deploy.inflight import CancelWatcher, SendQueue
-from deploy.triton_adapter import (
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from deploy.inflight import CancelWatcher, SendQueue  # noqa: E402
+from deploy.triton_adapter import (  # noqa: E402
     LogprobsEncoder,
     Reply,
     ReplyBuilder,
@@ -27,9 +36,9 @@ from deploy.triton_adapter import (
     parse_request,
     triton_error,
 )
-from deploy.triton_metrics import TritonMetrics
-from hybrid_runtime.sampling import RequestValidationError
-from hybrid_runtime.serving import Event, ServingEngine
+from deploy.triton_metrics import TritonMetrics  # noqa: E402
+from hybrid_runtime.sampling import RequestValidationError  # noqa: E402
+from hybrid_runtime.serving import Event, ServingEngine  # noqa: E402
 
 log = logging.getLogger("deploy.model")
 
