@@ -305,6 +305,18 @@ def main(argv: list[str] | None = None) -> int:
                 report.setdefault("instance_errors", {})[kind] = str(e)[-1500:]
                 log(f"KIND_{kind.upper()} failed: {str(e)[-500:]}")
                 continue
+            try:  # a smoke request: KIND_GPU may load and still fail at the first request
+                from client.lib import generate_stream_grpc
+
+                generate_stream_grpc(server.grpc_url, input_ids=_ids(0, 0, 8), max_tokens=2,
+                                     sampling={"temperature": 0}, timeout=60).wait()
+            except Exception as e:
+                tail = [x for x in server.log_tail(60).splitlines() if "rror" in x or "what()" in x]
+                report.setdefault("instance_errors", {})[kind] = f"{e}; log: {tail[-6:]}"
+                log(f"KIND_{kind.upper()} loaded but failed its first request: {e}")
+                server.stop(timeout=60)
+                server.cleanup()
+                continue
             report["instance_kind"] = kind
             report["server_load_s"] = round(time.perf_counter() - t1, 1)
             try:
