@@ -193,14 +193,15 @@ def _metric(server, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def start_server(bundle: Path, kind: str, env: dict[str, str] | None = None):
+def start_server(bundle: Path, kind: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
     from deploy.triton import TritonServer
 
     params = {"engine_dir": str(bundle)}
     if kind == "cpu":
         params["device"] = "cuda:0"
-    server = TritonServer(parameters=params, instance_kind=kind, exit_timeout_s=30, env=env,
-                          log_path=OUT / f"tritonserver_{kind}{'_fault' if env else ''}.log")
+    tag = f"{kind}{'_nopool' if args else ''}{'_fault' if env else ''}"
+    server = TritonServer(parameters=params, instance_kind=kind, exit_timeout_s=10, env=env, server_args=args,
+                          log_path=OUT / f"tritonserver_{tag}.log")
     server.start()
     try:
         server.wait("ready", timeout=600)
@@ -210,10 +211,10 @@ def start_server(bundle: Path, kind: str, env: dict[str, str] | None = None):
     return server
 
 
-def fault_check(bundle: Path, kind: str) -> dict:
+def fault_check(bundle: Path, kind: str, args: tuple[str, ...] = ()) -> dict:
     from client.lib import ClientError, generate_stream_grpc
 
-    server = start_server(bundle, kind, env={"HYBRID_LLM_INJECT_FAULT": "sticky@30"})
+    server = start_server(bundle, kind, env={"HYBRID_LLM_INJECT_FAULT": "sticky@30"}, args=args)
     out: dict = {}
     try:
         answers: list[str] = []
@@ -297,12 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"offline: {report['offline']}")
         save()
     if "serve" not in skip:
-        for kind in ("gpu", "cpu"):
+        # without the pinned and CUDA memory pools Triton copies inputs into the stub's shared memory with plain
+        # memcpy (with them, on this GPU machine, BYTES inputs reached the stub as garbage)
+        nopool = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0")
+        for kind, args_ in (("gpu", ()), ("gpu", nopool), ("cpu", nopool)):
+            label = kind + ("+nopool" if args_ else "")
             try:
                 t1 = time.perf_counter()
-                server = start_server(bundle, kind)
+                server = start_server(bundle, kind, args=args_)
             except Exception as e:
-                report.setdefault("instance_errors", {})[kind] = str(e)[-1500:]
+                report.setdefault("instance_errors", {})[label] = str(e)[-1500:]
                 log(f"KIND_{kind.upper()} failed: {str(e)[-500:]}")
                 continue
             try:  # a smoke request: KIND_GPU may load and still fail at the first request
@@ -312,12 +317,13 @@ def main(argv: list[str] | None = None) -> int:
                                      sampling={"temperature": 0}, timeout=60).wait()
             except Exception as e:
                 tail = [x for x in server.log_tail(60).splitlines() if "rror" in x or "what()" in x]
-                report.setdefault("instance_errors", {})[kind] = f"{e}; log: {tail[-6:]}"
-                log(f"KIND_{kind.upper()} loaded but failed its first request: {e}")
+                report.setdefault("instance_errors", {})[label] = f"{e}; log: {tail[-6:]}"
+                log(f"{label} loaded but failed its first request: {e}")
                 server.stop(timeout=60)
                 server.cleanup()
                 continue
             report["instance_kind"] = kind
+            report["server_args"] = list(args_)
             report["server_load_s"] = round(time.perf_counter() - t1, 1)
             try:
                 report["functional"] = functional(server, _ids(0, 0, args.prompt_tokens))
@@ -335,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         save()
     if "fault" not in skip:
-        report["fault"] = fault_check(bundle, report.get("instance_kind", "gpu"))
+        report["fault"] = fault_check(bundle, report.get("instance_kind", "gpu"), tuple(report.get("server_args", ())))
         log(f"fault: {report['fault']}")
         save()
     (OUT / "gpu_serve_h200.md").write_text(render(report))

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,7 +206,7 @@ class TritonServer:
                  grpc_port: int | None = None, metrics_port: int | None = None, exit_timeout_s: int = 5,
                  exit_on_error: bool = True, log_path: str | Path | None = None, log_verbose: int = 0,
                  backend_dir: Path | None = None, env: dict[str, str] | None = None,
-                 instance_kind: str | None = None) -> None:
+                 instance_kind: str | None = None, server_args: Sequence[str] = ()) -> None:
         self.install = find_triton()
         self.model = model
         self.source_repository = Path(model_repository)
@@ -219,6 +220,7 @@ class TritonServer:
         self.backend_dir = backend_dir
         self.env = dict(env or {})  # extra environment of the server (and so of its stubs)
         self.instance_kind = instance_kind  # "cpu" | "gpu": override the instance group (None: as configured)
+        self.server_args = list(server_args)  # more tritonserver options, after the ones command() sets
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._log_arg = log_path
         self.log_path: Path | None = None
@@ -253,7 +255,7 @@ class TritonServer:
                 "--metrics-address=127.0.0.1", f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
                 f"--exit-timeout-secs={self.exit_timeout_s}", f"--exit-on-error={str(self.exit_on_error).lower()}",
-                f"--log-verbose={self.log_verbose}"]
+                f"--log-verbose={self.log_verbose}", *self.server_args]
 
     def start(self) -> TritonServer:
         if self.proc is not None:
