@@ -71,6 +71,12 @@ class TritonPythonModel:
                                                 "{ decoupled: true } in config.pbtxt")
         self.params = parse_parameters(config, args["model_repository"])
         configure_logging(self.params.log_level, args["model_instance_name"])
+        import numpy
+
+        if int(numpy.__version__.split(".")[0]) >= 2:  # measured with nvidia-pytriton 0.7.0's stub: deploy/README.md
+            log.warning("numpy %s in the Python-backend stub: with tritonserver 2.51's stub (nvidia-pytriton 0.7.0) "
+                        "numpy 2.5 turned every BYTES input (text_input, sampling_parameters) into garbage and "
+                        "aborted the stub; numpy 1.26 works. See deploy/README.md", numpy.__version__)
         # One engine (its own thread, caches and contexts) per model instance; see config.pbtxt for
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
