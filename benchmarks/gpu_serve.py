@@ -282,6 +282,58 @@ def fault_check(bundle: Path, kind: str, args: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def sanitize_check(root: Path) -> dict:
+    """compute-sanitizer memcheck over tritonserver and its stub (``--target-processes all``) while clients stream:
+    the default model as a bf16 cuda bundle (small: memcheck slows every kernel down), 4 streams x 2 requests."""
+    import re
+
+    from builder.bundle import BuildOptions, build_bundle
+    from builder.default_model import write_default_checkpoint
+    from client.lib import ClientError, generate_stream_grpc
+    from deploy.triton import TritonServer
+
+    ckpt, bundle = root / "san_ckpt", root / "san_bundle"
+    if not (ckpt / "config.json").exists():
+        write_default_checkpoint(ckpt, progress=lambda _m: None)
+    build_bundle(ckpt, bundle, BuildOptions(backend="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=256,
+                                            max_input_len=128), progress=lambda _m: None)
+    san_log = OUT / "sanitizer_memcheck.log"
+    server = TritonServer(parameters={"engine_dir": str(bundle), "multi_block_mode": "on"}, instance_kind="gpu",
+                          exit_timeout_s=20, log_path=OUT / "tritonserver_sanitize.log",
+                          launcher=("compute-sanitizer", "--tool", "memcheck", "--target-processes", "all",
+                                    "--report-api-errors", "no", "--log-file", str(san_log)))
+    out: dict = {}
+    server.start()
+    try:
+        server.wait("ready", timeout=400)
+        errors: list[str] = []
+        done: list[str] = []
+
+        def run(w: int) -> None:
+            for i in range(2):
+                try:
+                    r = generate_stream_grpc(server.grpc_url, input_ids=_ids(w, i, 24), max_tokens=24,
+                                             sampling={"temperature": 0.7, "seed": w, "ignore_eos": True},
+                                             timeout=300).wait()
+                    done.append(r.finish_reason or "")
+                except ClientError as e:
+                    errors.append(str(e)[:200])
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        out.update(requests=len(done), errors=errors)
+    finally:
+        out["exit_code"] = server.stop(timeout=60)
+        server.cleanup()
+    text = san_log.read_text(errors="replace") if san_log.exists() else ""
+    out["error_summaries"] = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    out["sanitizer_log_lines"] = len(text.splitlines())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=40)
@@ -292,7 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-worker", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated: offline,serve,fault")
     ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sanitize", action="store_true",
+                    help="only: compute-sanitizer memcheck over the server under a client workload (small model)")
     args = ap.parse_args(argv)
+    if args.sanitize:
+        res = sanitize_check(Path(args.root))
+        (OUT / "gpu_serve_sanitize.json").write_text(json.dumps(res, indent=1))
+        print("SANITIZE " + json.dumps(res))
+        return 0
     cs = [int(c) for c in args.concurrency.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     if args.offline_only:  # in a subprocess of its own, so that its GPU memory is gone when it exits

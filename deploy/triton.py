@@ -206,7 +206,8 @@ class TritonServer:
                  grpc_port: int | None = None, metrics_port: int | None = None, exit_timeout_s: int = 5,
                  exit_on_error: bool = True, log_path: str | Path | None = None, log_verbose: int = 0,
                  backend_dir: Path | None = None, env: dict[str, str] | None = None,
-                 instance_kind: str | None = None, server_args: Sequence[str] = ()) -> None:
+                 instance_kind: str | None = None, server_args: Sequence[str] = (),
+                 launcher: Sequence[str] = ()) -> None:
         self.install = find_triton()
         self.model = model
         self.source_repository = Path(model_repository)
@@ -221,6 +222,7 @@ class TritonServer:
         self.env = dict(env or {})  # extra environment of the server (and so of its stubs)
         self.instance_kind = instance_kind  # "cpu" | "gpu": override the instance group (None: as configured)
         self.server_args = list(server_args)  # more tritonserver options, after the ones command() sets
+        self.launcher = list(launcher)  # a command the server runs under, e.g. compute-sanitizer and its options
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._log_arg = log_path
         self.log_path: Path | None = None
@@ -247,7 +249,8 @@ class TritonServer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def command(self, repository: Path, backend_dir: Path) -> list[str]:
-        return [str(self.install.server), f"--model-repository={repository}", f"--backend-directory={backend_dir}",
+        return [*self.launcher, str(self.install.server), f"--model-repository={repository}",
+                f"--backend-directory={backend_dir}",
                 # explicit + load every model at start: the same as "none" for a client, and it lets a model
                 # whose GPU context is lost unload itself, so that readiness probes see it (model.py _on_fatal)
                 "--model-control-mode=explicit", "--load-model=*",
