@@ -300,6 +300,7 @@ def sanitize_check(root: Path) -> dict:
     san_log = OUT / "sanitizer_memcheck.log"
     server = TritonServer(parameters={"engine_dir": str(bundle), "multi_block_mode": "on"}, instance_kind="gpu",
                           exit_timeout_s=20, log_path=OUT / "tritonserver_sanitize.log",
+                          server_args=("--backend-config=python,stub-timeout-seconds=300",),
                           launcher=("compute-sanitizer", "--tool", "memcheck", "--target-processes", "all",
                                     "--report-api-errors", "no", "--log-file", str(san_log)))
     out: dict = {}
