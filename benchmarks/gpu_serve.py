@@ -326,6 +326,17 @@ def sanitize_check(root: Path) -> dict:
         for t in threads:
             t.join(300)
         out.update(requests=len(done), errors=errors)
+        # stop tritonserver itself (the sanitizer's child): the sanitizer then exits with its summaries written
+        import signal
+
+        kids = [int(p) for p in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+        for pid in kids:
+            os.kill(pid, signal.SIGTERM)
+        assert server.proc is not None
+        try:
+            out["sanitizer_exit_code"] = server.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            out["sanitizer_exit_code"] = None
     finally:
         out["exit_code"] = server.stop(timeout=60)
         server.cleanup()
