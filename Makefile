@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make serve   build the default engine if missing and run tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT,"
-	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING override the defaults) and the"
+	@echo "             METRICS_PORT, ENGINE, MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING, DEVICE,"
+	@echo "             GPU_MEMORY_FRACTION, INSTANCE_KIND=gpu override the defaults) and the"
 	@echo "             OpenAI-compatible frontend beside it on 127.0.0.1:9000 (FRONTEND_PORT; FRONTEND_PORT=off: none)"
 	@echo "make test    install, build, lint and run every CPU test, including against a live tritonserver"
 	@echo "make bench   offline CPU benchmarks (ratios against transformers measured in the same run)"

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quant-activations", default="fp32", choices=["fp32", "int8"],
                    help="GPTQ checkpoints: activations of the MatMulNBits weight-only matmuls: fp32 (parity with the "
                         "dequantised float model) or int8 (MLAS integer kernels: faster, logits differ slightly)")
+    b.add_argument("--dummy-weights", action="store_true",
+                   help="--backend cuda: write no weights; the runtime generates seeded random weights on the GPU at "
+                        "load (benchmarks and load tests of a model shape without its checkpoint: only config.json "
+                        "and the tokenizer are read)")
     i = sub.add_parser("inspect", help="print a bundle's manifest summary")
     i.add_argument("bundle", type=Path)
     args = ap.parse_args(argv)
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
                                 max_num_tokens=args.max_num_tokens, page_size=args.page_size,
                                 num_kv_pages=args.num_kv_pages, num_state_slots=args.num_state_slots,
-                                target_arch=args.target_arch, quant_activations=args.quant_activations)
+                                target_arch=args.target_arch, dummy_weights=args.dummy_weights,
+                                quant_activations=args.quant_activations)
             build_bundle(args.checkpoint, args.output, opts, _progress)
         else:
             print(describe(args.bundle))

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 import onnxruntime
 
-from hybrid_runtime.config import MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
+from hybrid_runtime.config import DUMMY_WEIGHTS, MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
 from hybrid_runtime.ops.moe import fuse_gate_up
 from hybrid_runtime.pipeline import plan_segments, state_weight_names
 from hybrid_runtime.program import experts_gate_up
@@ -50,6 +50,9 @@ class BuildOptions:
     num_state_slots: int = 0
     target_arch: str = ""  # --backend tensorrt: "sm_89" / "8.9"; "" = the current GPU
     quant_activations: str = "fp32"  # GPTQ checkpoints: MatMulNBits activations, fp32 | int8 (quant_bundle.py)
+    # --backend cuda: write no weights; the runtime generates seeded random ones on the device at load (only
+    # config.json and the tokenizer are read from the checkpoint folder). For benchmarks and load tests.
+    dummy_weights: bool = False
 
     def limits(self) -> Limits:
         return Limits(
@@ -101,6 +104,10 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         raise ConfigError(f"unknown dtype {opts.dtype!r}: choose float32, float16 or bfloat16")
     t0 = time.perf_counter()
     limits = opts.limits()
+    if opts.dummy_weights:
+        if opts.backend != "cuda":
+            raise ConfigError("--dummy-weights is for --backend cuda only (the weights are generated on the GPU)")
+        return _build_cuda_dummy(Path(checkpoint), Path(output), opts, limits, progress, t0)
     ckpt = Checkpoint(checkpoint)
     cfg = ckpt.config
     if limits.max_seq_len > cfg.max_position_embeddings:
@@ -225,6 +232,37 @@ def _build_cuda(ckpt: Checkpoint, ckpt_dir: Path, out: Path, opts: BuildOptions,
             model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs, state_weights=WEIGHTS,
             toolkit=toolkit, target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
             workarounds=tuple(w.record() for w in applied)), progress, t0, "cuda weights")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _build_cuda_dummy(ckpt_dir: Path, out: Path, opts: BuildOptions, limits: Limits,
+                      progress: Callable[[str], None], t0: float) -> Manifest:
+    """``--backend cuda --dummy-weights``: manifest + tokenizer only (see :data:`DUMMY_WEIGHTS`)."""
+    from hybrid_runtime.program import PROGRAM_VERSION
+
+    from .checkpoint import load_hf_config
+    from .cuda_bundle import FORMAT_VERSION
+
+    if not (ckpt_dir / "config.json").is_file():
+        raise ConfigError(f"{ckpt_dir}: no config.json")
+    cfg, _layout = load_hf_config(ckpt_dir)
+    if limits.max_seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}")
+    progress(f"model: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters; "
+             f"backend cuda, {opts.dtype}, DUMMY weights (generated on the device at load)")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        specs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
+        toolkit = {"format": FORMAT_VERSION, "program": str(PROGRAM_VERSION), "weights": "dummy"}
+        return _finish(tmp, out, ckpt_dir, dict(
+            model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs, state_weights=DUMMY_WEIGHTS,
+            toolkit=toolkit, target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
+            workarounds=()), progress, t0, "cuda, dummy weights")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

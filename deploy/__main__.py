@@ -5,9 +5,12 @@ Environment (the one place this package reads it):
     FRONTEND_PORT                          the OpenAI-compatible frontend (python -m frontend) on
                                            127.0.0.1 (default 9000; "off" = Triton only)
     ENGINE=DIR                             serve this bundle (default engines/default, built if missing)
-    MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING
+    MAX_BATCH_SIZE, MULTI_BLOCK, PROFILE_PINNING, DEVICE, GPU_MEMORY_FRACTION
                                            override the model parameters max_batch_size,
-                                           multi_block_mode and profile_pinning of config.pbtxt
+                                           multi_block_mode, profile_pinning, device and
+                                           gpu_memory_fraction of config.pbtxt
+    INSTANCE_KIND=cpu|gpu                  the instance group: one KIND_CPU instance, or KIND_GPU (one
+                                           instance per visible GPU, each on its own GPU)
     READY_TIMEOUT                          seconds to wait for the model to load (default 300)
 The server (and the frontend beside it) run in the foreground with their logs on this terminal; Ctrl-C
 (or SIGTERM) stops both cleanly.
@@ -31,7 +34,7 @@ DEFAULT_ENGINE = REPO / "engines" / "default"
 DEFAULT_CHECKPOINT = REPO / "build" / "default_checkpoint"
 # environment variable -> model parameter in config.pbtxt
 PARAMETER_ENV = {"MAX_BATCH_SIZE": "max_batch_size", "MULTI_BLOCK": "multi_block_mode",
-                 "PROFILE_PINNING": "profile_pinning"}
+                 "PROFILE_PINNING": "profile_pinning", "DEVICE": "device", "GPU_MEMORY_FRACTION": "gpu_memory_fraction"}
 
 
 def _port(env: dict[str, str], name: str, default: int) -> int:
@@ -66,9 +69,13 @@ def serve(env: dict[str, str] | None = None) -> int:
     if shm_regions():
         print(f"[deploy] note: {len(shm_regions())} Python-backend shared-memory region(s) already in {SHM_DIR} "
               "(other running servers, or stubs that crashed earlier)", flush=True)
+    kind = env.get("INSTANCE_KIND", "").strip().lower() or None
+    if kind not in (None, "cpu", "gpu"):
+        print(f"error: INSTANCE_KIND={kind!r}: cpu or gpu", file=sys.stderr)
+        return 2
     server = TritonServer(MODEL_REPOSITORY, parameters=params, http_port=_port(env, "HTTP_PORT", 8000),
                           grpc_port=_port(env, "GRPC_PORT", 8001), metrics_port=_port(env, "METRICS_PORT", 8002),
-                          log_path="-")
+                          log_path="-", instance_kind=kind)
     frontend_off = env.get("FRONTEND_PORT", "").strip().lower() == "off"
     frontend = None if frontend_off else FrontendProcess(server.grpc_url, port=_port(env, "FRONTEND_PORT", 9000),
                                                          log_path="-")

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,10 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     env["LD_LIBRARY_PATH"] = os.pathsep.join([d for d in libdirs if d and Path(d).is_dir()] + ([old] if old else []))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
+    # The stub ignores PYTHONPATH; model.py puts these first on its sys.path: this project, then what this
+    # interpreter searches (its venv, PYTHONPATH directories).
+    entries = [str(REPO)] + [p for p in sys.path if p and Path(p).is_dir() and p != str(REPO)]
+    env["HYBRID_LLM_SYS_PATH"] = os.pathsep.join(entries)
     return env
 
 
@@ -149,8 +154,10 @@ def _is_stub(pid: int, region: str) -> bool:
 
 
 def write_model_repository(dest: Path, parameters: dict[str, str], model: str = "hybrid_llm",
-                           source: Path = MODEL_REPOSITORY) -> Path:
+                           source: Path = MODEL_REPOSITORY, instance_kind: str | None = None) -> Path:
     """Copy ``source`` to ``dest`` with ``model``'s config.pbtxt parameters overridden; returns ``dest``.
+    ``instance_kind`` ("cpu" | "gpu") replaces the instance group: one KIND_CPU instance, or KIND_GPU
+    (Triton makes one instance per visible GPU).
 
     Triton reads parameters only from config.pbtxt, so overrides need a copy (the checked-in file is
     never touched). A relative engine_dir, given or inherited, is resolved against the original model
@@ -164,6 +171,13 @@ def write_model_repository(dest: Path, parameters: dict[str, str], model: str = 
     cfg = text_format.Parse(cfg_path.read_text(), model_config_pb2.ModelConfig())
     for key, value in parameters.items():
         cfg.parameters[key].string_value = str(value)
+    if instance_kind is not None:
+        group = model_config_pb2.ModelInstanceGroup
+        kinds = {"cpu": group.KIND_CPU, "gpu": group.KIND_GPU}
+        if instance_kind not in kinds:
+            raise ValueError(f"instance_kind={instance_kind!r}: cpu or gpu")
+        del cfg.instance_group[:]
+        cfg.instance_group.add(count=1, kind=kinds[instance_kind])
     engine_dir = Path(cfg.parameters["engine_dir"].string_value or "../../engines/default").expanduser()
     if not engine_dir.is_absolute():
         cfg.parameters["engine_dir"].string_value = str((source / model / engine_dir).resolve())
@@ -191,7 +205,9 @@ class TritonServer:
                  parameters: dict[str, str] | None = None, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, exit_timeout_s: int = 5,
                  exit_on_error: bool = True, log_path: str | Path | None = None, log_verbose: int = 0,
-                 backend_dir: Path | None = None) -> None:
+                 backend_dir: Path | None = None, env: dict[str, str] | None = None,
+                 instance_kind: str | None = None, server_args: Sequence[str] = (),
+                 launcher: Sequence[str] = ()) -> None:
         self.install = find_triton()
         self.model = model
         self.source_repository = Path(model_repository)
@@ -203,6 +219,10 @@ class TritonServer:
         self.exit_on_error = exit_on_error
         self.log_verbose = log_verbose
         self.backend_dir = backend_dir
+        self.env = dict(env or {})  # extra environment of the server (and so of its stubs)
+        self.instance_kind = instance_kind  # "cpu" | "gpu": override the instance group (None: as configured)
+        self.server_args = list(server_args)  # more tritonserver options, after the ones command() sets
+        self.launcher = list(launcher)  # a command the server runs under, e.g. compute-sanitizer and its options
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._log_arg = log_path
         self.log_path: Path | None = None
@@ -229,12 +249,16 @@ class TritonServer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def command(self, repository: Path, backend_dir: Path) -> list[str]:
-        return [str(self.install.server), f"--model-repository={repository}", f"--backend-directory={backend_dir}",
-                "--model-control-mode=none", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+        return [*self.launcher, str(self.install.server), f"--model-repository={repository}",
+                f"--backend-directory={backend_dir}",
+                # explicit + load every model at start: the same as "none" for a client, and it lets a model
+                # whose GPU context is lost unload itself, so that readiness probes see it (model.py _on_fatal)
+                "--model-control-mode=explicit", "--load-model=*",
+                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
                 "--metrics-address=127.0.0.1", f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
                 f"--exit-timeout-secs={self.exit_timeout_s}", f"--exit-on-error={str(self.exit_on_error).lower()}",
-                f"--log-verbose={self.log_verbose}"]
+                f"--log-verbose={self.log_verbose}", *self.server_args]
 
     def start(self) -> TritonServer:
         if self.proc is not None:
@@ -242,8 +266,9 @@ class TritonServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="triton-")
         tmp = Path(self._tmp.name)
         repository = self.source_repository
-        if self.parameters:
-            repository = write_model_repository(tmp / "model_repository", self.parameters, self.model, repository)
+        if self.parameters or self.instance_kind:
+            repository = write_model_repository(tmp / "model_repository", self.parameters, self.model, repository,
+                                                self.instance_kind)
         backend_dir = prepare_backend_dir(self.backend_dir or BACKEND_DIR, self.install)
         if self._log_arg == "-":
             out = None
@@ -253,7 +278,8 @@ class TritonServer:
         cmd = self.command(repository, backend_dir)
         log.info("starting %s", " ".join(cmd))
         try:
-            self.proc = subprocess.Popen(cmd, env=server_env(self.install), stdin=subprocess.DEVNULL, stdout=out,
+            self.proc = subprocess.Popen(cmd, env={**server_env(self.install), **self.env}, stdin=subprocess.DEVNULL,
+                                         stdout=out,
                                          stderr=subprocess.STDOUT if out else None, start_new_session=True,
                                          preexec_fn=_die_with_parent)
         finally:

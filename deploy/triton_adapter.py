@@ -31,6 +31,7 @@ import numpy as np
 
 from hybrid_runtime.config import ConfigError
 from hybrid_runtime.engine.base import PINNING_MODES
+from hybrid_runtime.ops.base import parse_device
 from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
 from hybrid_runtime.serving import MULTI_BLOCK_MODES, Event, GenerationRequest, RuntimeOptions
@@ -63,6 +64,20 @@ def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _device(text: str) -> str:
+    value = text.strip().lower()
+    if value != "auto":
+        parse_device(value)  # ConfigError (a ValueError) unless cpu | cuda | cuda:N
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text.strip())
+    if not 0.0 <= value <= 1.0:
+        raise ValueError
+    return value
+
+
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -83,6 +98,8 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv_cache_bytes": (_bytes, "a byte count such as 268435456 or 256M (0 = the bundle's KV pool)"),
     "log_level": (_choice(LOG_LEVELS), f"one of {', '.join(LOG_LEVELS)}"),
     "intra_op_threads": (_int_at_least(0), "an integer >= 0 (0 = onnxruntime's default)"),
+    "device": (_device, "auto, cpu, cuda or cuda:N"),
+    "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
 }
 
 
@@ -98,11 +115,27 @@ class ModelParameters:
     kv_cache_bytes: int = 0
     log_level: str = "info"
     intra_op_threads: int = 0
+    device: str = "auto"
+    gpu_memory_fraction: float = 0.9
 
-    def runtime_options(self) -> RuntimeOptions:
+    def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
+        """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's
+        ``model_instance_kind`` / ``model_instance_device_id`` of that instance)."""
         return RuntimeOptions(max_batch_size=self.max_batch_size, multi_block_mode=self.multi_block_mode,
                               profile_pinning=self.profile_pinning, default_max_tokens=self.default_max_tokens,
-                              kv_cache_bytes=self.kv_cache_bytes, intra_op_threads=self.intra_op_threads)
+                              kv_cache_bytes=self.kv_cache_bytes, intra_op_threads=self.intra_op_threads,
+                              device=instance_device(self.device, instance_kind, instance_device_id),
+                              gpu_memory_fraction=self.gpu_memory_fraction)
+
+
+def instance_device(device: str, instance_kind: str, instance_device_id: int) -> str:
+    """The runtime device of one model instance. A KIND_GPU instance (Triton makes one per GPU of its
+    ``instance_group``) runs on its own GPU: ``auto`` and ``cuda`` become ``cuda:<its device id>``; an
+    explicit ``cuda:N`` or ``cpu`` is kept (a KIND_CPU instance with ``device=cuda:N`` is the other way to
+    place instances). Elsewhere ``auto`` is left to the runtime (a cuda bundle on GPU 0, else the CPU)."""
+    if instance_kind.upper() == "GPU" and device in ("auto", "cuda"):
+        return f"cuda:{int(instance_device_id)}"
+    return device
 
 
 def parse_parameters(model_config: Mapping[str, Any], model_dir: str | Path) -> ModelParameters:

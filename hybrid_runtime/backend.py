@@ -38,6 +38,22 @@ from .sampling import SamplingParams
 from .weights_io import SafetensorsFile
 
 
+class DeviceLost(RuntimeError):
+    """The backend's device can run nothing more in this process (a sticky CUDA error such as an illegal
+    address poisons the context): every request in flight fails and the model instance must be restarted.
+    ``cause`` is the error that showed it."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# Test-only fault injection (ServingEngine's HYBRID_LLM_INJECT_FAULT): "sticky" = a fault that loses the
+# device (the cuda backend launches a kernel that writes to an illegal address), "launch" = a launch the
+# driver refuses (non-sticky: only that step's requests fail).
+FAULT_KINDS = ("sticky", "launch")
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRow:
     """How to draw one row's next token. ``rng``: the host sampler's per-request generator; ``seed`` and
@@ -80,6 +96,7 @@ class Backend(Protocol):
     def moe(self, layer: int, ctx: Any, h: Any) -> Any: ...
     def head(self, ctx: Any, x: Any) -> Any: ...
     def execute(self, ctx: Any, forward: Callable[[Any], Any]) -> StepResult: ...
+    def inject_fault(self, kind: str) -> None: ...
 
 
 def check_steps(phase: Phase, steps: list[SeqStep]) -> None:
@@ -136,6 +153,8 @@ class HostBackend:
                                   len(cfg.attention_layers))
         self.ops: StatefulOps = make_ops(device, cfg, conv_w, lim.num_state_slots, self.kv_layout, multi_block_mode)
         self.device = self.ops.device
+        self.num_pages = pages
+        self._fault: str | None = None
         self.head_index = len(manifest.segments) - 1
         # Seconds inside engine segments and each stateful operator (the benchmarks' step split).
         self.timings: Counter[str] = Counter()
@@ -193,8 +212,29 @@ class HostBackend:
         self.timings["segments"] += time.perf_counter() - t0
         return logits.copy()
 
+    def inject_fault(self, kind: str) -> None:
+        """Test-only: the next step fails with a :data:`FAULT_KINDS` fault. A CPU has no sticky device
+        errors, so on this backend both are simulated (a test double at the device boundary): "sticky"
+        raises :class:`DeviceLost`, "launch" a plain RuntimeError."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r}: one of {FAULT_KINDS}")
+        self._fault = kind
+
     def execute(self, ctx: HostCtx, forward: Callable[[HostCtx], np.ndarray]) -> StepResult:
-        logits = forward(ctx)
+        fault, self._fault = self._fault, None
+        if fault == "sticky":
+            raise DeviceLost("injected device fault (simulated on the host backend)")
+        if fault == "launch":
+            raise RuntimeError("injected launch failure (simulated on the host backend)")
+        try:
+            logits = forward(ctx)
+        except Exception as e:
+            if self.device.startswith("cuda"):  # the CUDA operators' device: is it still usable?
+                from .cuda.driver import is_sticky
+
+                if is_sticky(e) or (health := self.ops.device_health()) is not None:  # type: ignore[attr-defined]
+                    raise DeviceLost(f"{self.device} is lost: {e}", e if is_sticky(e) else health) from e
+            raise
         if ctx.rows is None:
             return StepResult(np.zeros(0, np.int64), [], logits)
         rows = ctx.rows

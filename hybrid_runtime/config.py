@@ -23,6 +23,12 @@ MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
+# Manifest.state_weights of a cuda bundle built with --dummy-weights: no weights file; the runtime generates
+# seeded random weights on the device at load (benchmarks and load tests of a shape without its checkpoint,
+# like vLLM's --load-format dummy). Its outputs are meaningless.
+DUMMY_WEIGHTS = "(dummy: seeded random weights generated on the device at load)"
+
+
 class ConfigError(ValueError):
     """A configuration value that this project does not support (names the key and the value)."""
 
@@ -287,7 +293,7 @@ class Manifest:
             raise BundleError(f"no {MANIFEST_NAME} in {bundle_dir}: build one with "
                               f"`python -m builder build --checkpoint CKPT --output {bundle_dir}`")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise BundleError(f"{path} is not valid JSON: {e}") from e
         if d.get("version") != MANIFEST_VERSION:

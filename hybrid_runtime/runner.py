@@ -52,7 +52,8 @@ class ModelRunner:
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
                  intra_op_threads: int = 0, engine: Engine | None = None, device: str | None = None,
-                 cuda_graphs: bool = True, backend: Backend | None = None) -> None:
+                 cuda_graphs: bool = True, backend: Backend | None = None,
+                 gpu_memory_fraction: float | None = None) -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
         self.plans = plan_segments(cfg)
@@ -73,7 +74,7 @@ class ModelRunner:
             from .cuda.backend import CudaBackend
 
             self.backend = CudaBackend(bundle_dir, manifest, device=device, multi_block_mode=multi_block_mode,
-                                       num_kv_pages=num_kv_pages)
+                                       num_kv_pages=num_kv_pages, gpu_memory_fraction=gpu_memory_fraction)
         else:
             self.backend = HostBackend(bundle_dir, manifest, pinning=pinning, multi_block_mode=multi_block_mode,
                                        num_kv_pages=num_kv_pages, intra_op_threads=intra_op_threads,
@@ -96,6 +97,12 @@ class ModelRunner:
     def timings(self) -> Counter:
         """Seconds per piece (segments, gdn, attention, moe, sampler) on host backends."""
         return self.backend.timings
+
+    @property
+    def num_kv_pages(self) -> int:
+        """KV pages the backend allocated (the scheduler's page pool; a cuda backend may cap the bundle's
+        count to its memory budget)."""
+        return int(self.backend.num_pages)  # type: ignore[attr-defined]
 
     @property
     def profile_switches(self) -> int:

@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._reserved = 0
+        self._last: Phase | None = None  # the phase of the batch schedule() returned last
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -107,12 +108,19 @@ class Scheduler:
             self.running.append(seq)
 
     def schedule(self) -> Batch | None:
-        """The next batch, or None when there is nothing to run."""
+        """The next batch, or None when there is nothing to run.
+
+        Prefill chunks and decode steps alternate while both have work: after a prefill step, the sequences
+        already decoding get a decode step before the next chunk, so a long prompt (many chunks of
+        ``max_num_tokens``) delays their next token by one chunk at most, not by its whole prefill.
+        """
         self._admit()
         if not self.running:
             return None
         prefilling = [s for s in self.running if s.in_prefill]
-        if prefilling:
+        decoding = [s for s in self.running if not s.in_prefill]
+        if prefilling and not (decoding and self._last == Phase.PREFILL):
+            self._last = Phase.PREFILL
             budget, seqs, steps = self.limits.max_num_tokens, [], []
             for s in prefilling:
                 left = len(s.prompt_ids) - s.num_prefilled
@@ -129,10 +137,11 @@ class Scheduler:
                 budget -= n
             return Batch(Phase.PREFILL, seqs, steps)
         steps = []
-        for s in self.running:
+        for s in decoding:
             table = self.pages.allocate(s.request_id, s.num_tokens)
             steps.append(SeqStep(s.slot, table, s.num_tokens - 1, [s.output_ids[-1]]))
-        return Batch(Phase.DECODE, list(self.running), steps)
+        self._last = Phase.DECODE
+        return Batch(Phase.DECODE, decoding, steps)
 
     def advance(self, batch: Batch) -> None:
         """Record that ``batch`` ran: prefill chunks are now in the cache."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from .backend import SampleRow
+from .backend import FAULT_KINDS, DeviceLost, SampleRow
 from .config import BundleError, ConfigError, Manifest
 from .engine.base import PINNING_MODES
 from .kv_cache import KVLayout
@@ -35,6 +36,20 @@ from .scheduler import Batch, Scheduler, Sequence
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 log = logging.getLogger("hybrid_runtime.serving")
+
+# Test-only: "KIND@N" makes the engine's step number N (from 0, prefill and decode steps alike) fail with a
+# backend fault of KIND (backend.FAULT_KINDS: "sticky" loses the device, "launch" fails that step only).
+FAULT_ENV = "HYBRID_LLM_INJECT_FAULT"
+
+
+def _fault_from_env() -> tuple[str, int] | None:
+    text = os.environ.get(FAULT_ENV, "").strip()
+    if not text:
+        return None
+    kind, _, at = text.partition("@")
+    if kind not in FAULT_KINDS or not at.isdigit():
+        raise ConfigError(f"{FAULT_ENV}={text!r}: expected KIND@STEP with KIND one of {FAULT_KINDS}, e.g. sticky@20")
+    return kind, int(at)
 
 MULTI_BLOCK_MODES = ("auto", "on", "off")
 
@@ -56,6 +71,10 @@ class RuntimeOptions:
     # Where the work runs: "auto" (a cuda bundle on the GPU, any other bundle's stateful operators on the
     # CPU) | "cpu" (numpy operators) | "cuda" | "cuda:N" (the GPU; for an onnxruntime bundle: its operators).
     device: str = "auto"
+    # cuda bundles: the share of the GPU memory left free after the weights and static buffers that the
+    # state slots and KV pages may take (the KV pool is the bundle's, capped to fit; see cuda/memory.py).
+    # 0 = no budget: the bundle's page count exactly.
+    gpu_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:
         if self.device != "auto":
@@ -65,6 +84,9 @@ class RuntimeOptions:
                               f"{', '.join(MULTI_BLOCK_MODES)}")
         if self.profile_pinning not in PINNING_MODES:
             raise ConfigError(f"profile_pinning={self.profile_pinning!r}: choose one of {', '.join(PINNING_MODES)}")
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a number in [0, 1] (0 = the "
+                              f"bundle's KV page count, no budget)")
         if self.max_batch_size < 0 or self.default_max_tokens < 1 or self.kv_cache_bytes < 0 or self.numpy_threads < 1:
             raise ConfigError(f"invalid runtime options {self}")
 
@@ -122,8 +144,13 @@ class _Live:
 class ServingEngine:
     """Loads a bundle and serves requests from its own engine thread."""
 
-    def __init__(self, bundle_dir: str | Path, options: RuntimeOptions | None = None) -> None:
+    def __init__(self, bundle_dir: str | Path, options: RuntimeOptions | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal(error)`` is called once, from the engine thread, when the engine stops for good: its
+        device was lost (:class:`DeviceLost`) or the thread died of a bug. Every request in flight has had
+        its final (error) event by then; it must not block (Triton's model unloads itself from it)."""
         self.options = opts = options or RuntimeOptions()
+        self._on_fatal = on_fatal
         self.bundle_dir = Path(bundle_dir)
         self.manifest = m = Manifest.load(self.bundle_dir)
         lim = m.limits
@@ -144,9 +171,11 @@ class ServingEngine:
         self.tokenizer = Tokenizer.from_dir(self.bundle_dir, eos_token_ids=m.model.eos_token_ids)
         self.runner = ModelRunner(self.bundle_dir, m, pinning=opts.profile_pinning,
                                   multi_block_mode=opts.multi_block_mode, num_kv_pages=num_pages,
-                                  intra_op_threads=opts.intra_op_threads, device=opts.device)
-        # On admission a slot's state is zeroed by the operators that own it (host or device buffers).
-        self.scheduler = Scheduler(lim, self.max_batch_size, num_pages, self.runner.ops.reset_slot)
+                                  intra_op_threads=opts.intra_op_threads, device=opts.device,
+                                  gpu_memory_fraction=opts.gpu_memory_fraction or None)
+        # On admission a slot's state is zeroed by the operators that own it (host or device buffers). The
+        # page pool is what the backend allocated (a cuda backend caps it to its memory budget).
+        self.scheduler = Scheduler(lim, self.max_batch_size, self.runner.num_kv_pages, self.runner.ops.reset_slot)
         self.metrics = Metrics()
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._live: dict[str, _Live] = {}
@@ -155,6 +184,10 @@ class ServingEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
+        self._steps_run = 0
+        self._fault = _fault_from_env()
+        if self._fault is not None:
+            log.warning("TEST fault injection armed: a %r fault at engine step %d (%s)", *self._fault, FAULT_ENV)
 
     # ---- public, thread-safe ---------------------------------------------------------------------
     def start(self) -> ServingEngine:
@@ -172,7 +205,9 @@ class ServingEngine:
             raise
 
     def _submit(self, req: GenerationRequest, sink: Sink) -> int:
-        if self._stop.is_set() or self.fatal is not None:
+        if self.fatal is not None:
+            raise RequestValidationError(self._fatal_text(), code="unavailable")
+        if self._stop.is_set():
             raise RequestValidationError("the model is shutting down", code="unavailable")
         ids = self._prompt_ids(req)
         lim = self.manifest.limits
@@ -243,8 +278,19 @@ class ServingEngine:
             self._drain(block=False)
             for live in list(self._live.values()):
                 self._final(live, "cancelled" if self.fatal is None else "error",
-                            None if self.fatal is None else f"engine failure: {self.fatal!r}")
+                            None if self.fatal is None else self._fatal_text())
             self._update_gauges()
+            if self.fatal is not None and self._on_fatal is not None:
+                try:
+                    self._on_fatal(self.fatal)
+                except Exception:
+                    log.exception("on_fatal callback failed")
+
+    def _fatal_text(self) -> str:
+        e = self.fatal
+        if isinstance(e, DeviceLost):
+            return f"device failure: {e}; this model instance cannot serve until it is restarted"
+        return f"engine failure: {e!r}"
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -283,8 +329,17 @@ class ServingEngine:
         lives = [self._live[s.request_id] for s in need]
         rows = [SampleRow(lv.seq.params, lv.rng, lv.seed, len(lv.seq.prompt_ids) + len(lv.seq.output_ids),
                           lv.seq.params.logprobs) for lv in lives]
+        if self._fault is not None and self._steps_run == self._fault[1]:
+            self.runner.backend.inject_fault(self._fault[0])  # type: ignore[attr-defined]
+        self._steps_run += 1
         try:
             result = self.runner.step(batch.phase, batch.steps, rows)
+        except DeviceLost as e:  # nothing runs on this device again: fail everything, stop (on_fatal)
+            log.critical("%s step lost the device; failing all %d request(s) in flight and stopping: %s",
+                         batch.phase.name, len(self._live), e)
+            self.fatal = e
+            self._stop.set()
+            return
         except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
             log.error("%s step failed for %d sequences: %s", batch.phase.name, len(batch.seqs), e)
             for seq in batch.seqs:

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import SampleRow, StepResult, check_steps, slot_mapping
-from ..config import BundleError, ConfigError, Manifest
+from ..backend import FAULT_KINDS, DeviceLost, SampleRow, StepResult, check_steps, slot_mapping
+from ..config import DUMMY_WEIGHTS, BundleError, ConfigError, Manifest
 from ..engine.base import Phase
 from ..kv_cache import KVLayout
 from ..ops.base import SeqStep, parse_device
@@ -46,10 +46,11 @@ from ..sampling import SamplingParams
 from ..state_cache import StateLayout
 from .attention import CudaDecodeAttention
 from .blas import Blas
-from .driver import CudaDevice, CudaError, CudaGraph, DeviceArray
+from .driver import CudaDevice, CudaError, CudaGraph, DeviceArray, is_sticky
 from .gdn import CudaGdn
 from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
+from .memory import MemoryPlan, plan_memory
 from .sampler import DeviceSampler, row_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
@@ -141,11 +142,14 @@ class CudaBackend:
     """Loads a ``cuda`` bundle onto one GPU and runs its steps (see the module docstring)."""
 
     kind = "cuda"
+    _fault: str | None = None  # a test-only fault for the next step (inject_fault)
+    capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
 
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
-                 gemv_decode: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
+                 gpu_memory_fraction: float | None = None) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -175,6 +179,12 @@ class CudaBackend:
         self.fused = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}",), arch)
         self.sampling = load_module("sampling.cu", (), arch)
         self.blas = Blas(self.dev)
+        if weights is None and manifest.state_weights == DUMMY_WEIGHTS:
+            log.warning("DUMMY WEIGHTS: this bundle (--dummy-weights) has no weights; seeded random ones are "
+                        "generated on %s. Its outputs are meaningless (benchmarks and load tests only)",
+                        self.dev.limits.name)
+            weights = DeviceWeights.random(self.dev, cfg, self.dtype, lim.max_seq_len, self._fill_random, seed=0,
+                                           progress=progress)
         if weights is None:
             if bundle_dir is None:
                 raise ValueError("need a bundle directory or preloaded weights")
@@ -186,25 +196,6 @@ class CudaBackend:
         for name, a in self.w.arrays.items():
             if name.endswith(("qkv_bias", "o_bias")) and self.dtype != "float32":
                 self._bias_t[a.ptr] = self.dev.upload(to_dtype(self.dev.download(a), self.dtype), dtype=self.dtype)
-        # ---- state: GDN slots (+ sink row), KV pages (+ one sink page for padding rows)
-        self.num_pages = num_kv_pages or lim.num_kv_pages
-        self.sink_page = self.num_pages
-        self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
-        self.state = DeviceStateCache(self.dev, self.state_layout, cfg.linear_layers)
-        kv_np = np.float32 if self.dtype == "float32" else np.float16  # itemsize only (bf16 has no numpy type)
-        nattn = max(1, len(cfg.attention_layers))
-        self.kv_layout = KVLayout(self.num_pages, lim.page_size, cfg.num_kv_heads, max(1, cfg.head_dim), kv_np, nattn)
-        self.kv = None
-        if cfg.attention_layers:
-            pool = KVLayout(self.num_pages + 1, lim.page_size, cfg.num_kv_heads, cfg.head_dim, kv_np, nattn)
-            self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
-        # GDN reads u from the float32 projection and writes its core output in float32
-        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
-                      if cfg.linear_layers else None)
-        group = cfg.num_heads // max(1, cfg.num_kv_heads)
-        prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
-        self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare)
-        self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
         # ---- static buffers
         self.buckets = decode_buckets(lim.max_batch_size)
         self.T_max = max(lim.max_num_tokens, self.buckets[-1])
@@ -218,6 +209,43 @@ class CudaBackend:
         self.host_out = self.dev.pinned(self.out_layout.nbytes)
         self._alloc_arena()
         self.sampler = DeviceSampler(self.dev, self.sampling, self.R_max, cfg.vocab_size)
+        # ---- state: GDN slots (+ sink row), KV pages (+ one sink page for padding rows), sized last: the
+        # memory budget (gpu_memory_fraction) is a share of what the weights and static buffers leave free
+        self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
+        kv_np = np.float32 if self.dtype == "float32" else np.float16  # itemsize only (bf16 has no numpy type)
+        nattn = max(1, len(cfg.attention_layers))
+        one_page = KVLayout(1, lim.page_size, cfg.num_kv_heads, max(1, cfg.head_dim), kv_np, nattn).bytes_per_page
+        wanted = num_kv_pages or lim.num_kv_pages
+        self.memory_plan: MemoryPlan | None = None
+        if gpu_memory_fraction:
+            free, total = self.dev.mem_info()
+            state_bytes = len(cfg.linear_layers) * self.state_layout.total_bytes
+            page_bytes = one_page if cfg.attention_layers else 0
+            min_pages = -(-lim.max_seq_len // lim.page_size) if cfg.attention_layers else 0
+            # the sink page comes out of the same budget: plan for one page more, allocate the plan's pages
+            self.memory_plan = plan_memory(free, total, fraction=gpu_memory_fraction, state_bytes=state_bytes,
+                                           page_bytes=page_bytes, pages_wanted=wanted + 1, min_pages=min_pages + 1)
+            wanted = self.memory_plan.pages - 1
+            log.info("%s", self.memory_plan.describe())
+            if self.memory_plan.capped:
+                log.warning("KV pool capped to %d pages by gpu_memory_fraction=%g (%d asked for): requests that "
+                            "need more pages than are free wait for them", wanted, gpu_memory_fraction,
+                            self.memory_plan.pages_wanted - 1)
+        self.num_pages = wanted
+        self.sink_page = self.num_pages
+        self.state = DeviceStateCache(self.dev, self.state_layout, cfg.linear_layers)
+        self.kv_layout = KVLayout(self.num_pages, lim.page_size, cfg.num_kv_heads, max(1, cfg.head_dim), kv_np, nattn)
+        self.kv = None
+        if cfg.attention_layers:
+            pool = KVLayout(self.num_pages + 1, lim.page_size, cfg.num_kv_heads, cfg.head_dim, kv_np, nattn)
+            self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
+        # GDN reads u from the float32 projection and writes its core output in float32
+        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
+                      if cfg.linear_layers else None)
+        group = cfg.num_heads // max(1, cfg.num_kv_heads)
+        prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
+        self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare)
+        self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
         self.programs = [(p, segment_program(cfg, p)) for p in plan_segments(cfg)]
         self.graphs: dict[tuple[int, int], CudaGraph] = {}
         self.graph_stats = GraphStats()
@@ -688,8 +716,54 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ one step
 
+    def _fill_random(self, a: DeviceArray, seed: int, scale: float, offset: float = 0.0) -> None:
+        """Fill ``a`` with seeded uniform values in offset +- scale (the fill_random kernels), in place."""
+        k = self.fused.kernel("fill_random_f32" if a.dtype.name == "float32" else "fill_random")
+        k.launch(self.dev, (4096, 1, 1), (256, 1, 1), 0, [("ptr", a.ptr), ("i64", a.size), ("u64", seed),
+                                                          ("f32", scale), ("f32", offset)])
+
+    def inject_fault(self, kind: str) -> None:
+        """Test-only: make the next step fail. "sticky": a kernel writes to an illegal address before the
+        step (CUDA_ERROR_ILLEGAL_ADDRESS poisons the context: the step raises :class:`DeviceLost`, and so
+        does every later one); "launch": a launch the driver refuses (too many threads per block; the
+        context stays usable, only that step fails)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r}: one of {FAULT_KINDS}")
+        self._fault = kind
+
+    def _inject(self, kind: str) -> None:
+        k = self.fused.kernel("fill_f32")
+        if kind == "sticky":  # an unmapped address in the first page: never a valid allocation
+            k.launch(self.dev, (1, 1, 1), (32, 1, 1), 0, [("ptr", 0x100), ("f32", 1.0), ("i64", 1 << 20)])
+        else:  # 2048 threads per block: past every GPU's limit, so the driver refuses it (not the guard)
+            code = k.launch_unchecked(self.dev, (1, 1, 1), (2048, 1, 1), 0,
+                                      [("ptr", 0), ("f32", 0.0), ("i64", 0)])
+            from .driver import error_name
+
+            raise CudaError("cuLaunchKernelEx(fill_f32, injected)", code, error_name(code))
+
+    def device_health(self) -> CudaError | None:
+        """None while the device works; the sticky error that poisoned its context otherwise."""
+        return self.dev.health()
+
     def execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
+        try:
+            return self._execute(ctx, forward)
+        except DeviceLost:
+            raise
+        except Exception as e:
+            # A sticky error (any launch of this step, or an earlier one) shows up here at the latest, at
+            # the step's synchronise; after one, nothing on this context works again.
+            health = e if is_sticky(e) else self.dev.health()
+            if health is not None:
+                raise DeviceLost(f"{self.device} is lost: {e}", health) from e
+            raise
+
+    def _execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
         dev = self.dev
+        if self._fault is not None:
+            fault, self._fault = self._fault, None
+            self._inject(fault)
         t0 = time.perf_counter()
         dev.copy_htod(self.inp.ptr, self.host_in.array[:ctx.upload_bytes])
         if ctx.graph is not None:
@@ -763,6 +837,7 @@ class CudaBackend:
         default all). A class whose plan the guard refuses, or whose capture fails, is left out (its steps run
         eagerly, counted)."""
         t0 = time.perf_counter()
+        free0 = self.dev.mem_info()[0]
         cfg, lim = self.cfg, self.lim
         for bucket in reversed([b for b in self.buckets if buckets is None or b in buckets]):
             if cfg.attention_layers:
@@ -793,5 +868,8 @@ class CudaBackend:
         self.dev.synchronize()
         self.graphs_on = True
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode graphs (buckets %s) in %.2f s", len(self.graphs), self.buckets,
-                 self.capture_seconds)
+        # what warm-up and capture took from the device (graph nodes, cuBLASLt plans and workspaces): it
+        # comes out of the reserve of the memory plan (cuda/memory.py DEFAULT_RESERVE_BYTES)
+        self.capture_bytes = free0 - self.dev.mem_info()[0]
+        log.info("captured %d decode graphs (buckets %s) in %.2f s, %.0f MiB of device memory", len(self.graphs),
+                 self.buckets, self.capture_seconds, self.capture_bytes / 2**20)

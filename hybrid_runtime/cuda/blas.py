@@ -44,8 +44,11 @@ def _lt() -> Any:
     try:
         import nvmath.bindings.cublasLt as lt
     except ImportError as e:  # pragma: no cover - depends on the environment
+        import sys
+
         raise BlasError("import nvmath.bindings.cublasLt", None, "NVMATH_MISSING",
-                        f"{e}; install nvmath-python (pip install 'hybrid-llm-serving[cuda]')") from e
+                        f"{e}; install nvmath-python (pip install 'hybrid-llm-serving[cuda]'); this Python "
+                        f"({sys.executable}) searched {sys.path}") from e
     return lt
 
 

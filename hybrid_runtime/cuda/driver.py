@@ -37,6 +37,36 @@ class CudaError(RuntimeError):
         self.name = name
 
 
+# CUresult codes after which the context is unusable: every later call of the process on it fails the same
+# way, so the model instance must be restarted (a new process, a new context). CUDA's documentation calls
+# these "sticky"; 999 (unknown) is treated the same, to be safe.
+STICKY_CODES = frozenset({
+    214,  # CUDA_ERROR_ECC_UNCORRECTABLE
+    700,  # CUDA_ERROR_ILLEGAL_ADDRESS
+    702,  # CUDA_ERROR_LAUNCH_TIMEOUT
+    710,  # CUDA_ERROR_ASSERT
+    714,  # CUDA_ERROR_HARDWARE_STACK_ERROR
+    715,  # CUDA_ERROR_ILLEGAL_INSTRUCTION
+    716,  # CUDA_ERROR_MISALIGNED_ADDRESS
+    717,  # CUDA_ERROR_INVALID_ADDRESS_SPACE
+    718,  # CUDA_ERROR_INVALID_PC
+    719,  # CUDA_ERROR_LAUNCH_FAILED
+    999,  # CUDA_ERROR_UNKNOWN
+})
+
+
+def is_sticky(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is a CudaError with a sticky code."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, CudaError) and e.code in STICKY_CODES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def bindings() -> Any:
     """The ``cuda.bindings.driver`` module, or CudaError if cuda-bindings is not installed."""
     try:
@@ -386,6 +416,22 @@ class CudaDevice:
     def synchronize(self) -> None:
         self.activate()
         call("cuStreamSynchronize", bindings().cuStreamSynchronize, self.stream)
+
+    def health(self) -> CudaError | None:
+        """None while the context works; else the error a context-wide synchronise returns (a sticky error
+        of any earlier launch shows up here). Never raises."""
+        try:
+            self.activate()
+            call("cuCtxSynchronize", bindings().cuCtxSynchronize)
+        except CudaError as e:
+            return e
+        return None
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of this device's memory, as the driver reports them now."""
+        self.activate()
+        free, total = call("cuMemGetInfo", bindings().cuMemGetInfo)
+        return int(free), int(total)
 
     # -- timing
     def event(self) -> Any:

@@ -44,7 +44,7 @@ class LaunchRejected(RuntimeError):
 
 def source(name: str) -> str:
     """Text of ``hybrid_runtime/ops/cuda/<name>``."""
-    return resources.files("hybrid_runtime.ops").joinpath("cuda", name).read_text()
+    return resources.files("hybrid_runtime.ops").joinpath("cuda", name).read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------- NVRTC

@@ -28,7 +28,7 @@ from ..kv_cache import KVLayout
 from ..ops.base import SeqStep
 from ..state_cache import StateLayout
 from .attention import CudaDecodeAttention
-from .driver import CudaDevice, DeviceArray
+from .driver import CudaDevice, CudaError, DeviceArray
 from .gdn import CudaGdn
 from .state import DeviceKVCache, DeviceStateCache
 
@@ -56,6 +56,10 @@ class CudaOps:
         prepare = [("float32", cfg.head_dim, group)] if cfg.attention_layers else []
         self.attn = CudaDecodeAttention(self.cuda, optin=True, prepare=prepare)
         self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
+
+    def device_health(self) -> CudaError | None:
+        """None while the device works; the sticky error that poisoned its context otherwise."""
+        return self.cuda.health()
 
     # ------------------------------------------------------------------ transfers
 

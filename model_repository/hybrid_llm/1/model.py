@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import threading
 from functools import partial
 
-import triton_python_backend_utils as pb_utils
+# The stub's interpreter ignores PYTHONPATH and sees only its own site-packages (measured on the GPU machine):
+# put the launching interpreter's search path first (deploy.triton.server_env passes it), so the stub imports
+# the same project and packages (a venv, PYTHONPATH directories) as the process that started the server.
+for _entry in reversed([p for p in os.environ.get("HYBRID_LLM_SYS_PATH", "").split(os.pathsep) if p]):
+    if _entry not in sys.path:
+        sys.path.insert(0, _entry)
 
-from deploy.inflight import CancelWatcher, SendQueue
-from deploy.triton_adapter import (
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from deploy.inflight import CancelWatcher, SendQueue  # noqa: E402
+from deploy.triton_adapter import (  # noqa: E402
     LogprobsEncoder,
     Reply,
     ReplyBuilder,
@@ -26,9 +36,9 @@ from deploy.triton_adapter import (
     parse_request,
     triton_error,
 )
-from deploy.triton_metrics import TritonMetrics
-from hybrid_runtime.sampling import RequestValidationError
-from hybrid_runtime.serving import Event, ServingEngine
+from deploy.triton_metrics import TritonMetrics  # noqa: E402
+from hybrid_runtime.sampling import RequestValidationError  # noqa: E402
+from hybrid_runtime.serving import Event, ServingEngine  # noqa: E402
 
 log = logging.getLogger("deploy.model")
 
@@ -61,12 +71,21 @@ class TritonPythonModel:
                                                 "{ decoupled: true } in config.pbtxt")
         self.params = parse_parameters(config, args["model_repository"])
         configure_logging(self.params.log_level, args["model_instance_name"])
+        import numpy
+
+        if int(numpy.__version__.split(".")[0]) >= 2:  # measured with nvidia-pytriton 0.7.0's stub: deploy/README.md
+            log.warning("numpy %s in the Python-backend stub: with tritonserver 2.51's stub (nvidia-pytriton 0.7.0) "
+                        "numpy 2.5 turned every BYTES input (text_input, sampling_parameters) into garbage and "
+                        "aborted the stub; numpy 1.26 works. See deploy/README.md", numpy.__version__)
         # One engine (its own thread, caches and contexts) per model instance; see config.pbtxt for
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
-        self.engine = ServingEngine(self.params.engine_dir, self.params.runtime_options()).start()
-        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         name, version = args["model_name"], args["model_version"]
+        self.name = name
+        options = self.params.runtime_options(args.get("model_instance_kind", "CPU"),
+                                              int(args.get("model_instance_device_id", 0) or 0))
+        self.engine = ServingEngine(self.params.engine_dir, options, on_fatal=self._on_fatal).start()
+        self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
         self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version}).start()
@@ -112,6 +131,24 @@ class TritonPythonModel:
             self.metrics.poke()
         if reply is not None:
             self.sends.put(ev.request_id, partial(_send, sender, reply))
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine stopped for good (its GPU context is lost, or its thread died); every request in
+        flight has had its error response. Unload this model so that readiness probes see it (the server
+        and its other models stay up); an operator or orchestrator restarts it. Runs on the engine thread:
+        the unload request goes from a thread of its own (Triton calls finalize while it unloads)."""
+        log.critical("model instance unusable (%s: %s): unloading model %r so that it reports not ready; "
+                     "restart the server or POST /v2/repository/models/%s/load to load it again",
+                     type(error).__name__, error, self.name, self.name)
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as e:  # e.g. --model-control-mode=none: the model cannot unload itself
+                log.error("could not unload model %r (%s): it stays READY but refuses every request; run "
+                          "tritonserver with --model-control-mode=explicit (see deploy/README.md)", self.name, e)
+
+        threading.Thread(target=unload, name="hybrid-unload", daemon=True).start()
 
     def finalize(self) -> None:
         # Every in-flight request gets its final "cancelled" response; then the queue is drained.
