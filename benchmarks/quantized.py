@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--steps-only", action="store_true",
                     help="only the per-step batch-1 decode times (no offline workers, no transformers)")
+    ap.add_argument("--ops", action="store_true",
+                    help="only the per-call times of layer 0's MoE operator, a post_mixer segment and the head, "
+                         "at 1 and 4 tokens (median of 30 calls in this process)")
     ap.add_argument("--worker-steps", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_steps:
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps_only:
         return _steps_table(args)
+    if args.ops:
+        return _ops_table(args)
     batches = tuple(int(b) for b in args.batches.split(","))
     bundles = {v: _prepare(args.root, v) for v in VARIANTS}
     ckpt = args.root / f"{MODEL}_ckpt"
@@ -166,6 +171,53 @@ def _steps_table(args: argparse.Namespace) -> int:
         cmd = f"python -m benchmarks.quantized --steps-only --repeats {args.repeats} --out {args.out}"
         with open(args.out, "a") as f:
             f.write(f"\nCommand: {cmd}\n\n{table}\n")
+    return 0
+
+
+def _ops_table(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hybrid_runtime.config import Manifest
+    from hybrid_runtime.engine.ort_session import cpu_session, session_options
+    from hybrid_runtime.ops.moe import MoE
+    from hybrid_runtime.weights_io import SafetensorsFile
+
+    session_options(0)
+
+    def median_ms(fn) -> float:
+        for _ in range(5):
+            fn()
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(ts))
+
+    rows = []
+    for v in VARIANTS:
+        bundle = _prepare(args.root, v)
+        m = Manifest.load(bundle)
+        moe = MoE(m.model, SafetensorsFile(bundle / m.state_weights), 0)
+        specs = {s.name: s for s in m.segments if s.name in ("post_mixer0", "head")}
+        sessions = {n: cpu_session(bundle / s.onnx, session_options(None)) for n, s in specs.items()}
+        cells = []
+        for T in (1, 4):
+            h = np.random.default_rng(0).standard_normal((T, m.model.hidden_size)).astype(np.float32)
+            cells.append(median_ms(lambda h=h, moe=moe: moe(h)))
+            for n, sess in sessions.items():
+                feeds = {i: np.random.default_rng(0).standard_normal((T, w)).astype(np.float32)
+                         for i, _, w in specs[n].inputs}
+                cells.append(median_ms(lambda sess=sess, feeds=feeds: sess.run(None, feeds)))
+        rows.append(f"| {v} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+        print(rows[-1], flush=True)
+    table = ("| variant | MoE layer, 1 token ms | post_mixer0, 1 | head, 1 | MoE, 4 tokens | post_mixer0, 4 | "
+             "head, 4 |\n"
+             "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    print("\n" + table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"\nCommand: python -m benchmarks.quantized --ops --out {args.out}\n\n{table}\n")
     return 0
 
 
