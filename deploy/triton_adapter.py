@@ -83,6 +83,8 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv_cache_bytes": (_bytes, "a byte count such as 268435456 or 256M (0 = the bundle's KV pool)"),
     "log_level": (_choice(LOG_LEVELS), f"one of {', '.join(LOG_LEVELS)}"),
     "intra_op_threads": (_int_at_least(0), "an integer >= 0 (0 = onnxruntime's default)"),
+    "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
+    "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
 
 
@@ -98,6 +100,8 @@ class ModelParameters:
     kv_cache_bytes: int = 0
     log_level: str = "info"
     intra_op_threads: int = 0
+    heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
+    heap_snapshot_period_s: int = 300
 
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(max_batch_size=self.max_batch_size, multi_block_mode=self.multi_block_mode,
@@ -126,6 +130,9 @@ def parse_parameters(model_config: Mapping[str, Any], model_dir: str | Path) -> 
         except ValueError:
             raise ParameterError(f"{where}: parameter {key}={text!r} is invalid; expected {what}. Change "
                                  f'parameters {{ key: "{key}" value {{ string_value: "..." }} }}') from None
+    if "heap_debug_dir" in values:
+        heap_dir = Path(values["heap_debug_dir"]).expanduser()
+        values["heap_debug_dir"] = heap_dir if heap_dir.is_absolute() else (Path(model_dir) / heap_dir).resolve()
     engine_dir = Path(values.pop("engine_dir", DEFAULT_ENGINE_DIR)).expanduser()
     if not engine_dir.is_absolute():
         engine_dir = (Path(model_dir) / engine_dir).resolve()

@@ -16,6 +16,7 @@ from functools import partial
 
 import triton_python_backend_utils as pb_utils
 
+from deploy.heap_debug import HeapMonitor
 from deploy.inflight import CancelWatcher, SendQueue
 from deploy.triton_adapter import (
     LogprobsEncoder,
@@ -61,6 +62,9 @@ class TritonPythonModel:
                                                 "{ decoupled: true } in config.pbtxt")
         self.params = parse_parameters(config, args["model_repository"])
         configure_logging(self.params.log_level, args["model_instance_name"])
+        # Heap debugging (heap_debug_dir) starts first, so that everything the model allocates is traced.
+        self.heap = None if self.params.heap_debug_dir is None else \
+            HeapMonitor(self.params.heap_debug_dir, self.params.heap_snapshot_period_s).start()
         # One engine (its own thread, caches and contexts) per model instance; see config.pbtxt for
         # one instance per GPU. A bad bundle or a max_batch_size above the bundle's raises here, and
         # Triton reports the message as the model's load failure.
@@ -69,7 +73,8 @@ class TritonPythonModel:
         name, version = args["model_name"], args["model_version"]
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
-        self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version}).start()
+        self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version},
+                                     heap=None if self.heap is None else self.heap.stats).start()
         # A send that fails means the client is gone: cancel the request (its slot and pages are freed).
         self.sends = SendQueue(lambda request_id, _exc: self.engine.cancel(request_id)).start()
         lim = self.engine.manifest.limits
@@ -120,4 +125,6 @@ class TritonPythonModel:
         self.sends.close()
         self.watcher.stop()
         self.metrics.stop()
+        if self.heap is not None:
+            self.heap.stop()
         log.info("finalize: done")
