@@ -120,3 +120,25 @@ def test_heap_monitor_snapshots_and_compare_name_the_growing_line(tmp_path: Path
     entry = report[f"stub:{os.getpid()}"]
     assert entry["snapshots"] == 2 and entry["diff_bytes"] == total
     assert entry["top_by_line"][0]["where"] == top.where and len(entry["intervals"]) == 1
+
+
+HANG_LOG = """\
+I1201 09:40:47.567601 19854 server.cc:305] "Waiting for in-flight requests to complete."
+I1201 09:40:47.567626 19854 server.cc:321] "Timeout 5: Found 0 model versions that have in-flight inferences"
+I1201 09:40:47.567718 19854 server.cc:336] "All models are stopped, unloading models"
+I1201 09:40:47.567726 19854 server.cc:345] "Timeout 5: Found 1 live models and 0 in-flight non-inference requests"
+I1201 09:40:48.567818 19854 server.cc:345] "Timeout 4: Found 1 live models and 0 in-flight non-inference requests"
+E1201 09:40:52.568489 19854 main.cc:535] "failed to stop server: Internal - Exit timeout expired. Exiting immediately."
+"""
+
+
+def test_unload_hang_is_recognised_only_in_its_upstream_shape() -> None:
+    from loadtests.soak import unload_hang
+
+    hang = unload_hang(HANG_LOG)
+    assert hang == {"exit_timeout_expired": True, "no_inflight_inferences": True, "live_model_waits": 2}
+    # requests still in flight at the timeout: the model's own fault, not the frontend's reference
+    busy = HANG_LOG.replace("Found 0 model versions", "Found 1 model versions")
+    assert not unload_hang(busy)["no_inflight_inferences"]
+    clean = "\n".join(HANG_LOG.splitlines()[:3]) + '\nI1201 server.cc:345] "Timeout 5: Found 0 live models and 0 ..."'
+    assert unload_hang(clean) == {"exit_timeout_expired": False, "no_inflight_inferences": True, "live_model_waits": 0}
