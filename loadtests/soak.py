@@ -16,13 +16,17 @@
 
 Checks: zero failed valid requests; every fault got its expected outcome; server always ready; slots
 and KV pages back to zero after the drain; profile switches == 0 with per_context pinning; no request
-ended in an engine error; end RSS <= max(1.25 x baseline, baseline + 64 MiB); clean shutdown.
+ended in an engine error; end RSS <= max(1.25 x baseline, baseline + 64 MiB); the growth slope of the
+tree's RSS and of each stub's Python heap after the settle time within the budget (loadtests.memory);
+clean shutdown (Triton 2.51's unload hang after late cancels accepted only in its exact shape).
 Printed: requests served, faults by kind, p50/p99 TTFT and ITL, memory, drain; written:
 ``reports/soak_stats.csv`` (and the other locust CSVs), ``reports/soak.html``, ``reports/soak_verdict.json``.
 
 Environment (flags override): USERS (16), DURATION (5m), MULTI_BLOCK (auto|on|off), PROFILE_PINNING
 (per_context|single_context), FAULT_SHARE (0.2), URL, GRPC_URL / METRICS_URL (with URL; default the
-HTTP port + 1 / + 2), REPORTS (reports), SPAWN_RATE, DRAIN_TIMEOUT (60), SOAK_SEED.
+HTTP port + 1 / + 2), REPORTS (reports), SPAWN_RATE, DRAIN_TIMEOUT (60), SOAK_SEED; memory: MEMORY_BUDGET
+(1 MiB/h), MEMORY_FLOOR (1 MiB), MEMORY_SETTLE_S, MEMORY_SAMPLE_S, HEAP_DEBUG (1), HEAP_SNAPSHOT_S;
+FAULT_CANCEL_AFTER_FINAL (1), SERVER_LOG_VERBOSE (0).
 """
 
 from __future__ import annotations
