@@ -65,7 +65,7 @@ def test_short_soak_with_faults_multi_block_on() -> None:
     assert "memory: RSS growth slope within budget" in names, names
     assert any(n.startswith("memory: Python heap of stub:") for n in names), names
     growth = verdict["memory"]["growth"]
-    assert growth["points"] >= 20 and growth["budget_mib_h"] >= MEMORY_FLOOR_MIB * 3600 / growth["window_s"] - 1e-6
+    assert growth["points"] >= 20 and growth["budget_mib_h"] >= 0.99 * MEMORY_FLOOR_MIB * 3600 / growth["window_s"]
     assert (REPORTS / "soak_memory.csv").is_file()
     assert verdict["server"]["parameters"]["multi_block_mode"] == "on"
     assert verdict["server_counters"]["attention_plans"].get("multi_block", 0) > 0, verdict["server_counters"]
