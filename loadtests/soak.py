@@ -65,7 +65,7 @@ from .common import (
 from .memory import proc_stat, process_tree, rss_mib
 
 MEMORY_RATIO = 1.25
-MEMORY_FLOOR_MIB = 64.0
+MEMORY_JUMP_MIB = 64.0  # the end-vs-start jump bound: max(start x MEMORY_RATIO, start + this)
 SHM_MARK = "/dev/shm/triton_python_backend_shm_region_"
 # "Signal (15) received." / "(2)" are the server's own lines on SIGTERM / SIGINT: not crashes.
 CRASH_PATTERNS = re.compile(r"Signal \((?!15\)|2\))\d+\) received|Traceback \(most recent call last\)|"
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> Soak:
         tree_end = process_tree(pid) if pid else {}
         if mem_start and tree_end:
             mem_end = rss_mib(tree_end)
-            report = mem.soak_report(samples, mem_plan, mem_start, mem_end, MEMORY_RATIO, MEMORY_FLOOR_MIB,
+            report = mem.soak_report(samples, mem_plan, mem_start, mem_end, MEMORY_RATIO, MEMORY_JUMP_MIB,
                                      heap_dir if args.heap_debug else None, sampler.t0_wall if sampler else 0.0)
             for name, ok, detail in report.checks:
                 soak.check(name, ok, detail)
@@ -675,7 +675,7 @@ def render(soak: Soak) -> str:
     if m.get("end_mib") is not None:
         lines.append(f"memory (RSS of tritonserver + stubs): {m['start_mib']} MiB after warm-up -> {m['end_mib']} MiB "
                      f"at the end, peak {m['peak_mib']} MiB; jump bound {m['bound_mib']} MiB "
-                     f"= max(start x {MEMORY_RATIO}, start + {MEMORY_FLOOR_MIB:.0f} MiB)")
+                     f"= max(start x {MEMORY_RATIO}, start + {MEMORY_JUMP_MIB:.0f} MiB)")
         lines += d.get("memory_lines", [])
     r = d.get("readiness")
     if r:

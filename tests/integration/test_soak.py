@@ -28,14 +28,14 @@ USERS, DURATION, FAULT_SHARE = 16, "60s", 0.2
 # The slope budget of a 60 s run: at least 4 MiB of fitted growth over its fit window (~1 min after 12 s of
 # settling, i.e. ~240 MiB/h), since RSS moves by allocator arenas and pages that 1 MiB/h cannot be told from
 # in a minute; what it catches is a per-request leak, not a slow creep (the long soak's job).
-MEMORY_FLOOR_MIB = 4
+SLOPE_FLOOR_MIB = 4
 
 
 def test_short_soak_with_faults_multi_block_on() -> None:
     assert (REPO / "engines" / "default" / "manifest.json").is_file(), "build the default engine first (make build)"
     cmd = [sys.executable, "-m", "loadtests.soak", "--users", str(USERS), "--duration", DURATION,
            "--multi-block", "on", "--profile-pinning", "per_context", "--fault-share", str(FAULT_SHARE),
-           "--url", "", "--reports", str(REPORTS), "--progress-every", "20", "--memory-floor", str(MEMORY_FLOOR_MIB)]
+           "--url", "", "--reports", str(REPORTS), "--progress-every", "20", "--memory-floor", str(SLOPE_FLOOR_MIB)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(":")}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -65,7 +65,7 @@ def test_short_soak_with_faults_multi_block_on() -> None:
     assert "memory: RSS growth slope within budget" in names, names
     assert any(n.startswith("memory: Python heap of stub:") for n in names), names
     growth = verdict["memory"]["growth"]
-    assert growth["points"] >= 20 and growth["budget_mib_h"] >= 0.99 * MEMORY_FLOOR_MIB * 3600 / growth["window_s"]
+    assert growth["points"] >= 20 and growth["budget_mib_h"] >= 0.99 * SLOPE_FLOOR_MIB * 3600 / growth["window_s"]
     assert (REPORTS / "soak_memory.csv").is_file()
     assert verdict["server"]["parameters"]["multi_block_mode"] == "on"
     assert verdict["server_counters"]["attention_plans"].get("multi_block", 0) > 0, verdict["server_counters"]
