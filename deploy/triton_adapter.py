@@ -100,6 +100,8 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "intra_op_threads": (_int_at_least(0), "an integer >= 0 (0 = onnxruntime's default)"),
     "device": (_device, "auto, cpu, cuda or cuda:N"),
     "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
+    "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
+    "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
 
 
@@ -117,6 +119,8 @@ class ModelParameters:
     intra_op_threads: int = 0
     device: str = "auto"
     gpu_memory_fraction: float = 0.9
+    heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
+    heap_snapshot_period_s: int = 300
 
     def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
         """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's
@@ -159,6 +163,9 @@ def parse_parameters(model_config: Mapping[str, Any], model_dir: str | Path) -> 
         except ValueError:
             raise ParameterError(f"{where}: parameter {key}={text!r} is invalid; expected {what}. Change "
                                  f'parameters {{ key: "{key}" value {{ string_value: "..." }} }}') from None
+    if "heap_debug_dir" in values:
+        heap_dir = Path(values["heap_debug_dir"]).expanduser()
+        values["heap_debug_dir"] = heap_dir if heap_dir.is_absolute() else (Path(model_dir) / heap_dir).resolve()
     engine_dir = Path(values.pop("engine_dir", DEFAULT_ENGINE_DIR)).expanduser()
     if not engine_dir.is_absolute():
         engine_dir = (Path(model_dir) / engine_dir).resolve()

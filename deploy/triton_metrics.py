@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -44,13 +45,26 @@ LATENCIES = {
     "itl": ("inter_token_latency_seconds", "Time between consecutive tokens of a request"),
 }
 BUCKETS = [b for b in LATENCY_BUCKETS if b != float("inf")]
+# Exported only with heap debugging on (config.pbtxt heap_debug_dir), labelled with the stub's pid: every
+# model instance is its own process, and a soak follows each one's heap.
+HEAP_GAUGES = {
+    "python_heap_bytes": "Python heap traced by tracemalloc in this model instance's process (heap debugging)",
+    "python_heap_peak_bytes": "Peak of the traced Python heap (heap debugging)",
+    "tracemalloc_overhead_bytes": "tracemalloc's own memory, outside the traced heap (heap debugging)",
+}
 
 
 class TritonMetrics:
-    """Owns the model's ``pb.MetricFamily`` objects; ``labels`` go on every metric (model, version)."""
+    """Owns the model's ``pb.MetricFamily`` objects; ``labels`` go on every metric (model, version).
 
-    def __init__(self, pb: Any, snapshot: Callable[[], dict], labels: dict[str, str], period_s: float = 0.5) -> None:
+    ``heap`` (optional, heap debugging): returns the :data:`HEAP_GAUGES` values of this process; they are
+    exported with a ``pid`` label.
+    """
+
+    def __init__(self, pb: Any, snapshot: Callable[[], dict], labels: dict[str, str], period_s: float = 0.5,
+                 heap: Callable[[], dict[str, float]] | None = None) -> None:
         self.pb, self.snapshot, self.labels, self.period_s = pb, snapshot, dict(labels), period_s
+        self.heap = heap
         kinds = pb.MetricFamily
         self.histograms = hasattr(kinds, "HISTOGRAM")  # Triton >= 24.08; else sum + count counters
         self._families: dict[str, Any] = {}
@@ -68,6 +82,9 @@ class TritonMetrics:
             self._family(PREFIX + name, desc, kinds.COUNTER)
         self._family(PREFIX + "requests_rejected_total", "Requests refused at validation, by error code",
                      kinds.COUNTER)
+        if heap is not None:
+            for key, desc in HEAP_GAUGES.items():
+                self._family(PREFIX + key, desc, kinds.GAUGE)
         for name, desc in LATENCIES.values():
             if self.histograms:
                 self._family(PREFIX + name, desc, kinds.HISTOGRAM)
@@ -113,6 +130,11 @@ class TritonMetrics:
             items = value.items() if label else [("", value)]
             for label_value, total in items:
                 self._add(PREFIX + name, float(total), {label: str(label_value)} if label else {})
+        if self.heap is not None:
+            pid = {"pid": str(os.getpid())}
+            for key, value in self.heap().items():
+                if key in HEAP_GAUGES:
+                    self._metric(PREFIX + key, pid).set(float(value))
         with self._lock:
             rejected = dict(self._rejected)
         for code, total in rejected.items():

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .host_memory import resident_zeros
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; raised before anything was allocated, so allocator state is unchanged."""
@@ -163,8 +165,9 @@ class KVCache:
         if len(ids) != layout.num_layers or len(set(ids)) != len(ids):
             raise ValueError(f"need {layout.num_layers} distinct attention layer ids, got {ids}")
         self.layout = layout
-        self._k = {i: np.zeros(layout.buffer_shape, layout.dtype) for i in ids}
-        self._v = {i: np.zeros(layout.buffer_shape, layout.dtype) for i in ids}
+        # resident from the start: a lazily mapped pool would grow the RSS each time usage hits a new high
+        self._k = {i: resident_zeros(layout.buffer_shape, layout.dtype) for i in ids}
+        self._v = {i: resident_zeros(layout.buffer_shape, layout.dtype) for i in ids}
 
     @property
     def layer_ids(self) -> list[int]:

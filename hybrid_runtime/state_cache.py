@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
+from .host_memory import resident_zeros
 
 
 class NoFreeSlot(RuntimeError):
@@ -112,8 +113,9 @@ class StateLayout:
         return (s * self.conv_row_bytes, self.conv_row_bytes), (s * self.recurrent_row_bytes, self.recurrent_row_bytes)
 
     def allocate(self) -> tuple[np.ndarray, np.ndarray]:
-        return (np.zeros((self.rows, *self.conv_shape), self.dtype),
-                np.zeros((self.rows, *self.recurrent_shape), self.dtype))
+        """Zeroed conv and recurrent buffers of one layer, resident from the start (host_memory)."""
+        return (resident_zeros((self.rows, *self.conv_shape), self.dtype),
+                resident_zeros((self.rows, *self.recurrent_shape), self.dtype))
 
 
 class StateCache:

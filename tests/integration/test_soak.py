@@ -3,7 +3,8 @@
 Runs ``python -m loadtests.soak`` as a subprocess (it starts and stops the server itself, on free loopback
 ports) and requires exit code 0 and a passing JSON verdict: no failed valid request, every fault answered
 with its expected error, the server ready throughout, slots and KV pages back to zero after the drain, no
-profile switch, memory within its bound, a clean shutdown. About 1.5 minutes. Reports stay in
+profile switch, memory (the end value within its bound, and the RSS and Python-heap growth slopes within a
+budget suited to 60 s), a clean shutdown. About 1.5 minutes. Reports stay in
 ``reports/ci-soak/`` (locust CSV + HTML, the verdict JSON, the server and locust logs) for a look after a
 failure.
 """
@@ -24,13 +25,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 REPORTS = REPO / "reports" / "ci-soak"
 USERS, DURATION, FAULT_SHARE = 16, "60s", 0.2
+# The slope budget of a 60 s run: at least 4 MiB of fitted growth over its fit window (~1 min after 12 s of
+# settling, i.e. ~240 MiB/h), since RSS moves by allocator arenas and pages that 1 MiB/h cannot be told from
+# in a minute; what it catches is a per-request leak, not a slow creep (the long soak's job).
+SLOPE_FLOOR_MIB = 4
 
 
 def test_short_soak_with_faults_multi_block_on() -> None:
     assert (REPO / "engines" / "default" / "manifest.json").is_file(), "build the default engine first (make build)"
     cmd = [sys.executable, "-m", "loadtests.soak", "--users", str(USERS), "--duration", DURATION,
            "--multi-block", "on", "--profile-pinning", "per_context", "--fault-share", str(FAULT_SHARE),
-           "--url", "", "--reports", str(REPORTS), "--progress-every", "20"]
+           "--url", "", "--reports", str(REPORTS), "--progress-every", "20", "--memory-floor", str(SLOPE_FLOOR_MIB)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(":")}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -55,6 +60,13 @@ def test_short_soak_with_faults_multi_block_on() -> None:
     assert any(k.startswith("cancel_mid_stream") for k in faults) and any(k.startswith("disconnect") for k in faults)
     assert summary["latency"]["ttft"]["count"] == served and summary["latency"]["itl"]["count"] > served
     assert verdict["drain"]["slots_in_use"] == 0 and verdict["drain"]["kv_pages_in_use"] == 0
+    # the memory verdict is by slope, from samples through the run, per process and per stub heap
+    names = {c["name"] for c in verdict["checks"]}
+    assert "memory: RSS growth slope within budget" in names, names
+    assert any(n.startswith("memory: Python heap of stub:") for n in names), names
+    growth = verdict["memory"]["growth"]
+    assert growth["points"] >= 20 and growth["budget_mib_h"] >= 0.99 * SLOPE_FLOOR_MIB * 3600 / growth["window_s"]
+    assert (REPORTS / "soak_memory.csv").is_file()
     assert verdict["server"]["parameters"]["multi_block_mode"] == "on"
     assert verdict["server_counters"]["attention_plans"].get("multi_block", 0) > 0, verdict["server_counters"]
     for name in ("soak_stats.csv", "soak_failures.csv", "soak.html"):

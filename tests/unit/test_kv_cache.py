@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -107,3 +110,23 @@ def test_cache_write_bounds_checked() -> None:
         cache.write(0, [0, 1], 0, x, x[:, :, :2])
     with pytest.raises(ValueError):
         KVCache(KVLayout(4, 4, 1, 4, num_layers=2), layer_ids=[1, 1])
+
+
+def _rss_anon_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_pool_is_resident_at_allocation_not_on_first_use() -> None:
+    # 2 layers x (K + V) x 8 MiB: with np.zeros (calloc) none of it would be resident yet, and the RSS
+    # would grow each time the pages in use reached a new high (the soak's slow growth).
+    layout = KVLayout(num_pages=1024, page_size=16, num_kv_heads=2, head_dim=64, num_layers=2)
+    before = _rss_anon_mib()
+    cache = KVCache(layout)
+    grown = _rss_anon_mib() - before
+    assert grown > 0.9 * layout.total_bytes / 2**20, grown
+    k, v = cache.buffers(0)
+    assert not k.any() and not v.any()

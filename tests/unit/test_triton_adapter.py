@@ -65,12 +65,25 @@ def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
     ("kv_cache_bytes", "lots", "byte count"),
     ("log_level", "chatty", "debug, info, warning, error"),
     ("intra_op_threads", "1.5", "integer >= 0"),
+    ("heap_snapshot_period_s", "0", "integer >= 1"),
 ])
 def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
     with pytest.raises(ParameterError) as e:
         parse_parameters(_config(engine_dir=str(tmp_path), **{key: value}), tmp_path)
     msg = str(e.value)
     assert key in msg and repr(value) in msg and expect in msg and "config.pbtxt" in msg
+
+
+def test_heap_debugging_parameters(tmp_path: Path) -> None:
+    model_dir = tmp_path / "hybrid_llm"
+    model_dir.mkdir()
+    off = parse_parameters(_config(engine_dir=str(tmp_path), heap_debug_dir=""), model_dir)
+    assert off.heap_debug_dir is None and off.heap_snapshot_period_s == 300
+    on = parse_parameters(_config(engine_dir=str(tmp_path), heap_debug_dir="heap", heap_snapshot_period_s="60"),
+                          model_dir)
+    assert on.heap_debug_dir == (model_dir / "heap").resolve() and on.heap_snapshot_period_s == 60
+    assert parse_parameters(_config(engine_dir=str(tmp_path), heap_debug_dir=str(tmp_path / "h")),
+                            model_dir).heap_debug_dir == tmp_path / "h"
 
 
 def test_unknown_parameter_and_missing_engine_dir(tmp_path: Path) -> None:
@@ -520,3 +533,16 @@ def test_model_py_sends_logprobs_and_prompt_length(model) -> None:
         assert d["top_logprobs"][0]["logprob"] >= d["top_logprobs"][1]["logprob"]
         assert d["top_logprobs"][0]["token_id"] == d["token_id"]  # greedy
     assert outs[-1]["num_input_tokens"].tolist() == [len(tok.encode("The quick brown fox 🙂"))]
+
+
+def test_heap_gauges_carry_the_stub_pid_and_only_with_heap_debugging() -> None:
+    import os
+
+    REGISTRY.clear()
+    TritonMetrics(types.SimpleNamespace(MetricFamily=FakeFamily), dict, {"model": "m"}).update()
+    assert "hybrid_llm_python_heap_bytes" not in REGISTRY
+    heap = {"python_heap_bytes": 5e6, "python_heap_peak_bytes": 6e6, "tracemalloc_overhead_bytes": 1e6, "other": 1}
+    TritonMetrics(types.SimpleNamespace(MetricFamily=FakeFamily), dict, {"model": "m"}, heap=lambda: heap).update()
+    assert _value("hybrid_llm_python_heap_bytes", pid=str(os.getpid()), model="m") == 5e6
+    assert _value("hybrid_llm_tracemalloc_overhead_bytes", pid=str(os.getpid())) == 1e6
+    assert "hybrid_llm_other" not in REGISTRY

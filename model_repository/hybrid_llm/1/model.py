@@ -26,6 +26,7 @@ for _entry in reversed([p for p in os.environ.get("HYBRID_LLM_SYS_PATH", "").spl
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from deploy.heap_debug import HeapMonitor  # noqa: E402
 from deploy.inflight import CancelWatcher, SendQueue  # noqa: E402
 from deploy.triton_adapter import (  # noqa: E402
     LogprobsEncoder,
@@ -71,6 +72,9 @@ class TritonPythonModel:
                                                 "{ decoupled: true } in config.pbtxt")
         self.params = parse_parameters(config, args["model_repository"])
         configure_logging(self.params.log_level, args["model_instance_name"])
+        # Heap debugging (heap_debug_dir) starts first, so that everything the model allocates is traced.
+        self.heap = None if self.params.heap_debug_dir is None else \
+            HeapMonitor(self.params.heap_debug_dir, self.params.heap_snapshot_period_s).start()
         import numpy
 
         if int(numpy.__version__.split(".")[0]) >= 2:  # measured with nvidia-pytriton 0.7.0's stub: deploy/README.md
@@ -88,7 +92,8 @@ class TritonPythonModel:
         self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
-        self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version}).start()
+        self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version},
+                                     heap=None if self.heap is None else self.heap.stats).start()
         # A send that fails means the client is gone: cancel the request (its slot and pages are freed).
         self.sends = SendQueue(lambda request_id, _exc: self.engine.cancel(request_id)).start()
         lim = self.engine.manifest.limits
@@ -157,4 +162,6 @@ class TritonPythonModel:
         self.sends.close()
         self.watcher.stop()
         self.metrics.stop()
+        if self.heap is not None:
+            self.heap.stop()
         log.info("finalize: done")

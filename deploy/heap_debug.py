@@ -1,0 +1,134 @@
+"""Heap debugging inside the model's process (the Python-backend stub), for soaks that look for growth.
+
+With config.pbtxt's ``heap_debug_dir`` set, the model starts :mod:`tracemalloc` at the top of
+``initialize`` (so everything the model allocates is traced, numpy buffers included: numpy reports its
+data allocations to tracemalloc), exports the traced size as a gauge and writes a snapshot to
+``<dir>/heap-<pid>-<seq>.tracemalloc`` every ``period_s``. ``python -m loadtests.soak`` compares them
+(:func:`compare`). Off by default: tracing costs CPU on every Python allocation and memory per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("deploy.heap_debug")
+
+SNAPSHOT_GLOB = "heap-*.tracemalloc"
+
+
+class HeapMonitor:
+    """tracemalloc with ``frames`` frames per trace, a snapshot every ``period_s`` into ``directory``.
+
+    :meth:`stats` is cheap (two counters) and safe from any thread; snapshots are taken on this monitor's
+    own thread (each one holds the GIL for as long as it takes to copy the traces).
+    """
+
+    def __init__(self, directory: Path, period_s: float = 300.0, frames: int = 12) -> None:
+        if period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.directory, self.period_s, self.frames = Path(directory), period_s, frames
+        self.snapshots = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HeapMonitor:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(self.frames)
+        self._thread = threading.Thread(target=self._run, name="hybrid-heap-debug", daemon=True)
+        self._thread.start()
+        log.warning("heap debugging on: tracemalloc (%d frames), snapshots every %.0f s into %s",
+                    self.frames, self.period_s, self.directory)
+        return self
+
+    def stats(self) -> dict[str, float]:
+        """Bytes traced now, their peak, and tracemalloc's own memory (not part of the traced size)."""
+        if not tracemalloc.is_tracing():
+            return {}
+        current, peak = tracemalloc.get_traced_memory()
+        return {"python_heap_bytes": float(current), "python_heap_peak_bytes": float(peak),
+                "tracemalloc_overhead_bytes": float(tracemalloc.get_tracemalloc_memory())}
+
+    def snapshot(self) -> Path:
+        """Write one snapshot now (atomically: a reader never sees half a file); returns its path."""
+        self.snapshots += 1
+        path = self.directory / f"heap-{os.getpid()}-{self.snapshots:05d}.tracemalloc"
+        t0 = time.perf_counter()
+        snap = tracemalloc.take_snapshot()
+        tmp = path.with_suffix(".partial")
+        snap.dump(str(tmp))
+        tmp.replace(path)
+        log.info("heap snapshot %s: %d traces in %.2f s", path.name, len(snap.traces), time.perf_counter() - t0)
+        return path
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.snapshot()
+            except Exception as e:  # debugging must never take the model down
+                log.warning("heap snapshot failed: %s", e)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        tracemalloc.stop()
+
+
+# ---- reading snapshots (the soak runner) -------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SnapshotFile:
+    path: Path
+    pid: int
+    seq: int
+    mtime: float
+
+
+def snapshot_files(directory: Path) -> list[SnapshotFile]:
+    """The snapshots in ``directory``, by pid then sequence number."""
+    out = []
+    for p in Path(directory).glob(SNAPSHOT_GLOB):
+        _, pid, seq = p.stem.split("-")
+        out.append(SnapshotFile(p, int(pid), int(seq), p.stat().st_mtime))
+    return sorted(out, key=lambda f: (f.pid, f.seq))
+
+
+def _load(path: Path) -> tracemalloc.Snapshot:
+    # tracemalloc's own bookkeeping and the snapshot machinery are not the model's heap
+    return tracemalloc.Snapshot.load(str(path)).filter_traces(
+        (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")))
+
+
+@dataclass(frozen=True, slots=True)
+class Grower:
+    """One allocation site whose traced size changed between two snapshots."""
+
+    where: str  # "file:line" of the allocating frame, or the traceback's frames joined by " <- "
+    size_diff: int
+    count_diff: int
+    size: int
+    count: int
+
+
+def compare(old: Path, new: Path, top: int = 10, key: str = "lineno") -> tuple[int, list[Grower]]:
+    """(total traced-size difference in bytes, the ``top`` sites by size growth) between two snapshots.
+
+    ``key`` is tracemalloc's grouping: ``lineno`` (the allocating line) or ``traceback`` (the whole stack).
+    """
+    a, b = _load(old), _load(new)
+    stats = b.compare_to(a, key)
+    total = sum(s.size_diff for s in stats)
+    growers = []
+    for s in sorted(stats, key=lambda s: s.size_diff, reverse=True)[:top]:
+        # tracemalloc orders a traceback oldest frame first; the allocating frame is the last
+        frames = [f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in reversed(s.traceback)]
+        where = frames[0] if key == "lineno" else " <- ".join(frames[:6])
+        growers.append(Grower(where, s.size_diff, s.count_diff, s.size, s.count))
+    return total, growers

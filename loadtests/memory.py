@@ -1,0 +1,411 @@
+"""Memory of the server through a soak: samples of the process tree, a growth slope, and its verdict.
+
+* :func:`process_tree`, :func:`rss_mib` — the tritonserver process and its descendants (the Python-backend
+  stubs) from /proc, and their summed resident set.
+* :class:`MemorySampler` — a thread that records, every ``period_s``, the RSS of every process of the tree
+  and (when the model runs with ``heap_debug_dir``) each stub's traced Python heap from the metrics port.
+* :func:`theil_sen` — the growth slope of a series: the median of the pairwise slopes, which the transient
+  peaks of long prompts in flight do not pull the way they pull a least-squares fit.
+* :func:`growth_verdict` — the slope after the settle period against a budget in MiB per hour. The budget
+  never asks for less than ``floor_mib`` of fitted growth over the window: a 60 s run cannot resolve
+  1 MiB/h (RSS moves by pages and allocator arenas), so its budget is ``floor_mib`` per window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HOUR = 3600.0
+
+
+# ---- /proc --------------------------------------------------------------------------------------------
+
+def proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time) of ``pid`` or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """pid -> start time of ``root`` and all its descendants (live ones)."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        st = proc_stat(int(entry.name))
+        if st is None or st[1] == "Z":
+            continue
+        parents.setdefault(st[0], []).append(int(entry.name))
+        starts[int(entry.name)] = st[2]
+    if root not in starts:
+        return {}
+    out, todo = {}, [root]
+    while todo and len(out) < 10_000:
+        pid = todo.pop()
+        if pid in out:
+            continue
+        out[pid] = starts[pid]
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+def status_kib(pid: int, keys: Sequence[str] = ("VmRSS",)) -> dict[str, int]:
+    """Fields of /proc/<pid>/status in KiB (empty when the process is gone)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in keys:
+                out[key] = int(rest.split()[0])
+    return out
+
+
+def rss_mib(pids: Sequence[int] | dict[int, int]) -> float:
+    return sum(status_kib(pid).get("VmRSS", 0) for pid in pids) / 1024.0
+
+
+def process_name(pid: int) -> str:
+    """``tritonserver`` / ``stub`` (a Python-backend stub) / the command's base name."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except (OSError, IndexError):
+        return "?"
+    name = argv0.rsplit("/", 1)[-1]
+    return "stub" if name == "triton_python_backend_stub" else name
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Sample:
+    """One reading: seconds since the sampler's start, RSS (MiB) of the whole tree and per process
+    (``"<name>:<pid>"``), and the traced Python heap (MiB) per stub pid when the model exports it."""
+
+    t_s: float
+    total_mib: float
+    rss_mib: dict[str, float]
+    heap_mib: dict[str, float] = field(default_factory=dict)
+    # "<name>:<pid>" -> (RssAnon, RssShmem) in MiB: malloc'd memory vs the Python backend's shm region
+    split_mib: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+HeapReader = Callable[[], dict[str, float]]
+
+
+class MemorySampler(threading.Thread):
+    """Samples the tree of ``root`` every ``period_s`` until :meth:`stop`; ``heap()`` (optional) returns
+    pid -> traced Python heap in MiB (read from the model's ``hybrid_llm_python_heap_bytes`` gauge)."""
+
+    def __init__(self, root: int, period_s: float, heap: HeapReader | None = None) -> None:
+        super().__init__(name="soak-memory", daemon=True)
+        self.root, self.period_s, self.heap = root, period_s, heap
+        self.samples: list[Sample] = []
+        self.t0, self.t0_wall = time.monotonic(), time.time()
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+
+    def sample(self) -> Sample | None:
+        tree = process_tree(self.root)
+        if not tree:
+            return None
+        status = {f"{process_name(p)}:{p}": status_kib(p, ("VmRSS", "RssAnon", "RssShmem")) for p in sorted(tree)}
+        per = {k: round(v.get("VmRSS", 0) / 1024.0, 2) for k, v in status.items()}
+        split = {k: (round(v.get("RssAnon", 0) / 1024.0, 2), round(v.get("RssShmem", 0) / 1024.0, 2))
+                 for k, v in status.items()}
+        heap: dict[str, float] = {}
+        if self.heap is not None:
+            with contextlib.suppress(Exception):  # a late or unanswered scrape only loses this reading
+                heap = {k: round(v, 3) for k, v in self.heap().items()}
+        s = Sample(round(time.monotonic() - self.t0, 1), round(sum(per.values()), 2), per, heap, split)
+        with self._lock:
+            self.samples.append(s)
+        return s
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            t = time.monotonic()
+            self.sample()
+            self._halt.wait(max(0.0, self.period_s - (time.monotonic() - t)))
+
+    def stop(self) -> list[Sample]:
+        self._halt.set()
+        if self.is_alive():
+            self.join(self.period_s + 10)
+        with self._lock:
+            return list(self.samples)
+
+
+# ---- fit and verdict ------------------------------------------------------------------------------------
+
+def theil_sen(points: Sequence[tuple[float, float]], max_points: int = 800) -> float:
+    """Median of the pairwise slopes (y per x) of ``points``; evenly thinned to ``max_points`` first."""
+    if len(points) > max_points:
+        step = len(points) / max_points
+        points = [points[int(i * step)] for i in range(max_points)]
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    if not slopes:
+        raise ValueError("a slope needs two points at different times")
+    return statistics.median(slopes)
+
+
+def least_squares(points: Sequence[tuple[float, float]]) -> float:
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        raise ValueError("a slope needs two points at different times")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """The growth of one series after ``settle_s``: slopes in MiB/h and the verdict against the budget."""
+
+    name: str
+    points: int
+    window_s: float
+    first_mib: float  # median of the window's first tenth
+    last_mib: float  # median of its last tenth
+    peak_mib: float
+    slope_mib_h: float  # Theil-Sen
+    lsq_slope_mib_h: float
+    budget_mib_h: float  # the stated budget, or floor_mib per window when the window is short
+    ok: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+    def line(self) -> str:
+        return (f"{self.name}: slope {self.slope_mib_h:+.2f} MiB/h (least squares {self.lsq_slope_mib_h:+.2f}) over "
+                f"{self.window_s / 60:.1f} min after warm-up ({self.points} samples), {self.first_mib:.1f} -> "
+                f"{self.last_mib:.1f} MiB, peak {self.peak_mib:.1f}; budget {self.budget_mib_h:.2f} MiB/h")
+
+
+def effective_budget(budget_mib_h: float, floor_mib: float, window_s: float) -> float:
+    """``budget_mib_h``, or the slope that gives ``floor_mib`` over the window when that is larger."""
+    return max(budget_mib_h, floor_mib * HOUR / window_s) if window_s > 0 else float("inf")
+
+
+def growth_verdict(name: str, series: Sequence[tuple[float, float]], settle_s: float, budget_mib_h: float,
+                   floor_mib: float) -> Growth | None:
+    """Fit ``series`` ((seconds, MiB) pairs) after ``settle_s``; None when fewer than 4 points remain."""
+    pts = sorted((t, v) for t, v in series if t >= settle_s)
+    if len(pts) < 4 or pts[-1][0] <= pts[0][0]:
+        return None
+    window = pts[-1][0] - pts[0][0]
+    slope = theil_sen(pts) * HOUR
+    budget = effective_budget(budget_mib_h, floor_mib, window)
+    tenth = max(1, len(pts) // 10)
+    return Growth(name, len(pts), round(window, 1), round(statistics.median(v for _, v in pts[:tenth]), 2),
+                  round(statistics.median(v for _, v in pts[-tenth:]), 2), round(max(v for _, v in pts), 2),
+                  round(slope, 3), round(least_squares(pts) * HOUR, 3), round(budget, 3), slope <= budget)
+
+
+def series_of(samples: Sequence[Sample], key: str | None = None, heap: bool = False,
+              part: int | None = None) -> list[tuple[float, float]]:
+    """(t, MiB) of the tree total (``key`` None), of one process ``key``, with ``heap`` of one heap, or with
+    ``part`` (0 anonymous, 1 shared memory) of that part of one process's RSS."""
+    out = []
+    for s in samples:
+        if part is not None:
+            if key in s.split_mib:
+                out.append((s.t_s, s.split_mib[key][part]))
+        elif heap:
+            if key in s.heap_mib:
+                out.append((s.t_s, s.heap_mib[key]))
+        elif key is None:
+            out.append((s.t_s, s.total_mib))
+        elif key in s.rss_mib:
+            out.append((s.t_s, s.rss_mib[key]))
+    return out
+
+
+def summary_rows(samples: Sequence[Sample], rows: int = 12) -> list[Sample]:
+    """About ``rows`` evenly spaced samples (first and last included) for a printed table."""
+    if len(samples) <= rows:
+        return list(samples)
+    step = (len(samples) - 1) / (rows - 1)
+    return [samples[round(i * step)] for i in range(rows)]
+
+
+def write_csv(samples: Sequence[Sample], path: Path) -> None:
+    """One row per sample: t_s, total_mib, then RSS per process, heap per stub, then the anonymous and shared
+    parts of each process's RSS (empty when absent)."""
+    procs = sorted({k for s in samples for k in s.rss_mib})
+    heaps = sorted({k for s in samples for k in s.heap_mib})
+    lines = [",".join(["t_s", "total_rss_mib", *(f"rss_mib:{p}" for p in procs), *(f"heap_mib:{h}" for h in heaps),
+                       *(f"{part}_mib:{p}" for p in procs for part in ("anon", "shmem"))])]
+    for s in samples:
+        split = [f"{s.split_mib[p][i]:g}" if p in s.split_mib else "" for p in procs for i in (0, 1)]
+        lines.append(",".join([f"{s.t_s:g}", f"{s.total_mib:g}", *(f"{s.rss_mib[p]:g}" if p in s.rss_mib else ""
+                                                                   for p in procs),
+                               *(f"{s.heap_mib[h]:g}" if h in s.heap_mib else "" for h in heaps), *split]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+# ---- the soak's memory checks -------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a soak samples and judges memory (all times in seconds)."""
+
+    sample_s: float  # sampling period
+    settle_s: float  # the fit starts this long after warm-up
+    budget_mib_h: float  # allowed growth slope
+    floor_mib: float  # ... but never less than this much fitted growth over the window
+    heap_snapshot_s: int  # heap snapshots period in the model (heap debugging)
+
+    @classmethod
+    def for_duration(cls, duration_s: float, sample_s: float = 0.0, settle_s: float = -1.0, budget_mib_h: float = 1.0,
+                     floor_mib: float = 1.0, heap_snapshot_s: int = 0) -> Plan:
+        """Defaults from the run's length: a sample every duration/360 s (1..10 s), the fit after the first
+        20 % of the run (at most 10 minutes), a heap snapshot every duration/12 s (10..600 s)."""
+        return cls(sample_s or min(10.0, max(1.0, duration_s / 360)),
+                   settle_s if settle_s >= 0 else min(600.0, 0.2 * duration_s), budget_mib_h, floor_mib,
+                   heap_snapshot_s or int(min(600, max(10, duration_s // 12))))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class Report:
+    """The memory part of a soak verdict: checks as (name, ok, detail), data for the JSON, text lines."""
+
+    checks: list[tuple[str, bool, str]] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+
+def heap_report(directory: Path, t0_wall: float, settle_s: float, top: int = 10) -> dict[str, Any]:
+    """Compare each stub's heap snapshots: the first one after ``settle_s`` with the last one (top sites by
+    line and by traceback), and every interval's traced total. Snapshot times are seconds after ``t0_wall``."""
+    from deploy.heap_debug import compare, snapshot_files
+
+    out: dict[str, Any] = {}
+    files = snapshot_files(directory)
+    for pid in sorted({f.pid for f in files}):
+        mine = [f for f in files if f.pid == pid]
+        after = [f for f in mine if f.mtime - t0_wall >= settle_s] or mine[-1:]
+        base, last = after[0], mine[-1]
+        entry: dict[str, Any] = {"snapshots": len(mine), "base": base.path.name,
+                                 "base_t_s": round(base.mtime - t0_wall, 1), "last": last.path.name,
+                                 "last_t_s": round(last.mtime - t0_wall, 1)}
+        if last.seq > base.seq:
+            total, by_line = compare(base.path, last.path, top, "lineno")
+            _, by_stack = compare(base.path, last.path, max(3, top // 2), "traceback")
+            entry |= {"diff_bytes": total, "top_by_line": [_grower(g) for g in by_line],
+                      "top_by_traceback": [_grower(g) for g in by_stack]}
+            steps = []
+            for a, b in itertools.pairwise(after):
+                diff, grow = compare(a.path, b.path, 1, "lineno")
+                steps.append({"t_s": round(b.mtime - t0_wall, 1), "diff_bytes": diff,
+                              "top": _grower(grow[0]) if grow else None})
+            entry["intervals"] = steps
+        out[f"stub:{pid}"] = entry
+    return out
+
+
+def _grower(g: Any) -> dict[str, Any]:
+    return {"where": g.where, "size_diff": g.size_diff, "count_diff": g.count_diff, "size": g.size, "count": g.count}
+
+
+def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib: float, ratio: float,
+                floor_jump_mib: float, heap_dir: Path | None = None, t0_wall: float = 0.0) -> Report:
+    """Every memory check of a soak: the end RSS within max(ratio x start, start + floor_jump_mib) (a jump),
+    the RSS growth slope of the tree within the plan's budget (slow growth), and each stub's traced Python
+    heap slope within the same budget when the model exported it (heap debugging); with ``heap_dir``, the
+    heap snapshots compared as well."""
+    rep = Report()
+    bound = max(start_mib * ratio, start_mib + floor_jump_mib)
+    peak = max([end_mib, start_mib, *(s.total_mib for s in samples)])
+    rep.checks.append(("memory: end RSS within bound", end_mib <= bound,
+                       f"{start_mib:.1f} MiB after warm-up -> {end_mib:.1f} MiB at the end (peak {peak:.1f}); bound "
+                       f"max(x{ratio}, +{floor_jump_mib:.0f} MiB) = {bound:.1f} MiB"))
+    total = growth_verdict("RSS of the tritonserver tree", series_of(samples), plan.settle_s, plan.budget_mib_h,
+                           plan.floor_mib)
+    budget_text = (f"budget {plan.budget_mib_h:g} MiB/h, at least {plan.floor_mib:g} MiB over the window; "
+                   f"fit after the first {plan.settle_s:.0f} s")
+    if total is None:
+        rep.checks.append(("memory: RSS growth slope within budget", False,
+                           f"only {len(samples)} samples: too few after {plan.settle_s:.0f} s to fit a slope"))
+    else:
+        rep.checks.append(("memory: RSS growth slope within budget", total.ok, f"{total.line()} ({budget_text})"))
+    per_process = {}
+    for key in sorted({k for s in samples for k in s.rss_mib}):
+        g = growth_verdict(f"RSS {key}", series_of(samples, key), plan.settle_s, plan.budget_mib_h, plan.floor_mib)
+        if g is not None:
+            per_process[key] = g.as_dict()
+            for part, label in ((0, "anon"), (1, "shmem")):
+                gp = growth_verdict(f"{label} {key}", series_of(samples, key, part=part), plan.settle_s,
+                                    plan.budget_mib_h, plan.floor_mib)
+                if gp is not None:
+                    per_process[key][f"{label}_slope_mib_h"] = gp.slope_mib_h
+                    per_process[key][f"{label}_last_mib"] = gp.last_mib
+    heaps = {}
+    for key in sorted({k for s in samples for k in s.heap_mib}):
+        g = growth_verdict(f"Python heap {key}", series_of(samples, key, heap=True), plan.settle_s,
+                           plan.budget_mib_h, plan.floor_mib)
+        if g is None:
+            continue
+        heaps[key] = g.as_dict()
+        rep.checks.append((f"memory: Python heap of {key} within budget", g.ok, f"{g.line()} ({budget_text})"))
+    rep.data = {"start_mib": round(start_mib, 1), "end_mib": round(end_mib, 1), "peak_mib": round(peak, 1),
+                "bound_mib": round(bound, 1), "plan": plan.as_dict(),
+                "growth": None if total is None else total.as_dict(), "per_process": per_process,
+                "python_heap": heaps, "samples": len(samples),
+                "series": [[s.t_s, s.total_mib, s.rss_mib, s.heap_mib] for s in summary_rows(samples, 24)]}
+    if heap_dir is not None and heap_dir.is_dir():
+        try:
+            rep.data["heap_snapshots"] = heap_report(heap_dir, t0_wall, plan.settle_s)
+        except Exception as e:  # a broken snapshot must not hide the other checks
+            rep.data["heap_snapshots"] = {"error": f"{type(e).__name__}: {e}"}
+    rep.lines = render(rep.data)
+    return rep
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """The memory lines of the printed verdict: the series (about 12 rows), the slopes, heap growers."""
+    lines = []
+    series = data.get("series") or []
+    if series:
+        procs = sorted({k for row in series for k in row[2]})
+        heaps = sorted({k for row in series for k in row[3]})
+        head = f"  {'t (s)':>8s} {'tree':>8s} " + " ".join(f"{p:>18s}" for p in procs) + \
+            "".join(f" {'heap ' + h:>18s}" for h in heaps)
+        lines += ["memory series (RSS MiB; Python heap MiB with heap debugging; all samples in soak_memory.csv):",
+                  head]
+        step = max(1, len(series) // 12)
+        for row in series[::step] + ([series[-1]] if (len(series) - 1) % step else []):
+            lines.append(f"  {row[0]:8.0f} {row[1]:8.1f} " + " ".join(f"{row[2].get(p, float('nan')):18.1f}"
+                                                                  for p in procs)
+                         + "".join(f" {row[3].get(h, float('nan')):18.2f}" for h in heaps))
+    g = data.get("growth")
+    if g:
+        lines.append(f"memory growth: tree {g['slope_mib_h']:+.2f} MiB/h (budget {g['budget_mib_h']:.2f}); "
+                     + "; ".join(f"{k} {v['slope_mib_h']:+.2f} (anon {v.get('anon_slope_mib_h', float('nan')):+.2f}, "
+                                 f"shmem {v.get('shmem_slope_mib_h', float('nan')):+.2f})"
+                                 for k, v in data.get("per_process", {}).items())
+                     + "".join(f"; heap {k} {v['slope_mib_h']:+.3f} MiB/h" for k, v in
+                               data.get("python_heap", {}).items()))
+    for key, h in (data.get("heap_snapshots") or {}).items():
+        if not isinstance(h, dict) or "diff_bytes" not in h:
+            continue
+        lines.append(f"heap snapshots of {key}: {h['base']} (t={h['base_t_s']} s) -> {h['last']} "
+                     f"(t={h['last_t_s']} s): {h['diff_bytes'] / 1024:+.1f} KiB traced; top growth by line:")
+        for gr in h["top_by_line"][:5]:
+            lines.append(f"    {gr['size_diff'] / 1024:+9.1f} KiB {gr['count_diff']:+7d} blocks  {gr['where']}")
+    return lines
