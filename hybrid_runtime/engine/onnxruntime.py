@@ -29,6 +29,10 @@ log = logging.getLogger("hybrid_runtime.engine")
 Bank = np.ndarray  # flat float32 storage shared by the segments of one parity
 
 
+# Output views are kept (the same objects every run: no rebinding) for steps of up to this many tokens.
+_VIEW_CACHE_TOKENS = 256
+
+
 class OrtContext(ExecutionContext):
     """A segment bound to a profile through its own IOBinding, writing into a bank of output buffers."""
 
@@ -59,7 +63,8 @@ class OrtContext(ExecutionContext):
                 view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
                 outs[name] = view if width else view[:, 0]
                 offset += size
-            self._views[n] = outs
+            if n <= _VIEW_CACHE_TOKENS:  # decode sizes; a prefill size's views are made per run (one dict per
+                self._views[n] = outs  # token count seen would only grow over a server's life)
         for name, view in outs.items():
             b.output(name, view)
         b.run()

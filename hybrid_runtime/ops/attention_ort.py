@@ -104,7 +104,8 @@ class OrtAttention:
         self._bd = Binding(cpu_session(_graph(self.H, self.Hkv, self.hd, self.G2), session_options(intra_op_threads)))
         self._scale = np.array(1.0 / np.sqrt(head_dim), np.float32)
         self._last: tuple | None = None  # (key, kidx, mask, shapes) of the last call: the layers of a step share it
-        self._outs: dict[tuple[int, int], np.ndarray] = {}  # (B, Tq) -> output buffer, valid until the next call
+        self._outs: dict[tuple[int, int], np.ndarray] = {}  # (B, 1) -> decode output buffer, valid until the next call
+        self._prefill_out = np.empty(0, np.float32)  # prefill outputs are views of this (grown, never shrunk)
 
     def kernels(self) -> dict[str, Kernel]:
         """Both dispatcher kernels; they compute the same fixed-chunk partials whatever the plan."""
@@ -176,7 +177,12 @@ class OrtAttention:
             self._last = (key, *self._indices(B, Tq, ps, page_tables, key_lens, first_pos, num_q))
         _, kidx, mask, shapes = self._last
         out = self._outs.get((B, Tq))
-        if out is None:  # kept per shape: the same object every call, no rebinding
+        if out is None and Tq > 1:  # prefill: a view of one buffer grown to the largest step (a buffer per
+            n = B * Tq * self.H * hd  # (batch, chunk) shape would only grow over a server's life)
+            if self._prefill_out.size < n:
+                self._prefill_out = np.empty(n, np.float32)
+            out = self._prefill_out[:n].reshape(B, Tq, self.H, hd)
+        elif out is None:  # decode shapes (one per batch size): the same object every call, no rebinding
             out = self._outs[(B, Tq)] = np.empty((B, Tq, self.H, hd), np.float32)
         bd = self._bd
         rows = (k_buf.shape[0] * ps * Hkv, hd)

@@ -333,6 +333,9 @@ class MoE:
             return out
         self._binding.input("h", h)
         pairs = self._pairs.get(T)
+        if pairs is None and T > _KEEP_TOKENS:  # prefill sizes: made per call (a cache per size would only grow)
+            R = T * self.cfg.num_experts_per_tok
+            pairs = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
         if pairs is None:
             R = T * self.top_k
             pairs = self._pairs[T] = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
