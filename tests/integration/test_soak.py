@@ -25,10 +25,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 REPORTS = REPO / "reports" / "ci-soak"
 USERS, DURATION, FAULT_SHARE = 16, "60s", 0.2
-# The slope budget of a 60 s run: at least 4 MiB of fitted growth over its fit window (~1 min after 12 s of
-# settling, i.e. ~240 MiB/h), since RSS moves by allocator arenas and pages that 1 MiB/h cannot be told from
-# in a minute; what it catches is a per-request leak, not a slow creep (the long soak's job).
-SLOPE_FLOOR_MIB = 4
+# The slope budget of a 60 s run: at least 16 MiB of fitted growth over its fit window (1-2 min after 12 s of
+# settling, i.e. 500-1000 MiB/h). Within two minutes of warm-up the stub's RSS still steps up as new batch
+# shapes reach new allocator highs, and a long prompt in flight holds +20 MiB for a third of the window
+# (seen: 4 MiB budgets failed on such steps with a flat Python heap); so what it catches is a gross
+# per-request leak, not a slow creep, which is the long soak's job.
+SLOPE_FLOOR_MIB = 16
 
 
 def test_short_soak_with_faults_multi_block_on() -> None:
