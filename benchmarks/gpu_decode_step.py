@@ -65,7 +65,7 @@ def manifest_for(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, pag
 def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: list[int], seed: int = 0
           ) -> tuple[Any, Any, dict[str, float]]:
     """Backend + runner on random device weights, KV and state filled; graphs captured for ``buckets``."""
-    from hybrid_runtime.cuda.backend import CudaBackend
+    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
     from hybrid_runtime.cuda.weights import DeviceWeights
@@ -76,9 +76,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
     mod = load_module("fused.cu", ("-DDT=2",), dev.arch)
 
     def fill(a: Any, s: int, scale: float, offset: float = 0.0) -> None:
-        kern = mod.kernel("fill_random_f32" if a.dtype.name == "float32" else "fill_random")
-        kern.launch(dev, (4096, 1, 1), (256, 1, 1), 0, [("ptr", a.ptr), ("i64", a.size), ("u64", s), ("f32", scale),
-                                                        ("f32", offset)])
+        fill_random(dev, mod, a, s, scale, offset)
 
     m = manifest_for(cfg, max_batch, max_seq_len, num_pages)
     w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)

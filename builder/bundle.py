@@ -18,15 +18,23 @@ from pathlib import Path
 import onnx
 import onnxruntime
 
-from hybrid_runtime.config import DUMMY_WEIGHTS, MANIFEST_VERSION, ConfigError, Limits, Manifest, SegmentSpec
+from hybrid_runtime.config import (
+    DUMMY_WEIGHTS,
+    MANIFEST_VERSION,
+    ConfigError,
+    Limits,
+    Manifest,
+    ModelConfig,
+    SegmentSpec,
+)
 from hybrid_runtime.ops.moe import fuse_gate_up
 from hybrid_runtime.pipeline import plan_segments, state_weight_names
-from hybrid_runtime.program import experts_gate_up
+from hybrid_runtime.program import PROGRAM_VERSION, experts_gate_up
 from hybrid_runtime.quant import is_quantized
 from hybrid_runtime.weights_io import save_safetensors
 
 from . import quant_bundle, workarounds
-from .checkpoint import Checkpoint, load_weights
+from .checkpoint import Checkpoint, load_hf_config, load_weights
 from .segments import build_segment
 
 BACKENDS = ("onnxruntime", "tensorrt", "cuda")
@@ -104,22 +112,27 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
         raise ConfigError(f"unknown dtype {opts.dtype!r}: choose float32, float16 or bfloat16")
     t0 = time.perf_counter()
     limits = opts.limits()
-    if opts.dummy_weights:
-        if opts.backend != "cuda":
-            raise ConfigError("--dummy-weights is for --backend cuda only (the weights are generated on the GPU)")
-        return _build_cuda_dummy(Path(checkpoint), Path(output), opts, limits, progress, t0)
-    ckpt = Checkpoint(checkpoint)
-    cfg = ckpt.config
+    if opts.dummy_weights and opts.backend != "cuda":
+        raise ConfigError("--dummy-weights is for --backend cuda only (the weights are generated on the GPU)")
+    if opts.dummy_weights:  # config and tokenizer only: no weights are read
+        if not (Path(checkpoint) / "config.json").is_file():
+            raise ConfigError(f"{checkpoint}: no config.json")
+        ckpt, cfg = None, load_hf_config(Path(checkpoint))[0]
+    else:
+        ckpt = Checkpoint(checkpoint)
+        cfg = ckpt.config
     if limits.max_seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
+    if ckpt is None:
+        return _build_cuda(None, cfg, Path(checkpoint), Path(output), opts, limits, progress, t0)
     trt_target = None
     if ckpt.quant is not None and opts.backend != "onnxruntime":
         raise ConfigError(f"--backend {opts.backend}: GPTQ int{ckpt.quant.bits} checkpoints are not implemented "
                           f"for this backend yet (the GPU W4A16 / W8A16 kernels are the GPU part of the GPTQ "
                           f"issue); build with --backend onnxruntime (CPU, com.microsoft.MatMulNBits)")
     if opts.backend == "cuda":
-        return _build_cuda(ckpt, Path(checkpoint), Path(output), opts, limits, progress, t0)
+        return _build_cuda(ckpt, cfg, Path(checkpoint), Path(output), opts, limits, progress, t0)
     if opts.backend == "tensorrt":  # fails here, before any work, when TensorRT is missing or cannot target
         from . import tensorrt as trt_builder
 
@@ -212,57 +225,31 @@ def _finish(tmp: Path, out: Path, ckpt_dir: Path, manifest_kw: dict, progress: C
     return manifest
 
 
-def _build_cuda(ckpt: Checkpoint, ckpt_dir: Path, out: Path, opts: BuildOptions, limits: Limits,
-                progress: Callable[[str], None], t0: float) -> Manifest:
-    """``--backend cuda``: the native GPU runtime's weights (see :mod:`builder.cuda_bundle`), no ONNX."""
-    from .cuda_bundle import WEIGHTS, write_cuda_weights
+def _build_cuda(ckpt: Checkpoint | None, cfg: ModelConfig, ckpt_dir: Path, out: Path, opts: BuildOptions,
+                limits: Limits, progress: Callable[[str], None], t0: float) -> Manifest:
+    """``--backend cuda``: the native GPU runtime's weights (see :mod:`builder.cuda_bundle`), no ONNX.
+    ``ckpt`` None (``--dummy-weights``): manifest + tokenizer only (see :data:`DUMMY_WEIGHTS`)."""
+    from .cuda_bundle import FORMAT_VERSION, WEIGHTS, write_cuda_weights
 
-    cfg = ckpt.config
     applied = workarounds.select("cuda", "1", "any")
     progress(f"model: {cfg.model_type}, {cfg.num_layers} layers ({len(cfg.linear_layers)} linear, "
              f"{len(cfg.attention_layers)} full attention), {cfg.num_parameters() / 1e6:.1f}M parameters; "
-             f"backend cuda, {opts.dtype}")
+             f"backend cuda, {opts.dtype}" + ("" if ckpt else ", DUMMY weights (generated on the device at load)"))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        toolkit = write_cuda_weights(ckpt, tmp, opts.dtype, limits.max_seq_len, progress)
+        if ckpt is None:
+            toolkit = {"format": FORMAT_VERSION, "program": str(PROGRAM_VERSION), "weights": "dummy"}
+        else:
+            toolkit = write_cuda_weights(ckpt, tmp, opts.dtype, limits.max_seq_len, progress)
         specs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
         return _finish(tmp, out, ckpt_dir, dict(
-            model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs, state_weights=WEIGHTS,
-            toolkit=toolkit, target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
-            workarounds=tuple(w.record() for w in applied)), progress, t0, "cuda weights")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _build_cuda_dummy(ckpt_dir: Path, out: Path, opts: BuildOptions, limits: Limits,
-                      progress: Callable[[str], None], t0: float) -> Manifest:
-    """``--backend cuda --dummy-weights``: manifest + tokenizer only (see :data:`DUMMY_WEIGHTS`)."""
-    from hybrid_runtime.program import PROGRAM_VERSION
-
-    from .checkpoint import load_hf_config
-    from .cuda_bundle import FORMAT_VERSION
-
-    if not (ckpt_dir / "config.json").is_file():
-        raise ConfigError(f"{ckpt_dir}: no config.json")
-    cfg, _layout = load_hf_config(ckpt_dir)
-    if limits.max_seq_len > cfg.max_position_embeddings:
-        raise ConfigError(f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings="
-                          f"{cfg.max_position_embeddings}")
-    progress(f"model: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters; "
-             f"backend cuda, {opts.dtype}, DUMMY weights (generated on the device at load)")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        specs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
-        toolkit = {"format": FORMAT_VERSION, "program": str(PROGRAM_VERSION), "weights": "dummy"}
-        return _finish(tmp, out, ckpt_dir, dict(
-            model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs, state_weights=DUMMY_WEIGHTS,
-            toolkit=toolkit, target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
-            workarounds=()), progress, t0, "cuda, dummy weights")
+            model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs,
+            state_weights=WEIGHTS if ckpt else DUMMY_WEIGHTS, toolkit=toolkit,
+            target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
+            workarounds=tuple(w.record() for w in applied)), progress, t0,
+            "cuda weights" if ckpt else "cuda, dummy weights")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -138,6 +138,14 @@ class _Arena:
         return Mat(a.ptr, rows, c, c if dense else a.shape[1], a.dtype.name)
 
 
+def fill_random(dev: CudaDevice, fused: Any, a: DeviceArray, seed: int, scale: float, offset: float = 0.0) -> None:
+    """Fill ``a`` in place with seeded uniform values in offset +- scale (``fused``: fused.cu loaded for the
+    weights' dtype; its fill_random kernels)."""
+    k = fused.kernel("fill_random_f32" if a.dtype.name == "float32" else "fill_random")
+    k.launch(dev, (4096, 1, 1), (256, 1, 1), 0, [("ptr", a.ptr), ("i64", a.size), ("u64", seed), ("f32", scale),
+                                                 ("f32", offset)])
+
+
 class CudaBackend:
     """Loads a ``cuda`` bundle onto one GPU and runs its steps (see the module docstring)."""
 
@@ -717,10 +725,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ one step
 
     def _fill_random(self, a: DeviceArray, seed: int, scale: float, offset: float = 0.0) -> None:
-        """Fill ``a`` with seeded uniform values in offset +- scale (the fill_random kernels), in place."""
-        k = self.fused.kernel("fill_random_f32" if a.dtype.name == "float32" else "fill_random")
-        k.launch(self.dev, (4096, 1, 1), (256, 1, 1), 0, [("ptr", a.ptr), ("i64", a.size), ("u64", seed),
-                                                          ("f32", scale), ("f32", offset)])
+        fill_random(self.dev, self.fused, a, seed, scale, offset)
 
     def inject_fault(self, kind: str) -> None:
         """Test-only: make the next step fail. "sticky": a kernel writes to an illegal address before the
