@@ -1,0 +1,323 @@
+"""GPU causal prefill attention over the paged KV cache (``ops/cuda/prefill_attention.cu``).
+
+One launch covers a varlen batch of prefill chunks. Shapes (T = float16 or bfloat16, q and pools alike):
+
+* q ``[n_tokens, Hq, hd]`` T, packed: sequence ``s`` owns rows ``[cu[s], cu[s+1])`` (``cu`` = prefix sums of
+  ``q_lens``); its token ``i`` is at absolute position ``start_pos[s] + i``.
+* k / v pools ``[num_pages, page_size, Hkv, hd]`` T. Every key ``0 .. start_pos[s] + q_lens[s] - 1`` must be in
+  the pools already (the chunk's own tokens are written first), so chunked prefill (a chunk starting mid-page
+  after cached pages) and prefix reuse need nothing else.
+* page tables: int32, table ``s`` starts ``table_stride`` ints after table ``s - 1``; it must cover
+  ``ceil((start_pos[s] + q_lens[s]) / page_size)`` pages.
+* out ``[n_tokens, Hq, hd]`` float32, dense. Causal: the query at position ``p`` attends keys ``0..p``;
+  scale ``1/sqrt(hd)``; GQA: query head ``h`` reads kv head ``h // (Hq / Hkv)``.
+
+float32 is NOT supported (tensor cores only): the backend keeps its previous path for float32 bundles, and
+:func:`plan_prefill` raises :class:`PrefillAttentionError` for it.
+
+The host builds a work list (:func:`plan_prefill`): one int32 row ``(sequence, first packed q row, tokens,
+first position)`` per CTA tile of ``tokens_per_tile = rows // G`` query tokens (the GQA group is packed into
+the tile's rows), heaviest tiles (most keys) first; grid ``(n_work, Hkv, 1)``. :func:`pack_prefill_inputs`
+puts the work list and the page tables into one int32 array for one upload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ops.dispatcher import DeviceLimits
+from .driver import CudaDevice, DeviceArray
+from .kernels import Kernel, Launch, load_module
+
+SOURCE = "prefill_attention.cu"
+ENTRY = "prefill_attn"
+DT_CODES = {"float16": 1, "bfloat16": 2}
+WARPS = 4  # the kernel's NWARPS (default)
+THREADS = 32 * WARPS
+KEY_TILE = 64  # the kernel's BN
+WORK_INTS = 4  # ints per work item: (sequence, first q row, tokens, first position)
+ALIGN_INTS = 32  # the page tables start on a 128-byte line in pack_prefill_inputs' layout
+MAX_HEAD_DIM = 256
+
+
+class PrefillAttentionError(ValueError):
+    """A prefill-attention shape this kernel cannot run; the message says what to change."""
+
+
+def default_m_tiles(head_dim: int) -> int:
+    """16-row m-tiles per warp: 2 (128-row tiles, K/V fragments reused twice) where the registers allow it
+    without spilling, else 1 (64-row tiles). NVRTC 13 on sm_90: hd <= 64 x 2 fits; hd 128 x 2 spills for some
+    group sizes (G = 1), hd 256 x 2 cannot fit at all."""
+    return 2 if head_dim <= 64 else 1
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """One compiled build: ``-DHD -DDT -DG -DMT``."""
+
+    dtype: str
+    head_dim: int
+    group: int
+    m_tiles: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Query rows (token x head) per CTA tile (the kernel's BM)."""
+        return WARPS * 16 * self.m_tiles
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.rows // self.group
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: Q tile [rows][hd] + one K and one V tile [64][hd], all T."""
+        return (self.rows + 2 * KEY_TILE) * self.head_dim * 2
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
+                f"-DMT={self.m_tiles}")
+
+
+def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> PrefillVariant:
+    """The build for ``(dtype, head_dim, group = Hq / Hkv)``; :class:`PrefillAttentionError` if none can run."""
+    if dtype not in DT_CODES:
+        raise PrefillAttentionError(
+            f"prefill attention runs float16 / bfloat16 only (tensor cores), got {dtype}: keep the per-token "
+            "decode path for float32 bundles or build the bundle in bfloat16")
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise PrefillAttentionError(
+            f"head_dim {head_dim} unsupported: it must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
+    mt = default_m_tiles(head_dim) if m_tiles is None else int(m_tiles)
+    if mt not in (1, 2):
+        raise PrefillAttentionError(f"m_tiles must be 1 or 2, got {mt}")
+    v = PrefillVariant(dtype, head_dim, int(group), mt)
+    if not 1 <= group <= v.rows:
+        raise PrefillAttentionError(
+            f"GQA group Hq/Hkv = {group} unsupported: it must be in 1..{v.rows} (query rows per tile)")
+    return v
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillPlan:
+    """A validated launch of one varlen prefill batch.
+
+    ``work``: int32 ``[n_work, 4]`` (read-only), rows ``(sequence, first packed q row, tokens, first absolute
+    position)``, heaviest tile first. ``cu_seqlens``: int64 ``[B + 1]``. Launch: ``grid`` x ``block`` threads
+    with ``smem_bytes`` of dynamic shared memory. ``n_work == 0`` (every ``q_len`` is 0): nothing to launch.
+    """
+
+    variant: PrefillVariant
+    work: np.ndarray
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    q_lens: tuple[int, ...]
+    start_pos: tuple[int, ...]
+    cu_seqlens: np.ndarray
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+    @property
+    def n_work(self) -> int:
+        return int(self.work.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def scale_log2(self) -> float:
+        return math.log2(math.e) / math.sqrt(self.head_dim)
+
+    def pages_needed(self, s: int) -> int:
+        """Pages table ``s`` must cover: keys ``0 .. start_pos[s] + q_lens[s] - 1``."""
+        return -(-(self.start_pos[s] + self.q_lens[s]) // self.page_size)
+
+    def causal_flops(self) -> int:
+        """2 matmuls x 2 flops x Hq x hd x (sum over queries of the keys each attends)."""
+        keys = sum(n * (p + 1) + n * (n - 1) // 2 for n, p in zip(self.q_lens, self.start_pos))
+        return 4 * self.num_q_heads * self.head_dim * keys
+
+
+def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: str, page_size: int, limits: DeviceLimits,
+                 m_tiles: int | None = None) -> PrefillPlan:
+    """Pure host: the work list and launch geometry of one prefill batch (``q_lens[s]`` new tokens of sequence
+    ``s`` at positions ``start_pos[s] ..``), validated against ``limits``. Raises :class:`PrefillAttentionError`
+    naming what to change when the shape cannot run."""
+    if len(q_lens) != len(start_pos):
+        raise PrefillAttentionError(f"{len(q_lens)} q_lens but {len(start_pos)} start positions")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise PrefillAttentionError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if page_size < 16 or page_size % 16:
+        raise PrefillAttentionError(f"page_size {page_size} unsupported: it must be a multiple of 16 (>= 16)")
+    v = choose_prefill_variant(dtype, head_dim, num_q_heads // num_kv_heads, m_tiles)
+    lens = [int(n) for n in q_lens]
+    pos = [int(p) for p in start_pos]
+    if any(n < 0 for n in lens) or any(p < 0 for p in pos):
+        raise PrefillAttentionError("q_lens and start_pos must be >= 0")
+    if any(p + n >= 2**31 for n, p in zip(lens, pos)):
+        raise PrefillAttentionError("positions must fit int32")
+    cu = np.zeros(len(lens) + 1, np.int64)
+    cu[1:] = np.cumsum(lens, dtype=np.int64)
+    if cu[-1] >= 2**31:
+        raise PrefillAttentionError(f"{cu[-1]} tokens: the work list indexes q rows with int32")
+    tpt = v.tokens_per_tile
+    rows = []
+    for s, (n, p) in enumerate(zip(lens, pos)):
+        t0 = np.arange(0, n, tpt, dtype=np.int64)
+        if t0.size:
+            rows.append(np.stack([np.full_like(t0, s), cu[s] + t0, np.minimum(tpt, n - t0), p + t0], axis=1))
+    work = np.concatenate(rows) if rows else np.zeros((0, WORK_INTS), np.int64)
+    # Heaviest first (keys = first position + tokens): the long tiles start in the first wave, short ones fill in.
+    order = np.argsort(-(work[:, 3] + work[:, 2]), kind="stable")
+    work = np.ascontiguousarray(work[order].astype(np.int32))
+    work.setflags(write=False)
+    problems = []
+    if limits.max_threads_per_block < THREADS:
+        problems.append(f"{THREADS} threads per block > the device's {limits.max_threads_per_block}")
+    if v.smem_bytes > limits.max_shared_mem_optin:
+        problems.append(f"{v.smem_bytes} bytes of shared memory > the device's opt-in limit "
+                        f"{limits.max_shared_mem_optin} (use a smaller head_dim or m_tiles=1)")
+    if work.shape[0] > limits.max_grid_x:
+        problems.append(f"{work.shape[0]} work items > max grid x {limits.max_grid_x}: split the batch")
+    if num_kv_heads > limits.max_grid_y:
+        problems.append(f"{num_kv_heads} kv heads > max grid y {limits.max_grid_y}")
+    if problems:
+        raise PrefillAttentionError(f"prefill attention cannot run on {limits.name}: " + "; ".join(problems))
+    cu.setflags(write=False)
+    return PrefillPlan(v, work, (max(1, work.shape[0]), num_kv_heads, 1), (THREADS, 1, 1), v.smem_bytes,
+                       tuple(lens), tuple(pos), cu, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillInputs:
+    """The kernel's int32 inputs in one host array (one upload): the work list at ``host[work_offset:]``
+    (``plan.n_work * 4`` ints, offset 0), then table ``s`` at ``host[tables_offset + s * table_stride:]``
+    (``tables_offset`` a multiple of 32 ints: a 128-byte line; rows zero-padded to the stride).
+    On the device at address ``base``: ``work_ptr = base + 4 * work_offset``,
+    ``tables_ptr = base + 4 * tables_offset``."""
+
+    host: np.ndarray
+    work_offset: int
+    tables_offset: int
+    table_stride: int
+
+
+def pack_prefill_inputs(plan: PrefillPlan, page_tables: Sequence[np.ndarray], table_stride: int = 0) -> PrefillInputs:
+    """Work list + page tables of ``plan`` as one int32 array (see :class:`PrefillInputs`). ``table_stride``
+    (ints) defaults to the longest table; every table must cover :meth:`PrefillPlan.pages_needed` pages."""
+    if len(page_tables) != plan.num_seqs:
+        raise PrefillAttentionError(f"{len(page_tables)} page tables for {plan.num_seqs} sequences")
+    tabs = [np.asarray(t, np.int64).reshape(-1) for t in page_tables]
+    for s, t in enumerate(tabs):
+        if len(t) < plan.pages_needed(s):
+            raise PrefillAttentionError(f"page table {s} has {len(t)} pages, positions 0.."
+                                        f"{plan.start_pos[s] + plan.q_lens[s] - 1} need {plan.pages_needed(s)}")
+        if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):
+            raise IndexError(f"page table {s}: page index does not fit int32")
+    longest = max((len(t) for t in tabs), default=1)
+    stride = int(table_stride) or max(1, longest)
+    if longest > stride:
+        raise PrefillAttentionError(f"a page table of {longest} pages does not fit the stride {stride}")
+    nw = plan.n_work * WORK_INTS
+    toff = -(-nw // ALIGN_INTS) * ALIGN_INTS
+    host = np.zeros(toff + plan.num_seqs * stride, np.int32)
+    host[:nw] = plan.work.reshape(-1)
+    for s, t in enumerate(tabs):
+        host[toff + s * stride:toff + s * stride + len(t)] = t
+    return PrefillInputs(host, 0, toff, stride)
+
+
+def prefill_launch(plan: PrefillPlan, *, q: int, k: int, v: int, tables: int, table_stride: int, work: int,
+                   out: int) -> Launch:
+    """The launch of ``plan`` (pointers are device addresses); programmatic dependent (PDL): it may be
+    scheduled under the previous kernel's tail and waits in-kernel (``griddepcontrol.wait``) before reading."""
+    args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", work),
+            ("ptr", out), ("i32", plan.num_q_heads), ("i32", plan.num_kv_heads), ("i32", plan.page_size),
+            ("i32", plan.n_work), ("f32", plan.scale_log2)]
+    return Launch(ENTRY, plan.grid, plan.block, plan.smem_bytes, args, pdl=True)
+
+
+class CudaPrefillAttention:
+    """The prefill-attention kernel of one ``(dtype, head_dim, group)`` on one device.
+
+    The variant is compiled and loaded at construction and its dynamic-shared-memory opt-in is set once (all
+    the device allows), so every plan :func:`plan_prefill` accepts for ``device.limits`` can launch.
+    """
+
+    def __init__(self, device: CudaDevice, dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> None:
+        self.device = device
+        self.variant = choose_prefill_variant(dtype, head_dim, group, m_tiles)
+        module = load_module(SOURCE, self.variant.options, device.arch)
+        self.kernel: Kernel = module.kernel(ENTRY)
+        if self.kernel.optin_bytes(device) is None:
+            self.kernel.set_max_dynamic_smem(device)
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return self.device.limits
+
+    def plan(self, q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads: int, num_kv_heads: int,
+             page_size: int) -> PrefillPlan:
+        """:func:`plan_prefill` for this variant on this device."""
+        if num_q_heads // max(1, num_kv_heads) != self.variant.group:
+            raise PrefillAttentionError(f"group {num_q_heads}/{num_kv_heads} but this kernel is built for "
+                                        f"G = {self.variant.group}")
+        return plan_prefill(q_lens, start_pos, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                            head_dim=self.variant.head_dim, dtype=self.variant.dtype, page_size=page_size,
+                            limits=self.limits, m_tiles=self.variant.m_tiles)
+
+    def launch(self, plan: PrefillPlan, q_ptr: int, k_pool_ptr: int, v_pool_ptr: int, tables_ptr: int,
+               table_stride: int, work_ptr: int, out_ptr: int, *, pool_pages: int | None = None) -> None:
+        """Launch ``plan`` on inputs already on the device: q ``[n_tokens, Hq, hd]``, pools
+        ``[pages, page_size, Hkv, hd]``, tables / work list as :func:`pack_prefill_inputs` lays them out, out
+        float32 ``[n_tokens, Hq, hd]``. No host work but the argument packing; nothing is launched when
+        ``plan.n_work == 0``. ``pool_pages``: when given, checked against the kernel's 32-bit row index."""
+        if plan.variant != self.variant:
+            raise PrefillAttentionError(f"plan for {plan.variant}, kernel built for {self.variant}")
+        if pool_pages is not None and pool_pages * plan.page_size * plan.num_kv_heads >= 2**31:
+            raise PrefillAttentionError(f"KV pool of {pool_pages * plan.page_size * plan.num_kv_heads} rows: the "
+                                        "kernel indexes rows with 32 bits")
+        if plan.n_work == 0:
+            return
+        self.kernel.run(self.device, prefill_launch(plan, q=q_ptr, k=k_pool_ptr, v=v_pool_ptr, tables=tables_ptr,
+                                                    table_stride=table_stride, work=work_ptr, out=out_ptr))
+
+    def run(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, page_tables: Sequence[np.ndarray],
+            q_lens: Sequence[int], start_pos: Sequence[int]) -> DeviceArray:
+        """Plan, upload the work list and tables, launch; returns float32 ``[n_tokens, Hq, hd]`` (tests and
+        benchmarks; the backend packs :func:`pack_prefill_inputs` into its own step upload and calls
+        :meth:`launch`)."""
+        for name, a in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+            if not isinstance(a, DeviceArray):
+                raise TypeError(f"{name} must be a DeviceArray, got {type(a).__name__}")
+            if a.dtype.name != self.variant.dtype:
+                raise PrefillAttentionError(f"{name} is {a.dtype.name}, this kernel is built for {self.variant.dtype}")
+        n_tokens, hq, hd = q.shape
+        pages, page_size, hkv, hd_k = k_pool.shape
+        if v_pool.shape != k_pool.shape or hd_k != hd:
+            raise PrefillAttentionError(f"pool shapes {k_pool.shape} / {v_pool.shape} do not match q {q.shape}")
+        p = self.plan(q_lens, start_pos, num_q_heads=hq, num_kv_heads=hkv, page_size=page_size)
+        if p.num_tokens != n_tokens:
+            raise PrefillAttentionError(f"q has {n_tokens} rows, q_lens sum to {p.num_tokens}")
+        packed = pack_prefill_inputs(p, page_tables)
+        meta = self.device.upload(packed.host, stream_ordered=True)
+        out = self.device.empty((n_tokens, hq, hd), "float32", stream_ordered=True)
+        self.launch(p, q.ptr, k_pool.ptr, v_pool.ptr, meta.ptr + 4 * packed.tables_offset, packed.table_stride,
+                    meta.ptr + 4 * packed.work_offset, out.ptr, pool_pages=pages)
+        out.owner = (out.owner, meta)  # the upload lives as long as the output (stream-ordered frees)
+        return out
