@@ -286,12 +286,16 @@ class CudaPrefillAttention:
         """Launch ``plan`` on inputs already on the device: q ``[n_tokens, Hq, hd]``, pools
         ``[pages, page_size, Hkv, hd]``, tables / work list as :func:`pack_prefill_inputs` lays them out, out
         float32 ``[n_tokens, Hq, hd]``. No host work but the argument packing; nothing is launched when
-        ``plan.n_work == 0``. ``pool_pages``: when given, checked against the kernel's 32-bit row index."""
+        ``plan.n_work == 0``. ``work_ptr`` must be 16-byte aligned. ``pool_pages``: when given, checked
+        against the kernel's 32-bit row index."""
         if plan.variant != self.variant:
             raise PrefillAttentionError(f"plan for {plan.variant}, kernel built for {self.variant}")
         if pool_pages is not None and pool_pages * plan.page_size * plan.num_kv_heads >= 2**31:
             raise PrefillAttentionError(f"KV pool of {pool_pages * plan.page_size * plan.num_kv_heads} rows: the "
                                         "kernel indexes rows with 32 bits")
+        if work_ptr % 16:
+            raise PrefillAttentionError(f"work_ptr 0x{work_ptr:x}: the kernel reads work items as int4 (16-byte "
+                                        "aligned; put the work list at a multiple of 4 ints)")
         if plan.n_work == 0:
             return
         self.kernel.run(self.device, prefill_launch(plan, q=q_ptr, k=k_pool_ptr, v=v_pool_ptr, tables=tables_ptr,

@@ -1,0 +1,59 @@
+"""NVRTC compiles of the prefill attention kernel (``ops/cuda/prefill_attention.cu``) for sm_90, on any machine
+with cuda-bindings: every default variant of the head dims / GQA groups / dtypes that matter fits the register
+file without spilling (ptxas -v)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.gpu.test_cuda_compile import check_log, nvrtc_or_skip
+
+VARIANTS = [(dt, hd, g) for dt in ("float16", "bfloat16") for hd in (64, 128, 256) for g in (1, 4, 8)]
+
+
+def ptxas_figures(log: str) -> tuple[int, int]:
+    """(registers, largest spill bytes) of a verbose compile log."""
+    regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
+    spills = max((int(m) for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)), default=0)
+    return regs, spills
+
+
+def compile_variant_log(dtype: str, hd: int, group: int, m_tiles: int | None = None) -> str:
+    from hybrid_runtime.cuda.kernels import compile_log, source
+    from hybrid_runtime.cuda.prefill_attention import SOURCE, choose_prefill_variant
+
+    v = choose_prefill_variant(dtype, hd, group, m_tiles)
+    return compile_log(source(SOURCE), SOURCE, v.options, "sm_90")
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c[0]}-hd{c[1]}-g{c[2]}")
+def test_prefill_variants_compile_without_spills(cfg) -> None:
+    nvrtc_or_skip()
+    check_log(compile_variant_log(*cfg), max_spill=0)
+
+
+@pytest.mark.parametrize("cfg", [("bfloat16", 80, 3), ("float16", 16, 2), ("bfloat16", 256, 16),
+                                 ("bfloat16", 128, 2), ("float16", 192, 8), ("bfloat16", 32, 16)])
+def test_prefill_odd_shapes_compile(cfg) -> None:
+    """Partial swizzle groups (hd 80, 192 = 24 chunks), the generic load path, wide groups. Not the serving
+    shapes: NVRTC 13.x spills 20-32 bytes in hd 80 / G 3 (generic K/V load path), so a little is allowed."""
+    nvrtc_or_skip()
+    check_log(compile_variant_log(*cfg), max_spill=64)
+
+
+def test_prefill_two_m_tiles_at_hd128_compiles() -> None:
+    """The 128-row hd-128 build (m_tiles=2, the benchmark's alternative): it compiles; NVRTC 13 spills ~100
+    bytes for G = 1 but none for G = 8, so only G = 8 is held to zero spills."""
+    nvrtc_or_skip()
+    check_log(compile_variant_log("bfloat16", 128, 8, 2), max_spill=0)
+    regs, _ = ptxas_figures(compile_variant_log("bfloat16", 128, 1, 2))
+    assert regs <= 255
+
+
+def test_prefill_float32_is_refused_before_compiling() -> None:
+    from hybrid_runtime.cuda.prefill_attention import PrefillAttentionError, choose_prefill_variant
+
+    with pytest.raises(PrefillAttentionError, match="float32"):
+        choose_prefill_variant("float32", 128, 8)
