@@ -1,0 +1,223 @@
+"""CUDA causal prefill attention over the paged KV cache against a float64 reference computed from the same
+(rounded) inputs: varlen batches, chunks starting mid-page after cached pages, shuffled page tables, GQA
+1..16, head_dim 64..256, float16 / bfloat16. Every pool slot that is not a key of its sequence (the tail of
+a sequence's last page, the spare pages) holds NaN: a kernel that read one (instead of zero-filling past the
+last key) would return NaN."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# Relative errors (L2 over a row; L2 over a sequence) vs the float64 reference of the rounded inputs. The
+# kernel rounds the softmax weights P to the input type before P.V (as FlashAttention does): bfloat16's 8-bit
+# mantissa gives ~3e-3 per row, float16 ~4e-4.
+ROW_TOL = {"bfloat16": 3e-2, "float16": 8e-3}
+SEQ_TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch
+
+    torch.cuda.init()
+    return torch
+
+
+@pytest.fixture(scope="module")
+def dev(torch):
+    from hybrid_runtime.cuda.driver import CudaDevice
+
+    return CudaDevice(0)
+
+
+@pytest.fixture(scope="module")
+def kernels(dev):
+    from hybrid_runtime.cuda.prefill_attention import CudaPrefillAttention
+
+    cache: dict[tuple, CudaPrefillAttention] = {}
+
+    def get(dtype: str, hd: int, group: int, m_tiles: int | None = None) -> CudaPrefillAttention:
+        key = (dtype, hd, group, m_tiles)
+        if key not in cache:
+            cache[key] = CudaPrefillAttention(dev, dtype, hd, group, m_tiles)
+        return cache[key]
+
+    return get
+
+
+def make_case(torch, rng: np.random.Generator, q_lens: list[int], start_pos: list[int], hq: int, hkv: int,
+              hd: int, ps: int, dtype: str, extra_pages: int = 3):
+    """q [n_tokens, Hq, hd], pools [pages, ps, Hkv, hd] (NaN wherever no key lives) and shuffled tables."""
+    tdt = getattr(torch, dtype)
+    kv_lens = [a + b for a, b in zip(q_lens, start_pos)]
+    need = [-(-n // ps) for n in kv_lens]
+    pages = sum(need) + extra_pages
+    perm = rng.permutation(pages)
+    cs = np.cumsum([0, *need])
+    tables = [perm[cs[i]:cs[i + 1]].astype(np.int64) for i in range(len(q_lens))]
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 30)))
+    k = torch.full((pages, ps, hkv, hd), float("nan"), device="cuda", dtype=tdt)
+    v = torch.full_like(k, float("nan"))
+    for t, n in zip(tables, kv_lens):
+        idx = torch.as_tensor(t, device="cuda")
+        kk = k[idx].reshape(-1, hkv, hd)
+        vv = v[idx].reshape(-1, hkv, hd)
+        kk[:n] = torch.randn(n, hkv, hd, device="cuda", generator=g).to(tdt)
+        vv[:n] = torch.randn(n, hkv, hd, device="cuda", generator=g).to(tdt)
+        k[idx] = kk.reshape(len(t), ps, hkv, hd)
+        v[idx] = vv.reshape(len(t), ps, hkv, hd)
+    q = torch.randn(sum(q_lens), hq, hd, device="cuda", generator=g).to(tdt)
+    return q, k, v, tables
+
+
+def reference(torch, q, k, v, tables, q_lens, start_pos, block: int = 1024):
+    """float64 causal attention on the rounded inputs: out [n_tokens, Hq, hd] (queries in blocks)."""
+    n_tok, hq, hd = q.shape
+    hkv = k.shape[2]
+    G = hq // hkv
+    out = torch.empty(n_tok, hq, hd, dtype=torch.float64, device="cuda")
+    row = 0
+    for t, n, st in zip(tables, q_lens, start_pos):
+        idx = torch.as_tensor(t, device="cuda")
+        kk = k[idx].reshape(-1, hkv, hd)[:st + n].double()  # [L, Hkv, hd]
+        vv = v[idx].reshape(-1, hkv, hd)[:st + n].double()
+        keys = torch.arange(st + n, device="cuda")
+        for b0 in range(0, n, block):
+            b1 = min(n, b0 + block)
+            qq = q[row + b0:row + b1].double().reshape(b1 - b0, hkv, G, hd) / math.sqrt(hd)
+            s = torch.einsum("ihgd,lhd->hgil", qq, kk)  # [Hkv, G, i, L]
+            pos = st + torch.arange(b0, b1, device="cuda")
+            s = s.masked_fill(keys[None, :] > pos[:, None], float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            out[row + b0:row + b1] = torch.einsum("hgil,lhd->ihgd", p, vv).reshape(b1 - b0, hq, hd)
+        row += n
+    return out
+
+
+def check(torch, out, ref, q_lens, dtype: str, what: str) -> None:
+    o = torch.as_tensor(out, device="cuda").double()
+    assert torch.isfinite(o).all(), f"{what}: non-finite output (a NaN pool slot was read, or a row was lost)"
+    row_err = torch.linalg.vector_norm(o - ref, dim=-1) / torch.linalg.vector_norm(ref, dim=-1).clamp_min(1e-6)
+    worst = int(torch.argmax(row_err.reshape(-1)))
+    assert float(row_err.max()) < ROW_TOL[dtype], \
+        f"{what}: row error {float(row_err.max()):.2e} at token {worst // o.shape[1]}, head {worst % o.shape[1]}"
+    row = 0
+    for s, n in enumerate(q_lens):
+        d = torch.linalg.vector_norm(o[row:row + n] - ref[row:row + n])
+        e = float(d / torch.linalg.vector_norm(ref[row:row + n])) if n else 0.0
+        assert e < SEQ_TOL[dtype], f"{what}: sequence {s} (len {n}) rel err {e:.2e}"
+        row += n
+
+
+def run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, m_tiles=None) -> None:
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
+    ref = reference(torch, q, k, v, tables, q_lens, start_pos)
+    kern = kernels(dtype, hd, hq // hkv, m_tiles)
+    out = kern.run(DeviceArray.from_torch(q), DeviceArray.from_torch(k), DeviceArray.from_torch(v), tables,
+                   q_lens, start_pos)
+    res = torch.as_tensor(out, device="cuda").clone()
+    kern.device.synchronize()
+    check(torch, res, ref, q_lens, dtype, f"Hq {hq} Hkv {hkv} hd {hd} ps {ps} {dtype} lens {q_lens} start {start_pos}")
+
+
+# (Hq, Hkv, head_dim, dtype, page_size): GQA 1, 2, 3, 4, 8, 16; hd 64, 80 (partial swizzle), 128, 256.
+CONFIGS = [
+    (16, 2, 256, "bfloat16", 64), (16, 2, 256, "float16", 256), (32, 8, 128, "bfloat16", 16),
+    (32, 8, 128, "float16", 64), (8, 8, 128, "bfloat16", 32), (16, 4, 256, "bfloat16", 48),
+    (32, 2, 128, "bfloat16", 64), (8, 4, 64, "float16", 16), (12, 4, 80, "bfloat16", 16),
+    (8, 1, 256, "float16", 16),
+]
+
+
+@pytest.mark.parametrize("seed", range(len(CONFIGS)))
+def test_random_varlen_batches_match_reference(torch, kernels, seed: int) -> None:
+    rng = np.random.default_rng(500 + seed)
+    hq, hkv, hd, dtype, ps = CONFIGS[seed]
+    B = int(rng.integers(1, 6))
+    q_lens = [int(rng.choice([1, 2, 7, 16, 63, 64, 65, 130, 333, 700])) for _ in range(B)]
+    # fresh prompts (0), chunks after cached pages, starting mid-page or on a page boundary
+    start_pos = [int(rng.choice([0, int(rng.integers(1, 3 * ps)), ps, int(rng.integers(ps, 2000))]))
+                 for _ in range(B)]
+    run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
+
+
+def test_single_tokens_and_tiny_chunks(torch, kernels) -> None:
+    """Decode-like rows (one token after a cached prefix) and chunks shorter than a tile, in one launch."""
+    rng = np.random.default_rng(3)
+    run_case(torch, kernels, rng, [1, 1, 3, 1, 9], [0, 17, 64, 4000, 127], 16, 2, 256, 64, "bfloat16")
+
+
+def test_long_prompt_and_chunked_continuation(torch, kernels) -> None:
+    """The target model's shape (16q / 2kv / hd 256, bf16, page 64): a 6k-token fresh prompt, a 1000-token chunk
+    starting mid-page after 7001 cached tokens, and one token at position 8190, in one launch."""
+    rng = np.random.default_rng(8)
+    run_case(torch, kernels, rng, [6000, 1000, 1], [0, 7001, 8190], 16, 2, 256, 64, "bfloat16")
+
+
+def test_8k_prompt_hd128(torch, kernels) -> None:
+    rng = np.random.default_rng(9)
+    run_case(torch, kernels, rng, [8192], [0], 32, 4, 128, 64, "float16")
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_two_m_tiles_hd128(torch, kernels, group: int) -> None:
+    """The 128-row hd-128 build the benchmark compares with the default 64-row one."""
+    rng = np.random.default_rng(10 + group)
+    run_case(torch, kernels, rng, [700, 129, 1], [0, 77, 300], 8 * group, 8, 128, 32, "bfloat16", m_tiles=2)
+
+
+def test_chunked_prefill_equals_one_shot(torch, kernels) -> None:
+    """A prompt attended in three chunks (each reading the pool, earlier chunks' keys included) gives the rows
+    of the one-shot prefill."""
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    rng = np.random.default_rng(12)
+    n, hq, hkv, hd, ps, dtype = 1000, 16, 2, 256, 64, "bfloat16"
+    q, k, v, tables = make_case(torch, rng, [n], [0], hq, hkv, hd, ps, dtype)
+    kern = kernels(dtype, hd, hq // hkv)
+    ka, va = DeviceArray.from_torch(k), DeviceArray.from_torch(v)
+    full = torch.as_tensor(kern.run(DeviceArray.from_torch(q), ka, va, tables, [n], [0]), device="cuda").clone()
+    parts = []
+    for a, b in ((0, 130), (130, 611), (611, n)):
+        out = kern.run(DeviceArray.from_torch(q[a:b].contiguous()), ka, va, tables, [b - a], [a])
+        parts.append(torch.as_tensor(out, device="cuda").clone())
+    kern.device.synchronize()
+    # Same key tiles in the same order per row (extra fully masked tiles change nothing): equal to rounding.
+    assert float((torch.cat(parts) - full).abs().max()) < 1e-5
+
+
+def test_launch_from_packed_inputs(torch, dev, kernels) -> None:
+    """The backend's path: pack_prefill_inputs into one upload at an offset, launch on raw pointers."""
+    from hybrid_runtime.cuda.prefill_attention import pack_prefill_inputs
+
+    rng = np.random.default_rng(13)
+    q_lens, start_pos, hq, hkv, hd, ps, dtype = [50, 300], [10, 64], 16, 2, 256, 64, "bfloat16"
+    q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
+    ref = reference(torch, q, k, v, tables, q_lens, start_pos)
+    kern = kernels(dtype, hd, hq // hkv)
+    p = kern.plan(q_lens, start_pos, num_q_heads=hq, num_kv_heads=hkv, page_size=ps)
+    packed = pack_prefill_inputs(p, tables, table_stride=64)
+    lead = 12  # the step upload's other data before it (ints; a multiple of 4 keeps the work list 16-byte aligned)
+    blob = np.concatenate([np.full(lead, -7, np.int32), packed.host])
+    meta = torch.as_tensor(blob, device="cuda")
+    out = torch.full((sum(q_lens), hq, hd), float("nan"), device="cuda")
+    base = meta.data_ptr() + 4 * lead
+    kern.launch(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), base + 4 * packed.tables_offset, packed.table_stride,
+                base + 4 * packed.work_offset, out.data_ptr(), pool_pages=k.shape[0])
+    dev.synchronize()
+    check(torch, out, ref, q_lens, dtype, "packed launch")
+
+
+def test_plan_matches_device_limits(dev, kernels) -> None:
+    kern = kernels("bfloat16", 256, 8)
+    assert kern.kernel.optin_bytes(dev) is not None
+    p = kern.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
+    assert p.smem_bytes == (64 + 128) * 256 * 2 <= dev.limits.max_shared_mem_optin
+    assert kern.kernel.problems(dev, p.grid, p.block, p.smem_bytes) == []
