@@ -51,6 +51,7 @@ from .gdn import CudaGdn
 from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
+from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .sampler import DeviceSampler, row_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
@@ -186,6 +187,11 @@ class CudaBackend:
         arch = self.dev.arch
         self.fused = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}",), arch)
         self.sampling = load_module("sampling.cu", (), arch)
+        # Prefill MoE on tensor cores (bf16/fp16 bundles whose shapes the tiles divide); None: fused.cu's kernels
+        self.moe_prefill: MoEPrefill | None = None
+        if "moe" in cfg.ffn_types and supported(self.dtype, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                cfg.num_experts, cfg.num_experts_per_tok):
+            self.moe_prefill = MoEPrefill(self.dev, self.dtype)
         self.blas = Blas(self.dev)
         if weights is None and manifest.state_weights == DUMMY_WEIGHTS:
             log.warning("DUMMY WEIGHTS: this bundle (--dummy-weights) has no weights; seeded random ones are "
@@ -299,6 +305,9 @@ class CudaBackend:
                 "expert_off": ((1, E_all + 1), "int32"), "active": ((1, E_all + 1), "int32"),
                 "moe_act": ((T * self.kk, cfg.moe_intermediate_size), d), "y": ((T, self.ny * H), "float32"),
             })
+            if getattr(self, "moe_prefill", None) is not None:  # the tensor-core prefill MoE's tile list
+                shapes.update({"moe_tiles": ((1, tile_list_words(T * self.kk, E_all)), "int32"),
+                               "moe_cta_counts": ((ROUTE_MAX_CTAS, E_all), "int32")})
         self.arena = _Arena()
         for name, (shape, dt) in shapes.items():
             self.arena.bufs[name] = self.dev.empty(shape, dt)
@@ -670,25 +679,36 @@ class CudaBackend:
         # tokens its CTAs would do a dense GEMM's work alone, so it runs as GEMMs there, and always in prefill
         # (whose token count follows how prompts share steps: the same prompt must take the same path).
         fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
-        self._launch("moe_route", (1, 1, 1), 1024,
-                     [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
-                      ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
-                      ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
-        kk = k + int(fold)
-        e_all = cfg.num_experts + int(fold)
-        ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
-        tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
-        tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
-        self._launch("moe_gate_up", (-(-inter // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
-                     [("ptr", h.ptr), ("ptr", mw.gate_up.ptr), ("i32", H), ("i32", inter), ("i32", kk),
-                      ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr), ("ptr", moe_act.ptr),
-                      ("i32", tg)], smem=tg * H * self.es)
-        self._launch("moe_down", (-(-H // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
-                     [("ptr", moe_act.ptr), ("ptr", mw.down.ptr), ("ptr", pw.ptr), ("i32", H), ("i32", inter),
-                      ("i32", kk), ("i32", self.ny), ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr),
-                      ("ptr", act_l.ptr), ("ptr", y.ptr), ("i32", tg_d)], smem=tg_d * inter * self.es)
+        if ctx.phase == Phase.PREFILL and self.moe_prefill is not None:
+            # Tensor cores for every prefill step whatever its token count (a prompt takes the same path alone
+            # or batched): routing + tile list on the device, two grouped GEMMs (cuda/moe_prefill.py); the
+            # same pair_* / expert_off / active / moe_act / y contract as below. Never folds.
+            tl = A.bufs["moe_tiles"]
+            bufs = MoEBuffers(pw.ptr, pe.ptr, pl.ptr, off.ptr, act_l.ptr, tl.ptr, A.bufs["moe_cta_counts"].ptr,
+                              moe_act.ptr, y.ptr, (tl.size - 4) // 4)
+            with self._prof("moe_prefill"):
+                self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
+                                        self.ny, bufs)
+        else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
+            self._launch("moe_route", (1, 1, 1), 1024,
+                         [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
+                          ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
+                          ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+            kk = k + int(fold)
+            e_all = cfg.num_experts + int(fold)
+            ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
+            tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
+            tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
+            self._launch("moe_gate_up", (-(-inter // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
+                         [("ptr", h.ptr), ("ptr", mw.gate_up.ptr), ("i32", H), ("i32", inter), ("i32", kk),
+                          ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr),
+                          ("ptr", moe_act.ptr), ("i32", tg)], smem=tg * H * self.es)
+            self._launch("moe_down", (-(-H // MOE_ROWS_PER_CTA), ny_grid, 1), 256,
+                         [("ptr", moe_act.ptr), ("ptr", mw.down.ptr), ("ptr", pw.ptr), ("i32", H), ("i32", inter),
+                          ("i32", kk), ("i32", self.ny), ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr),
+                          ("ptr", act_l.ptr), ("ptr", y.ptr), ("i32", tg_d)], smem=tg_d * inter * self.es)
         if mw.fold and not fold:  # the folded shared expert run as two GEMMs on its slices of the stacks
             sgu = DeviceArray(mw.gate_up.row_ptr(cfg.num_experts), (2 * inter, H), self.dtype, self.dev.ordinal)
             sdn = DeviceArray(mw.down.row_ptr(cfg.num_experts), (H, inter), self.dtype, self.dev.ordinal)

@@ -1,0 +1,160 @@
+"""The MoE of prefill steps on tensor cores (``ops/cuda/moe_gemm.cu``): device routing for many tokens, a
+tile list built on the device, and two grouped GEMMs — no host synchronisation, no per-expert Python loop.
+
+Per call, five guarded launches on the device's stream, all programmatic dependents (``pdl=True``):
+
+1. ``moe_topk`` grid ``(ncta,)`` x 256: per token (one warp) softmax + top-k, bit for bit ``moe_route``'s
+   (ties to the lower expert id, renormalised when ``norm_topk_prob``); per-CTA expert counts.
+2. ``moe_group`` grid ``(ncta,)`` x 1024: counts -> exclusive scan -> ``expert_off``, ``active``, the tile
+   list (CTA 0) and ``pair_list`` grouped by expert (ascending pair index within an expert): exactly
+   ``moe_route``'s output contract, so the rest of the backend reads the same buffers.
+3. ``moe_gemm_gate_up`` grid ``(I / 64, max_tiles)`` x 128, 96 KB of shared memory: per tile of up to
+   :data:`GEMM_BM` pairs of one expert, ``act[p] = silu(h_t Wg^T) * (h_t Wu^T)`` (T, ``[pairs, I]``).
+4. ``moe_gemm_down`` grid ``(H / 128, max_tiles)`` x 128: ``y[t, slot] = pair_w[p] * act[p] Wd^T`` (float32
+   ``[n, ny, H]``, one slot per pair: no atomics).
+
+``ncta = ceil(n / chunk)`` routing CTAs of ``chunk`` tokens (:func:`route_geometry`); the GEMM grids use
+the bound :func:`max_tiles` and their CTAs past the device's tile count exit at once. Each output row
+depends on its own pair only and the k order is fixed, so a token's result has the same bits whatever else
+shares the step (batch invariance of a prompt).
+
+bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
+the tiles do not divide (:func:`supported`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .driver import CudaDevice
+from .kernels import load_module
+from .weights import MoEWeights
+
+SOURCE = "moe_gemm.cu"
+DT_CODES = {"float16": 1, "bfloat16": 2}
+GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
+GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
+DOWN_BN = 128  # y columns per down CTA
+GEMM_THREADS = 128
+GEMM_SMEM = 3 * (GEMM_BM + 128) * 64 * 2  # GEMM_STAGES x (A + B tile) x BK x 2 bytes = 96 KB
+TOPK_THREADS = 256
+GROUP_THREADS = 1024
+ROUTE_MAX_CTAS = 128  # routing CTAs at most (cta_counts rows)
+ROUTE_MIN_CHUNK = 32  # tokens per routing CTA at least
+MAX_EXPERTS = 1024  # E_all: one moe_group thread per expert
+MAX_TOPK = 31
+
+
+def supported(dtype: str, hidden: int, inter: int, e_all: int, k: int) -> bool:
+    """Whether the tensor-core path runs this shape: bf16/fp16, H % 128 == 0, I % 64 == 0 (whole tiles of
+    the GEMMs' K and N), at most 1024 experts and top-31."""
+    return (dtype in DT_CODES and hidden > 0 and inter > 0 and hidden % DOWN_BN == 0 and inter % GATE_UP_BN == 0
+            and 0 < e_all <= MAX_EXPERTS and 0 < k <= MAX_TOPK)
+
+
+def route_geometry(n: int) -> tuple[int, int]:
+    """(ncta, chunk): routing CTAs and tokens per CTA for ``n`` tokens (ncta <= ROUTE_MAX_CTAS)."""
+    if n < 1:
+        raise ValueError(f"need at least one token, got {n}")
+    chunk = max(ROUTE_MIN_CHUNK, -(-n // ROUTE_MAX_CTAS))
+    return -(-n // chunk), chunk
+
+
+def max_tiles(pairs: int, e_all: int, bm: int = GEMM_BM) -> int:
+    """Upper bound of ``sum_e ceil(count_e / bm)`` over any routing of ``pairs`` pairs to ``e_all`` experts
+    (each expert wastes less than one tile): the GEMM grids' y extent."""
+    return -(-pairs // bm) + min(e_all, pairs)
+
+
+def tile_list_words(max_pairs: int, e_all: int) -> int:
+    """int32 words of the tile-list buffer for up to ``max_pairs`` pairs: a 4-word header (count) + 4 words
+    per tile (expert, first pair_list slot, rows, unused)."""
+    return 4 + 4 * max_tiles(max_pairs, e_all)
+
+
+def tile_list(counts: np.ndarray, bm: int = GEMM_BM) -> np.ndarray:
+    """The tile list ``moe_group`` writes, as numpy ``[tiles, 3]`` (expert, first slot, rows): the model the
+    tests check the device against."""
+    counts = np.asarray(counts, np.int64)
+    off = np.concatenate([[0], np.cumsum(counts)])
+    out = [(e, off[e] + j * bm, min(bm, c - j * bm)) for e, c in enumerate(counts) for j in range(-(-c // bm))]
+    return np.array(out, np.int64).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class MoEBuffers:
+    """Device pointers of the MoE's scratch (the backend's arena): ``pair_w`` float32 ``[n*kk]``, ``pair_e``
+    and ``pair_list`` int32 ``[n*kk]``, ``expert_off`` / ``active`` int32 ``[E_all + 1]``, ``tiles`` int32
+    ``[tile_list_words]``, ``cta_counts`` int32 ``[ROUTE_MAX_CTAS, E_all]``, ``act`` T ``[n*kk, I]``, ``y``
+    float32 ``[n, ny, H]``; ``tile_capacity`` = tiles the ``tiles`` buffer holds."""
+
+    pair_w: int
+    pair_e: int
+    pair_list: int
+    expert_off: int
+    active: int
+    tiles: int
+    cta_counts: int
+    act: int
+    y: int
+    tile_capacity: int
+
+
+class MoEPrefill:
+    """The tensor-core MoE kernels for one bundle dtype on one device (see the module docstring)."""
+
+    def __init__(self, device: CudaDevice, dtype: str) -> None:
+        if dtype not in DT_CODES:
+            raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
+        self.device, self.dtype = device, dtype
+        self.module = load_module(SOURCE, (f"-DDT={DT_CODES[dtype]}",), device.arch)
+        for name in ("moe_gemm_gate_up", "moe_gemm_down"):  # 96 KB: past the default 48 KB
+            self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
+
+    def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list, smem: int = 0) -> None:
+        self.module.kernel(name).launch(self.device, grid, (block, 1, 1), smem, args, pdl=True)
+
+    def route(self, n: int, logits: int, ld: int, num_experts: int, k: int, renorm: bool, bufs: MoEBuffers,
+              fold_shared: bool = False) -> None:
+        """Routing + grouping + tile list for ``n`` tokens from ``logits`` (float32 ``[n, ld]``; with
+        ``fold_shared`` the shared expert is expert E, slot k, weight sigmoid(logits[:, E]))."""
+        e_all, kk = num_experts + int(fold_shared), k + int(fold_shared)
+        if not (0 < e_all <= MAX_EXPERTS and 0 < k <= MAX_TOPK and k <= num_experts):
+            raise ValueError(f"routing of top-{k} over {num_experts} experts is not supported")
+        need = max_tiles(n * kk, e_all)
+        if need > bufs.tile_capacity:
+            raise ValueError(f"{n} tokens need room for {need} tiles, the tile list holds {bufs.tile_capacity}")
+        ncta, chunk = route_geometry(n)
+        self._launch("moe_topk", (ncta, 1, 1), TOPK_THREADS,
+                     [("ptr", logits), ("i32", ld), ("i32", n), ("i32", num_experts), ("i32", k),
+                      ("i32", int(renorm)), ("i32", int(fold_shared)), ("i32", chunk), ("ptr", bufs.pair_w),
+                      ("ptr", bufs.pair_e), ("ptr", bufs.cta_counts)])
+        self._launch("moe_group", (ncta, 1, 1), GROUP_THREADS,
+                     [("ptr", bufs.pair_e), ("i32", n), ("i32", kk), ("i32", e_all), ("i32", chunk), ("i32", ncta),
+                      ("ptr", bufs.cta_counts), ("ptr", bufs.expert_off), ("ptr", bufs.pair_list),
+                      ("ptr", bufs.active), ("ptr", bufs.tiles), ("i32", need)])
+
+    def experts(self, n: int, h: int, ldh: int, gate_up: int, down: int, hidden: int, inter: int, kk: int, ny: int,
+                e_all: int, bufs: MoEBuffers) -> None:
+        """The grouped GEMMs after :meth:`route`: h (T ``[n, ldh]``), stacked weights ``gate_up``
+        ``[E_all, 2I, H]`` and ``down`` ``[E_all, H, I]`` (device pointers) -> ``bufs.act``, ``bufs.y``."""
+        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
+            raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
+        tiles = max_tiles(n * kk, e_all)
+        self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
+                     [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
+                      ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)
+        self._launch("moe_gemm_down", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
+                     [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
+                      ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
+                     smem=GEMM_SMEM)
+
+    def launch(self, n: int, logits: int, ld: int, mw: MoEWeights, h: int, ldh: int, k: int, renorm: bool, ny: int,
+               bufs: MoEBuffers) -> None:
+        """The routed experts of a prefill step: :meth:`route` (no folding: the shared expert runs as GEMMs)
+        then :meth:`experts` on ``mw``'s stacks. ``y`` slots ``k .. ny-1`` are left untouched."""
+        H, two_i = mw.gate_up.shape[2], mw.gate_up.shape[1]
+        self.route(n, logits, ld, mw.num_experts, k, renorm, bufs)
+        self.experts(n, h, ldh, mw.gate_up.ptr, mw.down.ptr, H, two_i // 2, k, ny, mw.num_experts, bufs)

@@ -1,0 +1,195 @@
+"""The tensor-core prefill MoE (``cuda/moe_prefill.py``, ``ops/cuda/moe_gemm.cu``) on the GPU against a per-token
+float64 reference (softmax, top-k, SwiGLU, down per token from the same bf16/fp16 weights and inputs; the
+activation rounded to the dtype as the device stores it), for many token counts on the Qwen3.5-35B-A3B expert
+shape (H 2048, I 512, 256 experts, top-8) and a small one: experts with no token, one expert with every token;
+routing == fused.cu's moe_route (pair_e / pair_w bit for bit, the same pairs per expert), the tile list == its
+numpy model, and nothing written outside the step's pairs (canaries in y and act after a larger step left a
+stale tile list and pair_list behind). The backend's own bf16 tests (test_cuda_backend.py) run this path too:
+the default model's MoE (H 128, I 128, 8 experts, top-2) is a tensor-core shape."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+DT = {"float16": 1, "bfloat16": 2}
+CANARY = -7777.0
+SHAPES = {"a35b": (2048, 512, 256, 8), "small": (256, 128, 16, 4)}
+# (n, case) in this order: the largest first, so later, smaller steps run over its stale tiles and pair_list
+CASES = [(4096, "spread"), (1000, "one_takes_all"), (64, "cold_experts"), (7, "spread"), (1, "spread")]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    import torch
+
+    torch.cuda.init()
+    from hybrid_runtime.cuda.driver import CudaDevice
+
+    return CudaDevice(0)
+
+
+def to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Host bits as to_dtype makes them (uint16 for bfloat16, float16) -> float32."""
+    from hybrid_runtime.weights_io import bf16_to_f32
+
+    return bf16_to_f32(bits) if dtype == "bfloat16" else bits.view(np.float16).astype(np.float32)
+
+
+def host_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    from hybrid_runtime.cuda.backend import to_dtype
+
+    return to_dtype(x, dtype)
+
+
+def reference_route(logits: np.ndarray, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token: top-k of the float32 logits (ties to the lower id), softmax weights renormalised (float64)."""
+    lg = logits[:, :E].astype(np.float64)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    top = np.stack([np.lexsort((np.arange(E), -logits[t, :E]))[:k] for t in range(len(logits))])
+    w = np.take_along_axis(p, top, 1)
+    return top, w / w.sum(1, keepdims=True)
+
+
+def reference_moe(h: np.ndarray, top: np.ndarray, w: np.ndarray, gu: np.ndarray, dn: np.ndarray, dtype: str
+                  ) -> np.ndarray:
+    """y [n, k, H] float64: pair (t, j) = w[t, j] * down_e(round(silu(gate_e h_t) * up_e h_t)), e = top[t, j].
+    Each row is computed alone (grouped by expert only to use matrix products)."""
+    from hybrid_runtime.cuda.backend import to_dtype
+
+    n, k = top.shape
+    inter = gu.shape[1] // 2
+    y = np.zeros((n, k, dn.shape[1]))
+    for e in np.unique(top):
+        t, j = np.nonzero(top == e)
+        x = h[t].astype(np.float64) @ gu[e].T.astype(np.float64)
+        a = x[:, :inter] / (1 + np.exp(-x[:, :inter])) * x[:, inter:]
+        a = to_f32(to_dtype(a.astype(np.float32), dtype), dtype).astype(np.float64)  # act as the device holds it
+        y[t, j] = w[t, j, None] * (a @ dn[e].T.astype(np.float64))
+    return y
+
+
+class Setup:
+    """Weights (random on the device, host copies), buffers for up to n_max tokens, the kernels."""
+
+    def __init__(self, dev, dtype: str, shape: str, n_max: int = 4096) -> None:
+        from hybrid_runtime.cuda.backend import fill_random
+        from hybrid_runtime.cuda.kernels import load_module
+        from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
+        from hybrid_runtime.cuda.weights import MoEWeights
+
+        self.dev, self.dtype = dev, dtype
+        H, inter, E, k = SHAPES[shape]
+        self.H, self.I, self.E, self.k = H, inter, E, k
+        self.ny = k + 1  # a shared expert's slot after the routed ones: never written by the routed kernels
+        self.ld = -(-(E + 1) // 8) * 8 + 8
+        self.fused = load_module("fused.cu", (f"-DDT={DT[dtype]}",), dev.arch)
+        gu = dev.empty((E, 2 * inter, H), dtype)
+        dn = dev.empty((E, H, inter), dtype)
+        fill_random(dev, self.fused, gu, 11, 1.0 / np.sqrt(H))
+        fill_random(dev, self.fused, dn, 12, 1.0 / np.sqrt(inter))
+        # (download gives float32 for bfloat16, float16 for float16)
+        self.gu = np.asarray(dev.download(gu), np.float32)
+        self.dn = np.asarray(dev.download(dn), np.float32)
+        self.mw = MoEWeights(dev.zeros((8, H), dtype), 8, gu, dn, E, False, None, None)
+        P = n_max * k
+        self.b = {name: dev.empty(shape_, dt) for name, shape_, dt in (
+            ("pw", (P,), "float32"), ("pe", (P,), "int32"), ("pl", (P,), "int32"), ("off", (E + 1,), "int32"),
+            ("active", (E + 1,), "int32"), ("tiles", (tile_list_words(P, E),), "int32"),
+            ("cta", (ROUTE_MAX_CTAS, E), "int32"), ("act", (P, inter), dtype), ("y", (n_max, self.ny, H), "float32"),
+            # moe_route's outputs, for the comparison
+            ("r_pw", (P,), "float32"), ("r_pe", (P,), "int32"), ("r_pl", (P,), "int32"),
+            ("r_off", (E + 1,), "int32"), ("r_active", (E + 1,), "int32"))}
+        b = self.b
+        self.bufs = MoEBuffers(b["pw"].ptr, b["pe"].ptr, b["pl"].ptr, b["off"].ptr, b["active"].ptr,
+                               b["tiles"].ptr, b["cta"].ptr, b["act"].ptr, b["y"].ptr,
+                               (b["tiles"].size - 4) // 4)
+        self.moe = MoEPrefill(dev, dtype)
+
+    def run(self, n: int, h_bits: np.ndarray, logits: np.ndarray) -> dict[str, np.ndarray]:
+        dev, b = self.dev, self.b
+        hd = dev.upload(h_bits, dtype=self.dtype)
+        lg = dev.upload(np.ascontiguousarray(logits, np.float32))
+        self.fused.kernel("fill_f32").launch(dev, (-(-b["y"].size // 256), 1, 1), (256, 1, 1), 0,
+                                             [("ptr", b["y"].ptr), ("f32", CANARY), ("i64", b["y"].size)])
+        dev.memset_d8(b["act"].ptr, 0xFF, b["act"].nbytes)  # 0xFFFF: a NaN in bf16 and in fp16 (canary)
+        self.moe.launch(n, lg.ptr, self.ld, self.mw, hd.ptr, self.H, self.k, True, self.ny, self.bufs)
+        self.fused.kernel("moe_route").launch(
+            dev, (1, 1, 1), (1024, 1, 1), 0,
+            [("ptr", lg.ptr), ("i32", self.ld), ("i32", n), ("i32", self.E), ("i32", self.k), ("i32", 1), ("i32", 0),
+             ("ptr", b["r_pw"].ptr), ("ptr", b["r_pe"].ptr), ("ptr", b["r_off"].ptr), ("ptr", b["r_pl"].ptr),
+             ("ptr", b["r_active"].ptr)])
+        dev.synchronize()
+        out = {name: dev.download(a) for name, a in b.items()}
+        del hd, lg
+        return out
+
+
+def logits_for(rng: np.random.Generator, n: int, E: int, ld: int, case: str) -> np.ndarray:
+    lg = rng.standard_normal((n, ld)).astype(np.float32)
+    if case == "one_takes_all":
+        lg[:, E // 3] += 30.0  # every token's first choice
+    elif case == "cold_experts":
+        lg[:, E // 2:] -= 60.0  # half the experts receive no token at all
+    return lg
+
+
+@pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
+def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str) -> None:
+    from hybrid_runtime.cuda.moe_prefill import tile_list
+
+    s = Setup(dev, dtype, shape)
+    E, k, H = s.E, s.k, s.H
+    rng = np.random.default_rng(E + H)
+    for n, case in CASES:
+        P = n * k
+        h = rng.standard_normal((n, H)).astype(np.float32)
+        hb = host_bits(h, dtype)
+        lg = logits_for(rng, n, E, s.ld, case)
+        got = s.run(n, hb, lg)
+        label = f"{dtype} {shape} n={n} {case}"
+        # routing: moe_route's bits, and the reference's choices
+        assert np.array_equal(got["pe"][:P], got["r_pe"][:P]), label
+        assert np.array_equal(got["pw"][:P].view(np.uint32), got["r_pw"][:P].view(np.uint32)), label
+        assert np.array_equal(got["off"], got["r_off"]), label
+        na = int(got["r_active"][E])
+        assert np.array_equal(got["active"][:na], got["r_active"][:na]) and got["active"][E] == na, label
+        off = got["off"]
+        for e in range(E):  # the same pairs per expert; ours ascending
+            mine, theirs = got["pl"][off[e]:off[e + 1]], got["r_pl"][off[e]:off[e + 1]]
+            assert np.array_equal(mine, np.sort(theirs)), (label, e)
+        top, w = reference_route(lg, E, k)
+        assert np.array_equal(got["pe"][:P].reshape(n, k), top), label
+        np.testing.assert_allclose(got["pw"][:P].reshape(n, k), w, rtol=2e-6, atol=1e-7)
+        counts = np.diff(off)
+        if case == "one_takes_all":
+            assert counts[E // 3] == n, label
+        if case == "cold_experts":
+            assert not counts[E // 2:].any(), label
+        tiles = got["tiles"]
+        want_tiles = tile_list(counts)
+        assert tiles[0] == len(want_tiles), label
+        assert np.array_equal(tiles[4:4 + 4 * len(want_tiles)].reshape(-1, 4)[:, :3], want_tiles), label
+        # the products, pair by pair
+        want = reference_moe(to_f32(hb, dtype), top, w, s.gu, s.dn, dtype)
+        y = got["y"][:n, :k].astype(np.float64)
+        err = np.linalg.norm(y - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-30)
+        assert err.max() < 5e-3, (label, float(err.max()))
+        assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-3, label
+        # nothing written past the step: y rows >= n, the shared slot, act rows >= n*k (canaries)
+        assert (got["y"][n:] == CANARY).all() and (got["y"][:n, k:] == CANARY).all(), label
+        assert np.isnan(got["act"][P:]).all() and not np.isnan(got["act"][:P]).any(), label
+
+
+def test_a_rows_result_does_not_depend_on_the_other_tokens(dev) -> None:
+    """Batch invariance: the first 7 tokens alone and inside a 1000-token step give the same bits."""
+    s = Setup(dev, "bfloat16", "small", n_max=1000)
+    rng = np.random.default_rng(5)
+    hb = host_bits(rng.standard_normal((1000, s.H)).astype(np.float32), "bfloat16")
+    lg = logits_for(rng, 1000, s.E, s.ld, "spread")
+    big = s.run(1000, hb, lg)
+    small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
+    assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
