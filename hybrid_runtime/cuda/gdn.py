@@ -6,8 +6,23 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
 * :meth:`CudaGdn.decode`: one token for each of B rows: conv window update + causal conv + SiLU, then
   the gated delta rule on the rows' slots (padding rows may name the sink; live slots must be distinct).
 * :meth:`CudaGdn.prefill`: several sequences of T_i >= 1 tokens, packed: conv over all tokens in parallel,
-  window update, then the delta rule as a per-chunk scan (state in registers, one CTA per 32 columns of
-  a value head of a sequence; chunks of tokens staged in shared memory).
+  window update, then the delta rule, by one of two paths (``prefill_mode``):
+
+  - ``"chunked"`` (``gdn_chunk.cu``, the default whenever a workspace is given): the WY / UT-transform
+    form on 64-token chunks aligned to each sequence's token 0. ``gdn_chunk_prep`` does the intra-chunk
+    work of every chunk of every sequence in parallel (grid ``(ceil(max_len/64), nv, S)``), then
+    ``gdn_chunk_state`` carries the state from chunk to chunk (grid ``(ceil(dv/32), nv, S)``, one
+    sequential step of small matmuls per chunk) and writes o. float32 SIMT, so float32 bundles keep
+    their CPU parity (the CPU twin is the same float32 chunked form).
+  - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
+    columns of a value head of a sequence. Used when no workspace is given.
+
+  Selection rule: the mode alone, never the step's composition or lengths. Every sequence of a step takes
+  the same path, and the chunked path computes a sequence's 64-token chunks identically whatever else
+  shares the step and wherever the backend cut the prompt (cuts are at multiples of 64, the state
+  crosses a cut through the float32 slot exactly), so prefill stays batch invariant. A length threshold
+  (scan below it) would not: a prompt tail could go through either path depending on where the token
+  budget cut the prompt.
 
 Inputs: u ``[N, C]`` (float16 / bfloat16 / float32 activations), g and beta ``[N, nv]`` float32, conv_w
 ``[C, K]`` float32. Output o ``[N, nv*dv]`` in the activation dtype. Slots are checked on the host
@@ -27,16 +42,34 @@ from .driver import CudaDevice, DeviceArray
 from .kernels import load_module
 
 SOURCE = "gdn.cu"
+CHUNK_SOURCE = "gdn_chunk.cu"
 DT_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 CONV_THREADS = 128
 PREFILL_TOK_TILE = 64  # tokens per CTA of the prefill conv
+CHUNK = 64  # tokens per chunk of the chunked delta rule (CH in gdn_chunk.cu)
+CHUNK_THREADS = 256  # NT in gdn_chunk.cu
+CHUNK_COLS = 32  # value columns per gdn_chunk_state CTA (BV in gdn_chunk.cu)
+PREFILL_MODES = ("chunked", "scan")
+
+
+def chunk_prep_smem(dk: int) -> int:
+    """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM): q, k ``[64][dk+1]``, A ``[64][64]``, G ``[64]``
+    float64 and four ``[64]`` float32 rows. 83,968 bytes at dk = 128."""
+    return 4 * (2 * CHUNK * (dk + 1) + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
+
+
+def chunk_state_smem(dk: int) -> int:
+    """Dynamic shared memory of gdn_chunk_state (STATE_SMEM): S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
+    ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``. 157,696 bytes at dk = 128."""
+    return 4 * (dk * CHUNK_COLS + 3 * CHUNK * dk + CHUNK * CHUNK + 3 * CHUNK * CHUNK_COLS + 2 * CHUNK * 4)
 
 
 class CudaGdn:
     """Kernels of one GDN layer shape on one device. ``layout`` is the state layout of the buffers the
     calls will receive (its conv shape ``(K-1, C)`` and recurrent shape ``(nv, dk, dv)`` must agree)."""
 
-    def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16") -> None:
+    def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16",
+                 prefill_mode: str = "chunked") -> None:
         nv, dk, dv = layout.recurrent_shape
         km1, C = layout.conv_shape
         if nk <= 0 or nv % nk or 2 * nk * dk + nv * dv != C:
@@ -47,9 +80,19 @@ class CudaGdn:
             raise ValueError(f"activation dtype {act_dtype} not in {sorted(DT_CODES)}")
         self.device, self.layout = device, layout
         self.nk, self.nv, self.dk, self.dv, self.K, self.C = nk, nv, dk, dv, km1 + 1, C
-        self.act_dtype = act_dtype
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode {prefill_mode!r} not in {PREFILL_MODES}")
+        self.act_dtype, self.prefill_mode = act_dtype, prefill_mode
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}", f"-DDV={dv}",
                                            f"-DKW={self.K}"), device.arch)
+        # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
+        self.chunk_smem = (chunk_prep_smem(dk), chunk_state_smem(dk))
+        self.chunk_module = None
+        if dk % 4 == 0 and max(self.chunk_smem) <= device.limits.max_shared_mem_optin:
+            self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
+                                                           f"-DDV={dv}"), device.arch)
+            for name, nbytes in zip(("gdn_chunk_prep", "gdn_chunk_state"), self.chunk_smem):
+                self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
         self.conv_row = layout.conv_row_bytes // layout.itemsize  # element strides from the same layout
         self.rec_row = layout.recurrent_row_bytes // layout.itemsize
         # Prefill scan: tokens staged per chunk, as many as fit the default 48 KB of shared memory.
@@ -121,9 +164,11 @@ class CudaGdn:
 
     def prefill(self, conv: DeviceArray, rec: DeviceArray, slots: Sequence[int] | np.ndarray,
                 seq_lens: Sequence[int] | np.ndarray, u: DeviceArray, g: DeviceArray, beta: DeviceArray,
-                conv_w: DeviceArray) -> DeviceArray:
+                conv_w: DeviceArray, mode: str | None = None) -> DeviceArray:
         """Prefill chunks of S sequences packed along the token axis (``sum(seq_lens)`` rows, each
-        sequence contiguous, in order), each continuing from its slot's state. Returns o ``[N, nv*dv]``."""
+        sequence contiguous, in order), each continuing from its slot's state. Returns o ``[N, nv*dv]``.
+        ``mode`` overrides ``prefill_mode`` for this call (tests compare the two paths); the chunked
+        path's workspace is allocated per call here (the backend passes a resident one instead)."""
         lens = np.asarray(seq_lens, np.int64).reshape(-1)
         S = lens.size
         if S < 1 or lens.min() < 1:
@@ -139,16 +184,42 @@ class CudaGdn:
         meta_dev = d.upload(meta, stream_ordered=True)
         x = d.empty((N, self.C), "float32", stream_ordered=True)
         o = d.empty((N, self.nv * self.dv), self.act_dtype, stream_ordered=True)
+        ws = None
+        if (mode or self.prefill_mode) == "chunked" and self.chunk_module is not None:
+            ws = d.empty((self.workspace_bytes(N),), "uint8", stream_ordered=True)
         self.prefill_launch(conv, rec, meta_dev.ptr, meta_dev.ptr + 4 * (S + 1), S, int(lens.max()), u.ptr, self.C,
-                            g.ptr, beta.ptr, conv_w, x.ptr, o.ptr)
+                            g.ptr, beta.ptr, conv_w, x.ptr, o.ptr, workspace=ws, n_tokens=N, mode=mode)
         return o
+
+    def workspace_bytes(self, max_tokens: int) -> int:
+        """Bytes of the chunked prefill's workspace for steps of up to ``max_tokens`` packed tokens:
+        ``4 * max_tokens * nv * (dk + dv + 64 + 4)`` (w ``[N, nv, dk]``, u ``[N, nv, dv]``, Aqk rows
+        ``[N, nv, 64]``, scales ``[N, nv, 4]``, float32). Qwen3.5-35B-A3B (nv = 32, dk = dv = 128): 40.5 KiB
+        per token, 324 MiB at 8192 tokens. One workspace serves every GDN layer (they run one after another
+        on one stream)."""
+        return 4 * int(max_tokens) * self.nv * (self.dk + self.dv + CHUNK + 4)
+
+    def workspace_views(self, ptr: int, max_tokens: int) -> tuple[int, int, int, int]:
+        """Device pointers of w, u, Aqk and the scales inside a workspace of ``workspace_bytes(max_tokens)``
+        bytes at ``ptr`` (each region a multiple of 16 bytes, so 16-byte aligned when ``ptr`` is)."""
+        per = 4 * int(max_tokens) * self.nv
+        w = ptr
+        u = w + per * self.dk
+        a = u + per * self.dv
+        return w, u, a, a + per * CHUNK
 
     def prefill_launch(self, conv: DeviceArray, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int,
                        max_len: int, u_ptr: int, u_stride: int, g_ptr: int, beta_ptr: int, conv_w: DeviceArray,
-                       x_ptr: int, o_ptr: int) -> None:
-        """The three prefill launches on data already on the device (checked by the caller): ``starts``
+                       x_ptr: int, o_ptr: int, workspace: DeviceArray | None = None, n_tokens: int = 0,
+                       mode: str | None = None) -> None:
+        """The prefill launches on data already on the device (checked by the caller): ``starts``
         int32 ``[S+1]`` token offsets, ``slots`` int32 ``[S]`` (distinct), u rows of ``u_stride`` elements,
-        g/beta float32 ``[N, nv]``, x a float32 ``[N, C]`` work area, o ``[N, nv*dv]`` (act dtype)."""
+        g/beta float32 ``[N, nv]``, x a float32 ``[N, C]`` work area, o ``[N, nv*dv]`` (act dtype).
+
+        Conv + window update, then the delta rule: chunked (``gdn_chunk_prep`` + ``gdn_chunk_state``) when
+        the mode is ``"chunked"`` and a ``workspace`` of at least ``workspace_bytes(n_tokens)`` is given
+        (``n_tokens`` = N, the packed tokens of this call), else the token scan ``gdn_prefill``. x, o and
+        the workspace must be 16-byte aligned (device allocations are)."""
         d = self.device
         cblocks = -(-self.C // CONV_THREADS)
         self.module.kernel("gdn_conv_prefill").launch(
@@ -160,9 +231,40 @@ class CudaGdn:
             d, (cblocks, S, 1), (CONV_THREADS, 1, 1), 0,
             [("ptr", u_ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr), ("ptr", slots_ptr),
              ("i32", S), ("i32", self.C), ("i64", u_stride)])
+        if (mode or self.prefill_mode) == "chunked" and workspace is not None and self.chunk_module is not None:
+            self.delta_prefill_chunked(rec, starts_ptr, slots_ptr, S, max_len, g_ptr, beta_ptr, x_ptr, o_ptr,
+                                       workspace, n_tokens)
+            return
         smem = self.chunk * (2 * self.dk + 32 + 3) * 4
         self.module.kernel("gdn_prefill").launch(
             d, (-(-self.dv // 32), self.nv, S), (128, 1, 1), smem,
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", slots_ptr),
              ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv),
              ("i32", self.chunk)])
+
+    def delta_prefill_chunked(self, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int, max_len: int,
+                              g_ptr: int, beta_ptr: int, x_ptr: int, o_ptr: int, workspace: DeviceArray,
+                              n_tokens: int) -> None:
+        """The chunked delta rule on post-conv x (two launches, both programmatic dependents that wait in
+        the kernel before touching memory): intra-chunk prep of every chunk, then the state pass + output.
+        ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
+        if self.chunk_module is None:
+            raise ValueError(f"no chunked prefill for dk={self.dk} on {self.device.limits.name}")
+        if n_tokens < 1 or workspace.nbytes < self.workspace_bytes(n_tokens):
+            raise ValueError(f"workspace of {workspace.nbytes} bytes, {self.workspace_bytes(n_tokens)} needed "
+                             f"for {n_tokens} tokens")
+        if workspace.device != self.device.ordinal:
+            raise ValueError(f"workspace on device {workspace.device}, kernels on {self.device.ordinal}")
+        if (workspace.ptr | x_ptr) % 16:
+            raise ValueError("the chunked prefill needs 16-byte aligned x and workspace (cp.async)")
+        ws_w, ws_u, ws_a, ws_s = self.workspace_views(workspace.ptr, n_tokens)
+        m, d = self.chunk_module, self.device
+        m.kernel("gdn_chunk_prep").launch(
+            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
+            [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),
+             ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
+        m.kernel("gdn_chunk_state").launch(
+            d, (-(-self.dv // CHUNK_COLS), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
+            [("ptr", x_ptr), ("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row),
+             ("ptr", ws_w), ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("ptr", o_ptr), ("i32", S),
+             ("i32", self.nk), ("i32", self.nv)], pdl=True)
