@@ -52,6 +52,13 @@ from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
+from .prefill_attention import (
+    CudaPrefillAttention,
+    PrefillAttentionError,
+    PrefillPlan,
+    pack_prefill_inputs,
+    plan_prefill,
+)
 from .sampler import DeviceSampler, row_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
@@ -123,6 +130,9 @@ class CudaCtx:
     graph: CudaGraph | None = None
     want_top: bool = False
     logits: Mat | None = None
+    prefill: PrefillPlan | None = None  # the prefill-attention kernel's plan (prefill steps, when it runs)
+    prefill_tables: int = 0  # byte offset of its page tables in the step upload (its work list is at attn)
+    prefill_stride: int = 0
 
 
 @dataclass
@@ -153,6 +163,7 @@ class CudaBackend:
     kind = "cuda"
     _fault: str | None = None  # a test-only fault for the next step (inject_fault)
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
+    prefill_plans = 0  # prefill steps planned for the tensor-core prefill-attention kernel
 
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
@@ -226,6 +237,13 @@ class CudaBackend:
         # ---- state: GDN slots (+ sink row), KV pages (+ one sink page for padding rows), sized last: the
         # memory budget (gpu_memory_fraction) is a share of what the weights and static buffers leave free
         self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
+        # GDN reads u from the float32 projection and writes its core output in float32
+        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
+                      if cfg.linear_layers else None)
+        # the chunked delta rule's workspace (w, u, Aqk, scales of a step's tokens), one for every GDN layer,
+        # a static buffer: allocated before the memory plan shares out what is left
+        self.gdn_ws = (self.dev.empty((self.gdn_k.workspace_bytes(self.T_max),), "uint8")
+                       if self.gdn_k is not None and self.gdn_k.chunk_module is not None else None)
         kv_np = np.float32 if self.dtype == "float32" else np.float16  # itemsize only (bf16 has no numpy type)
         nattn = max(1, len(cfg.attention_layers))
         one_page = KVLayout(1, lim.page_size, cfg.num_kv_heads, max(1, cfg.head_dim), kv_np, nattn).bytes_per_page
@@ -253,12 +271,20 @@ class CudaBackend:
         if cfg.attention_layers:
             pool = KVLayout(self.num_pages + 1, lim.page_size, cfg.num_kv_heads, cfg.head_dim, kv_np, nattn)
             self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
-        # GDN reads u from the float32 projection and writes its core output in float32
-        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
-                      if cfg.linear_layers else None)
         group = cfg.num_heads // max(1, cfg.num_kv_heads)
         prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
         self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare)
+        # Prefill attention: the causal tensor-core kernel over the paged pool (bf16/fp16 bundles whose shapes it
+        # takes); None: every prefill query runs as a decode-kernel query over its prefix (float32 bundles)
+        self.prefill_attn: CudaPrefillAttention | None = None
+        if cfg.attention_layers:
+            try:
+                plan_prefill([1], [0], num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim, dtype=self.dtype, page_size=lim.page_size,
+                             limits=self.dev.limits)
+                self.prefill_attn = CudaPrefillAttention(self.dev, self.dtype, cfg.head_dim, group)
+            except PrefillAttentionError as e:
+                log.info("prefill attention runs as per-token decode-kernel queries: %s", e)
         self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
         self.programs = [(p, segment_program(cfg, p)) for p in plan_segments(cfg)]
         self.graphs: dict[tuple[int, int], CudaGraph] = {}
@@ -506,6 +532,9 @@ class CudaBackend:
             attn_lens = [s.start_pos + 1 for s in steps] + [1] * (n - len(steps))
             tables = [np.asarray(s.page_table, np.int64) for s in steps] + [np.array([self.sink_page])] * (
                 n - len(steps))
+        elif self.prefill_attn is not None and cfg.attention_layers:
+            # one work item per query tile, one page table per sequence (cuda/prefill_attention.py)
+            attn_lens, tables = [], [np.asarray(s.page_table, np.int64) for s in steps]
         else:
             attn_lens, tables = [], []
             for i, s in enumerate(steps):
@@ -514,7 +543,13 @@ class CudaBackend:
                 attn_lens += range(s.start_pos + 1, s.start_pos + lens[i] + 1)
         if any(len(t) > self.table_stride for t in tables):
             raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
-        if cfg.attention_layers:
+        pplan: PrefillPlan | None = None
+        packed = None
+        if not decode and self.prefill_attn is not None and cfg.attention_layers:
+            pplan = self.prefill_attn.plan(lens, [s.start_pos for s in steps], num_q_heads=cfg.num_heads,
+                                           num_kv_heads=cfg.num_kv_heads, page_size=lim.page_size)
+            packed = pack_prefill_inputs(pplan, tables, table_stride=self.table_stride)
+        elif cfg.attention_layers:
             batch = DecodeBatch(tuple(int(x) for x in attn_lens), tuple(tables), cfg.num_heads, cfg.num_kv_heads,
                                 cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
         if decode:
@@ -525,16 +560,22 @@ class CudaBackend:
                 self.graph_stats.replays[choice.key] += 1
             else:
                 self.graph_stats.eager[choice.reason] += 1
-        elif batch is not None:
+        elif batch is not None and pplan is None:
             plan_ = self.dispatcher.select(batch)
         if plan_ is not None:
             chunk = plan_.chunk_len
             self.dispatcher.plans[plan_.kernel] += len(cfg.attention_layers)
         seq_start = bounds if not decode else np.arange(n + 1)
-        inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk)
+        inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk,
+                            attn_packed=packed.host if packed is not None else None)
         upload = pack(self.in_layout, self.host_in.array, inputs)
-        return CudaCtx(phase, n, n_real, S, R, R_real, max(lens), plan_, batch, len(attn_lens), rows, want_logits,
-                       upload, graph, want_top)
+        ctx = CudaCtx(phase, n, n_real, S, R, R_real, max(lens), plan_, batch, len(attn_lens), rows, want_logits,
+                      upload, graph, want_top)
+        if packed is not None:
+            self.prefill_plans += 1
+            ctx.prefill, ctx.prefill_stride = pplan, packed.table_stride
+            ctx.prefill_tables = self.in_layout.attn + 4 * packed.tables_offset
+        return ctx
 
     # ------------------------------------------------------------------ the pipeline pieces (device work)
 
@@ -645,10 +686,13 @@ class CudaBackend:
                 self.gdn_k.delta_decode(rec, slots, x, g, beta, core, n)  # type: ignore[arg-type]
             else:
                 self.gdn_k.prefill_launch(conv, rec, self._ptr(self.in_layout.seq_start), slots, ctx.S, ctx.max_len,
-                                          u.ptr, u.ld, g.ptr, beta.ptr, conv_w, x.ptr, core.ptr)
+                                          u.ptr, u.ld, g.ptr, beta.ptr, conv_w, x.ptr, core.ptr,
+                                          workspace=self.gdn_ws, n_tokens=self.T_max)
         return core
 
     def attention(self, layer: int, ctx: CudaCtx, out: dict[str, Any]) -> Mat:
+        if ctx.prefill is not None:
+            return self._prefill_attention(layer, ctx, out)
         cfg, Q = self.cfg, ctx.queries
         assert self.kv is not None and ctx.plan is not None and ctx.batch is not None
         p = ctx.plan
@@ -665,6 +709,19 @@ class CudaBackend:
         with self._prof("decode_attention"):
             self.attn.launch(p, qa, kb, vb, self._ptr(self.in_layout.tables(Q)), self.table_stride,
                              self._ptr(base), oa, device_chunk=True)
+        return res
+
+    def _prefill_attention(self, layer: int, ctx: CudaCtx, out: dict[str, Any]) -> Mat:
+        """Causal attention of a prefill step's tokens over their sequences' pages (this chunk's K/V are in the
+        pool already: attn_qkv wrote them), the tensor-core kernel; float32 ``[n, Hq*hd]`` into the arena."""
+        assert self.kv is not None and self.prefill_attn is not None and ctx.prefill is not None
+        H, hd = self.cfg.num_heads, self.cfg.head_dim
+        res = self.arena.mat("attn", ctx.n, H * hd, dense=True)
+        kb, vb = self.kv.buffers(layer)
+        with self._prof("prefill_attention"):
+            self.prefill_attn.launch(ctx.prefill, out["q"].ptr, kb.ptr, vb.ptr, self._ptr(ctx.prefill_tables),
+                                     ctx.prefill_stride, self._ptr(self.in_layout.attn), res.ptr,
+                                     pool_pages=kb.shape[0])
         return res
 
     def moe(self, layer: int, ctx: CudaCtx, h: Mat) -> MoEOut:

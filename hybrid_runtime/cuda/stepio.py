@@ -135,6 +135,9 @@ class StepInputs:
     attn_lens: Sequence[int]  # [Q] per attention query (decode: one per sequence)
     attn_tables: Sequence[np.ndarray]  # [Q] page tables
     chunk_len: int  # the attention plan's chunk (read by the kernels from after the lengths)
+    # prefill attention kernel: its work list + per-sequence page tables (pack_prefill_inputs), written at
+    # ``attn`` instead of the per-query lengths and tables
+    attn_packed: np.ndarray | None = None
 
 
 def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
@@ -157,6 +160,12 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     put(layout.slots, s.slots, np.int32)
     put(layout.logit_rows, s.logit_rows, np.int32)
     put(layout.sample_params, s.sample_params.reshape(-1), np.int32)
-    attn, _, _ = pack_tables(s.attn_tables, s.attn_lens, chunk_len=s.chunk_len, stride=layout.table_stride)
+    if s.attn_packed is not None:
+        attn = np.ascontiguousarray(s.attn_packed, np.int32)
+    else:
+        attn, _, _ = pack_tables(s.attn_tables, s.attn_lens, chunk_len=s.chunk_len, stride=layout.table_stride)
+    if attn.size > layout.attn_ints(layout.max_tokens):
+        raise ValueError(f"attention inputs of {attn.size} ints exceed the layout's "
+                         f"{layout.attn_ints(layout.max_tokens)}")
     put(layout.attn, attn, np.int32)
     return layout.attn + attn.nbytes

@@ -130,6 +130,34 @@ def test_step_inputs_pack_into_fixed_aligned_offsets() -> None:
     assert tok.tolist() == [11, 12] and ti.shape == (2, MAX_TOP_LOGPROBS) and O.used(2, False) == O.top_ids
 
 
+def test_prefill_attention_inputs_replace_the_per_query_tables_in_the_upload() -> None:
+    """A prefill step for the tensor-core prefill-attention kernel uploads its work list and one page table per
+    sequence at ``attn`` (16-byte aligned, as the kernel reads work items as int4) instead of one table per
+    query token; what does not fit the layout is refused, never truncated."""
+    from hybrid_runtime.cuda.prefill_attention import pack_prefill_inputs, plan_prefill
+    from hybrid_runtime.ops.dispatcher import DeviceLimits
+
+    L = InputLayout(max_tokens=64, max_rows=8, table_stride=8)
+    lim = DeviceLimits("fake-h200", sm_count=132)
+    plan = plan_prefill([40, 3], [16, 70], num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                        page_size=16, limits=lim)
+    tables = [np.array([5, 2, 9, 4]), np.array([1, 0, 3, 6, 7])]
+    packed = pack_prefill_inputs(plan, tables, table_stride=L.table_stride)
+    host = np.zeros(L.nbytes, np.uint8)
+    s = StepInputs(np.zeros(43), np.zeros(43), np.zeros(43, np.int64), np.array([0, 40, 43]), np.array([1, 2]),
+                   np.array([39, 42]), np.zeros((2, 8), np.int32), [], tables, 0, attn_packed=packed.host)
+    n = pack(L, host, s)
+    assert L.attn % 16 == 0 and n == L.attn + packed.host.nbytes
+    got = host[L.attn:n].view(np.int32)
+    assert got[:plan.n_work * 4].reshape(-1, 4).tolist() == plan.work.tolist()
+    t1 = L.attn + 4 * (packed.tables_offset + L.table_stride)
+    assert host[t1:t1 + 20].view(np.int32).tolist() == [1, 0, 3, 6, 7]
+    with pytest.raises(ValueError, match="exceed"):
+        pack(L, host, StepInputs(np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.arange(2), np.zeros(1),
+                                 np.zeros(1), np.zeros((1, 8), np.int32), [], [], 0,
+                                 attn_packed=np.zeros(L.attn_ints(64) + 1, np.int32)))
+
+
 def test_sampler_parameters_and_philox_twin() -> None:
     w = row_params(SamplingParams(temperature=0.5, top_k=7, top_p=0.8, seed=2**40 + 5), seed=2**40 + 5, counter=99,
                    n_logprobs=3)

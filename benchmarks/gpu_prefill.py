@@ -1,0 +1,272 @@
+"""Prefill on the ``cuda`` backend: time to first token and prompt throughput of the released Qwen3.5-35B-A3B
+text shape (all 40 layers, random bf16 weights generated on the device), as a share of the bf16 matmul rate
+measured in the same run (MFU), with the step split by kernel kind.
+
+    python3 -m benchmarks.gpu_prefill --out benchmarks/results/gpu_prefill_h200.md
+
+Cases: TTFT of one prompt of 1k, 8k and 32k tokens (prefilled in chunks of ``max_num_tokens`` = 8192, the
+last chunk sampling the first token; wall clock of ``ModelRunner.step`` per chunk, summed: the host's
+packing, the upload, the eager launches, the sync and the download included), and 8 prompts of 4k tokens
+(two per step). Model FLOPs = 2 x the matmul parameters a token passes through (projections, router, its
+top-8 experts, the shared expert; lm_head for the rows that need logits; embeddings excluded) + causal
+attention (2 x 2 x Hq x head_dim per query-key pair). GDN's own arithmetic is not counted (as in the usual
+MFU). MFU = model FLOPs / time / the bf16 rate of one 8192^3 ``torch.matmul`` measured in this run.
+
+Split: one eager run of the step with CUDA events around every launch (``CudaBackend.profile_step``, the host
+enqueueing ahead of the GPU), grouped into attention, GDN, MoE (routing + routed experts), dense GEMMs (every
+cuBLASLt call: projections, shared expert, router, lm_head) and the rest (norms, gates, RoPE, embedding,
+sampling). The attention kernel against PyTorch SDPA comes from ``benchmarks.gpu_prefill_attention``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.gpu_common import log, time_calls, write_report
+from benchmarks.gpu_decode_step import qwen35_moe_config
+
+CHUNK = 8192
+PAGE = 64
+
+
+def manifest(cfg: Any, max_num_tokens: int, max_seq_len: int, num_pages: int, slots: int) -> Any:
+    from hybrid_runtime.config import Limits, Manifest, SegmentSpec
+    from hybrid_runtime.pipeline import plan_segments
+    from hybrid_runtime.program import PROGRAM_VERSION
+
+    lim = Limits(max_batch_size=slots, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len,
+                 max_num_tokens=max_num_tokens, page_size=PAGE, num_kv_pages=num_pages, num_state_slots=slots)
+    segs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
+    return Manifest(version=1, model=cfg, limits=lim, backend="cuda", dtype="bfloat16", segments=segs,
+                    state_weights="(generated on the device)", toolkit={"program": str(PROGRAM_VERSION)},
+                    target={"device": "cuda"}, workarounds=(), checksums={}, tokenizer={})
+
+
+def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int) -> tuple[Any, Any, float]:
+    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
+    from hybrid_runtime.cuda.driver import CudaDevice
+    from hybrid_runtime.cuda.kernels import load_module
+    from hybrid_runtime.cuda.weights import DeviceWeights
+    from hybrid_runtime.runner import ModelRunner
+
+    t0 = time.perf_counter()
+    cfg = qwen35_moe_config(num_layers)
+    dev = CudaDevice(0)
+    mod = load_module("fused.cu", ("-DDT=2",), dev.arch)
+
+    def fill(a: Any, s: int, scale: float, offset: float = 0.0) -> None:
+        fill_random(dev, mod, a, s, scale, offset)
+
+    pages = -(-max_seq_len // PAGE) * 2 + 8 * -(-4096 // PAGE)
+    m = manifest(cfg, max_num_tokens, max_seq_len, pages, slots)
+    w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=0)
+    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
+    runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
+    dev.synchronize()
+    return be, runner, time.perf_counter() - t0
+
+
+def matmul_params_per_token(cfg: Any) -> float:
+    """Parameters of the matrices one prompt token is multiplied with (no embedding, no lm_head)."""
+    H = cfg.hidden_size
+    total = 0
+    for i in range(cfg.num_layers):
+        if cfg.layer_types[i] == "linear_attention":
+            proj = cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
+            total += proj * H + cfg.value_dim * H
+        else:
+            total += (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * H + cfg.num_heads * cfg.head_dim * H
+        if cfg.ffn_types[i] == "moe":
+            total += cfg.num_experts * H + cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
+            if cfg.shared_expert_intermediate_size:
+                total += 3 * H * cfg.shared_expert_intermediate_size + H
+        else:
+            total += 3 * H * cfg.intermediate_size
+    return float(total)
+
+
+def prompt_flops(cfg: Any, lens: list[int]) -> float:
+    """Model FLOPs of prefilling prompts of ``lens`` tokens (one logit row each)."""
+    per_tok = 2 * matmul_params_per_token(cfg)
+    attn_pairs = sum(L * (L + 1) / 2 for L in lens)
+    attn = len(cfg.attention_layers) * 4 * cfg.num_heads * cfg.head_dim * attn_pairs
+    head = 2 * cfg.hidden_size * cfg.vocab_size * len(lens)
+    return per_tok * sum(lens) + attn + head
+
+
+def matmul_rate(torch: Any, n: int = 8192) -> float:
+    """FLOP/s of one bf16 ``n^3`` torch.matmul on this GPU (queue-filled event timing)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    sec = time_calls(torch, lambda i: torch.matmul(a, b))
+    return 2 * n**3 / sec
+
+
+def chunks(L: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(chunk, L - s)) for s in range(0, L, chunk)]
+
+
+def prompt_steps(be: Any, prompts: list[tuple[int, list[int], list[int]]], chunk: int) -> list[list[Any]]:
+    """Steps that prefill ``prompts`` = (slot, page table, ids), at most ``chunk`` tokens per step, prompts
+    packed into steps in order (the scheduler's policy without decode)."""
+    from hybrid_runtime.runner import SeqStep
+
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    room = chunk
+    for slot, table, ids in prompts:
+        pos = 0
+        while pos < len(ids):
+            k = min(room, len(ids) - pos)
+            cur.append(SeqStep(slot, table, pos, ids[pos:pos + k], need_logits=pos + k == len(ids)))
+            pos += k
+            room -= k
+            if room == 0:
+                out.append(cur)
+                cur, room = [], chunk
+    if cur:
+        out.append(cur)
+    return out
+
+
+def run_prompts(be: Any, runner: Any, steps: list[list[Any]]) -> float:
+    from hybrid_runtime.engine import Phase
+    from hybrid_runtime.runner import SampleRow
+    from hybrid_runtime.sampling import SamplingParams
+
+    for step in steps:
+        for st in step:
+            if st.start_pos == 0:
+                be.reset_slot(st.slot)
+    be.synchronize()
+    t = time.perf_counter()
+    for step in steps:
+        rows = [SampleRow(SamplingParams())] * sum(1 for s in step if s.need_logits)
+        runner.step(Phase.PREFILL, step, rows)
+    return time.perf_counter() - t
+
+
+GROUPS = (("attention", ("prefill_attention", "decode_attention")), ("GDN", ("gdn",)),
+          ("MoE", ("moe_",)), ("dense GEMMs", ("cublaslt",)))
+
+
+def split(prof: dict[str, tuple[int, float]]) -> dict[str, float]:
+    out = {g: 0.0 for g, _ in GROUPS}
+    out["rest"] = 0.0
+    for name, (_, sec) in prof.items():
+        for g, keys in GROUPS:
+            if any(name.startswith(k) for k in keys):
+                out[g] += sec
+                break
+        else:
+            out["rest"] += sec
+    return out
+
+
+def profile(be: Any, runner: Any, step: list[Any]) -> dict[str, tuple[int, float]]:
+    import torch
+
+    from hybrid_runtime.engine import Phase
+    from hybrid_runtime.runner import SampleRow
+    from hybrid_runtime.sampling import SamplingParams
+
+    rows = [SampleRow(SamplingParams())] * sum(1 for s in step if s.need_logits)
+    ctx = be.prepare(Phase.PREFILL, step, rows, False)
+    return be.profile_step(ctx, runner._forward, spin=lambda: torch.cuda._sleep(int(2e9)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--lens", default="1024,8192,32768", help="prompt lengths for TTFT at batch 1")
+    ap.add_argument("--batch", default="8x4096", help="prompts x tokens for the throughput case ('' = none)")
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="max_num_tokens: tokens per prefill step")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sdpa", action="store_true", help="also run benchmarks.gpu_prefill_attention's table")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    import torch
+
+    lens = [int(x) for x in a.lens.split(",") if x]
+    nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
+    max_seq = max([*lens, bl, 64]) + 64
+    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb))
+    cfg = be.cfg
+    log(f"built in {build_s:.0f} s: {be.w.nbytes / 1e9:.1f} GB weights, {be.num_pages} KV pages")
+    peak = matmul_rate(torch)
+    log(f"bf16 matmul 8192^3: {peak / 1e12:.0f} TFLOP/s")
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(be.num_pages).tolist()
+    rows: list[dict[str, Any]] = []
+    splits: dict[str, dict[str, float]] = {}
+
+    def case(name: str, prompts: list[tuple[int, list[int], list[int]]]) -> None:
+        steps = prompt_steps(be, prompts, a.chunk)
+        run_prompts(be, runner, steps)  # warm-up: kernels loaded, GEMMs planned
+        times = [run_prompts(be, runner, steps) for _ in range(a.reps)]
+        t = statistics.median(times)
+        plens = [len(p[2]) for p in prompts]
+        fl = prompt_flops(cfg, plens)
+        prof = profile(be, runner, steps[-1])
+        sp = split(prof)
+        total = sum(sp.values())
+        splits[name] = {k: v / total for k, v in sp.items()}
+        splits[name]["_gpu_s"] = total
+        rows.append({"case": name, "tokens": sum(plens), "steps": len(steps), "time": t,
+                     "tok_s": sum(plens) / t, "tflops": fl / t / 1e12, "mfu": fl / t / peak})
+        log(f"{name}: {t * 1e3:.1f} ms, {sum(plens) / t:,.0f} tok/s, MFU {fl / t / peak:.1%}; last step "
+            + ", ".join(f"{k} {v:.0%}" for k, v in splits[name].items() if not k.startswith("_")))
+
+    def table_for(L: int, offset: int) -> list[int]:
+        return perm[offset:offset + -(-L // PAGE)]
+
+    for L in lens:
+        ids = rng.integers(0, cfg.vocab_size, L).tolist()
+        case(f"TTFT {L // 1024}k x1", [(0, table_for(L, 0), ids)])
+    if nb:
+        prompts = []
+        for b in range(nb):
+            ids = rng.integers(0, cfg.vocab_size, bl).tolist()
+            prompts.append((b, table_for(bl, b * -(-bl // PAGE)), ids))
+        case(f"{nb} x {bl // 1024}k", prompts)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Prefill on the H200: Qwen3.5-35B-A3B shape, random bf16 weights", "",
+        f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
+        f"--chunk {a.chunk}`  ",
+        f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
+        f"**{peak / 1e12:.0f} TFLOP/s**; {when}.  ",
+        f"Model: {a.layers} layers ({len(cfg.linear_layers)} GDN + {len(cfg.attention_layers)} gated attention), "
+        f"{matmul_params_per_token(cfg) / 1e9:.2f} G matmul parameters per token; page size {PAGE}; "
+        f"max_num_tokens {a.chunk} (a longer prompt prefills in chunks). Time = median of {a.reps} runs, wall "
+        "clock of the runner's steps (host work, upload, sync, download included).", "",
+        "| case | tokens | steps | time ms | tokens/s | model TFLOP/s | MFU |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['tokens']:,} | {r['steps']} | {r['time'] * 1e3:,.1f} | {r['tok_s']:,.0f} | "
+                     f"{r['tflops']:.0f} | {r['mfu']:.1%} |")
+    lines += ["", "Split of the last step of each case (GPU time of its kernels, CUDA events):", "",
+              "| case | GPU ms | attention | GDN | MoE | dense GEMMs | rest |", "|---|---|---|---|---|---|---|"]
+    for name, sp in splits.items():
+        lines.append(f"| {name} | {sp['_gpu_s'] * 1e3:,.1f} | " + " | ".join(
+            f"{sp[g]:.0%}" for g in ("attention", "GDN", "MoE", "dense GEMMs", "rest")) + " |")
+    if a.sdpa:
+        try:
+            from benchmarks import gpu_prefill_attention as gpa
+
+            lines += ["", *gpa.table_lines(gpa.compare_sdpa())]
+        except Exception as e:  # the attention comparison is optional here
+            lines += ["", f"(attention vs SDPA not run: {type(e).__name__}: {e})"]
+    if a.out:
+        write_report(a.out, lines)
+    else:
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Prefill on the ``cuda`` backend through its tensor-core paths (bfloat16 bundle of the default model): the
+causal prefill-attention kernel over the paged pool, the grouped-GEMM MoE and the chunked delta rule.
+
+* a prompt prefilled in chunks (64-token cuts, as the scheduler makes them; and 100-token cuts) gives the
+  logits of the one-shot prefill, and the same greedy tokens after it;
+* several prompts sharing prefill steps give each prompt's logits alone (the rows of a step do not see each
+  other).
+
+The float32 parity suite against the CPU (``test_cuda_backend.py``) covers the float32 paths (the per-token
+decode-kernel attention and CUDA-core MoE, which float32 bundles keep; the chunked delta rule, which they
+share).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runner_cases import Driver, scattered_tables
+
+from hybrid_runtime.config import Manifest
+from hybrid_runtime.runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+REPORT = Path(os.environ.get("GPU_REPORT_DIR", "/tmp")) / "prefill_report.json"
+_report: dict[str, object] = {}
+
+
+def _record(key: str, value: object) -> None:
+    _report[key] = value
+    REPORT.write_text(json.dumps(_report, indent=1, default=str))
+    print(f"[prefill] {key}: {value}")
+
+
+@pytest.fixture(scope="module")
+def bundle(default_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder.bundle import BuildOptions, build_bundle
+
+    out = tmp_path_factory.mktemp("prefill") / "cuda_bf16"
+    build_bundle(default_checkpoint, out, BuildOptions(backend="cuda", dtype="bfloat16", max_batch_size=8,
+                                                       max_input_len=700, max_seq_len=768, max_num_tokens=1024,
+                                                       page_size=16), progress=lambda _m: None)
+    return out
+
+
+def _run(runner: ModelRunner, m: Manifest, prompts: list[list[int]], slots: list[int], chunk: int,
+         decode_steps: int = 12) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Final prefill logits of every prompt and the greedy tokens of ``decode_steps`` decode steps after it."""
+    tables = scattered_tables(m, [len(p) + decode_steps + 1 for p in prompts], seed=4)
+    drv = Driver([runner], slots, tables, prompts)
+    last: list[np.ndarray | None] = [None] * len(prompts)
+    pos = [0] * len(prompts)
+    for (out,) in drv.prefill(chunk=chunk):
+        idx = [i for i, p in enumerate(prompts) if pos[i] < len(p)]
+        for row, i in enumerate(idx):
+            pos[i] = min(len(prompts[i]), pos[i] + chunk)
+            if pos[i] == len(prompts[i]):
+                last[i] = out[row].copy()
+    toks: list[list[int]] = [[] for _ in prompts]
+    for _ in range(decode_steps):
+        drv.decode()
+        for i, t in enumerate(drv.next_tok):
+            toks[i].append(t)
+    assert all(x is not None for x in last)
+    return [x for x in last if x is not None], toks
+
+
+def test_the_tensor_core_prefill_paths_are_the_ones_running(bundle: Path) -> None:
+    m = Manifest.load(bundle)
+    be = ModelRunner(bundle, m).backend
+    assert be.prefill_attn is not None and be.moe_prefill is not None and be.gdn_ws is not None  # type: ignore
+
+
+def test_prefill_in_chunks_equals_one_shot(bundle: Path) -> None:
+    m = Manifest.load(bundle)
+    runner = ModelRunner(bundle, m)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in (640, 300, 77)]
+    slots = [2, 5, 0]
+    one, toks1 = _run(runner, m, prompts, slots, chunk=700)
+    be = runner.backend
+    assert be.prefill_plans > 0  # type: ignore[attr-defined]
+    worst = {}
+    for chunk in (64, 100):
+        got, toks = _run(runner, m, prompts, slots, chunk=chunk)
+        err = max(float(np.abs(a - b).max()) for a, b in zip(one, got))
+        scale = max(float(np.abs(a).max()) for a in one)
+        worst[chunk] = err
+        assert all(np.isfinite(g).all() for g in got)
+        assert err <= 2e-2 * scale, f"chunks of {chunk}: logits differ from one-shot by {err} (scale {scale})"
+        assert toks == toks1, f"chunks of {chunk}: greedy tokens after the prefill differ"
+    _record("chunked_vs_one_shot_max_logit_diff", worst)
+
+
+def test_prompts_sharing_a_prefill_step_equal_each_alone(bundle: Path) -> None:
+    m = Manifest.load(bundle)
+    runner = ModelRunner(bundle, m)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in (129, 64, 300, 1)]
+    slots = [1, 3, 4, 6]
+    together, _ = _run(runner, m, prompts, slots, chunk=1024, decode_steps=1)
+    diffs = []
+    for i, p in enumerate(prompts):
+        alone, _ = _run(runner, m, [p], [slots[i]], chunk=1024, decode_steps=1)
+        diffs.append(float(np.abs(alone[0] - together[i]).max()))
+    _record("shared_step_vs_alone_max_logit_diff", diffs)
+    assert max(diffs) == 0.0, f"a prompt's logits depend on the prompts sharing its prefill step: {diffs}"
