@@ -4,7 +4,9 @@ causal prefill-attention kernel over the paged pool, the grouped-GEMM MoE and th
 * a prompt prefilled in chunks (64-token cuts, as the scheduler makes them; and 100-token cuts) gives the
   logits of the one-shot prefill, and the same greedy tokens after it;
 * several prompts sharing prefill steps give each prompt's logits alone (the rows of a step do not see each
-  other).
+  other);
+* against the float32 CPU backend, the tensor-core prefill is as accurate as the CUDA-core paths it replaced
+  (per-token decode-kernel attention, CUDA-core MoE, token-scan delta rule) on the same bf16 bundle.
 
 The float32 parity suite against the CPU (``test_cuda_backend.py``) covers the float32 paths (the per-token
 decode-kernel attention and CUDA-core MoE, which float32 bundles keep; the chunked delta rule, which they
@@ -109,3 +111,34 @@ def test_prompts_sharing_a_prefill_step_equal_each_alone(bundle: Path) -> None:
         diffs.append(float(np.abs(alone[0] - together[i]).max()))
     _record("shared_step_vs_alone_max_logit_diff", diffs)
     assert max(diffs) == 0.0, f"a prompt's logits depend on the prompts sharing its prefill step: {diffs}"
+
+
+def test_tensor_core_prefill_is_as_accurate_as_the_cuda_core_paths(bundle: Path, default_checkpoint: Path,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    from builder.bundle import BuildOptions, build_bundle
+
+    cpu_b = tmp_path_factory.mktemp("prefill_cpu") / "ort"
+    m = Manifest.load(bundle)
+    lim = m.limits
+    build_bundle(default_checkpoint, cpu_b, BuildOptions(max_batch_size=lim.max_batch_size,
+                                                         max_input_len=lim.max_input_len, max_seq_len=lim.max_seq_len,
+                                                         max_num_tokens=lim.max_num_tokens, page_size=lim.page_size),
+                 progress=lambda _m: None)
+    cpu = ModelRunner(cpu_b, Manifest.load(cpu_b))
+    new, old = ModelRunner(bundle, m), ModelRunner(bundle, m)
+    ob = old.backend
+    ob.prefill_attn = None  # type: ignore[attr-defined]
+    ob.moe_prefill = None  # type: ignore[attr-defined]
+    ob.gdn_ws = None  # type: ignore[attr-defined]
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in (500, 130, 9)]
+    slots = [0, 3, 6]
+    ref, _ = _run(cpu, Manifest.load(cpu_b), prompts, slots, chunk=256, decode_steps=1)
+    errs = {}
+    for name, r in (("tensor_cores", new), ("cuda_cores", old)):
+        got, _ = _run(r, m, prompts, slots, chunk=256, decode_steps=1)
+        errs[name] = [float(np.sqrt(np.mean((g - c) ** 2)) / np.sqrt(np.mean(c ** 2))) for g, c in zip(got, ref)]
+    assert ob.prefill_plans == 0  # type: ignore[attr-defined]
+    _record("prefill_rel_rms_err_vs_fp32_cpu", errs)
+    for a, b in zip(errs["tensor_cores"], errs["cuda_cores"]):
+        assert a <= 1.5 * b + 1e-3, f"tensor-core prefill error {a:.2e} vs CUDA-core {b:.2e} (relative RMS vs fp32 CPU)"
