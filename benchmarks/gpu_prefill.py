@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import statistics
 import time
 from typing import Any
@@ -152,6 +153,55 @@ def run_prompts(be: Any, runner: Any, steps: list[list[Any]]) -> float:
     return time.perf_counter() - t
 
 
+def interleave_case(be: Any, runner: Any, long_len: int, n_running: int = 7, seed: int = 5) -> dict[str, float]:
+    """The scheduler's policy on the GPU: ``n_running`` requests decode while a ``long_len``-token prompt arrives;
+    their largest gap between two tokens while it prefills, against one prefill chunk and one decode step."""
+    from hybrid_runtime.engine import Phase
+    from hybrid_runtime.runner import SampleRow
+    from hybrid_runtime.sampling import SamplingParams
+    from hybrid_runtime.scheduler import Scheduler, Sequence
+
+    rng = np.random.default_rng(seed)
+    lim = be.lim
+    sched = Scheduler(lim, lim.max_batch_size, be.num_pages, be.reset_slot)
+    greedy = SamplingParams(max_tokens=lim.max_seq_len)
+    for i in range(n_running):
+        sched.add(Sequence(f"r{i}", rng.integers(0, be.cfg.vocab_size, 64).tolist(), greedy, max_len=256))
+    long = Sequence("long", rng.integers(0, be.cfg.vocab_size, long_len).tolist(),
+                    SamplingParams(max_tokens=1), max_len=long_len + 1)
+    stamps: dict[str, list[float]] = {}
+    chunk_t: list[float] = []
+    decode_t: list[float] = []
+    win: list[float] = []  # [start of the long prompt's first chunk, end of its last]
+    for i in range(10000):
+        if i == 4:
+            sched.add(long)
+        batch = sched.schedule()
+        if batch is None:
+            break
+        rows = [SampleRow(greedy)] * sum(1 for st in batch.steps if batch.phase == Phase.DECODE or st.need_logits)
+        t = time.perf_counter()
+        res = runner.step(batch.phase, batch.steps, rows)
+        t1 = time.perf_counter()
+        is_long = batch.phase == Phase.PREFILL and any(q.request_id == "long" for q in batch.seqs)
+        (chunk_t if is_long else decode_t).append(t1 - t)
+        if is_long:
+            win = [win[0] if win else t, t1]
+        sched.advance(batch)
+        r = 0
+        for seq, st in zip(batch.seqs, batch.steps):
+            if batch.phase == Phase.DECODE or st.need_logits:
+                seq.output_ids.append(int(res.tokens[r]))
+                r += 1
+                stamps.setdefault(seq.request_id, []).append(t1)
+        if long.output_ids:
+            break
+    gaps = [b - a for rid, ts in stamps.items() if rid != "long" for a, b in itertools.pairwise(ts)
+            if win and b > win[0] and a < win[1]]
+    return {"long": long_len, "chunks": len(chunk_t), "max_gap": max(gaps, default=float("nan")),
+            "chunk_max": max(chunk_t, default=float("nan")), "decode_median": statistics.median(decode_t)}
+
+
 GROUPS = (("attention", ("prefill_attention", "decode_attention")), ("GDN", ("gdn",)),
           ("MoE", ("moe_",)), ("dense GEMMs", ("cublaslt",)))
 
@@ -189,6 +239,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=CHUNK, help="max_num_tokens: tokens per prefill step")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sdpa", action="store_true", help="also run benchmarks.gpu_prefill_attention's table")
+    ap.add_argument("--interleave", type=int, default=32768,
+                    help="tokens of the long prompt of the interleaving case (0 = skip)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
@@ -235,11 +287,17 @@ def main() -> None:
             ids = rng.integers(0, cfg.vocab_size, bl).tolist()
             prompts.append((b, table_for(bl, b * -(-bl // PAGE)), ids))
         case(f"{nb} x {bl // 1024}k", prompts)
+    inter = None
+    if a.interleave:
+        be.capture_graphs(runner._forward, buckets=[b for b in be.buckets if b <= 8])
+        interleave_case(be, runner, min(a.interleave, max_seq - 64))  # warm-up
+        inter = interleave_case(be, runner, min(a.interleave, max_seq - 64))
+        log(f"interleave: {inter}")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Prefill on the H200: Qwen3.5-35B-A3B shape, random bf16 weights", "",
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
-        f"--chunk {a.chunk}`  ",
+        f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}`  ",
         f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
         f"**{peak / 1e12:.0f} TFLOP/s**; {when}.  ",
         f"Model: {a.layers} layers ({len(cfg.linear_layers)} GDN + {len(cfg.attention_layers)} gated attention), "
@@ -255,6 +313,12 @@ def main() -> None:
     for name, sp in splits.items():
         lines.append(f"| {name} | {sp['_gpu_s'] * 1e3:,.1f} | " + " | ".join(
             f"{sp[g]:.0%}" for g in ("attention", "GDN", "MoE", "dense GEMMs", "rest")) + " |")
+    if inter is not None:
+        lines += ["", f"While a {inter['long']:,}-token prompt prefills ({inter['chunks']} chunks), 7 running requests "
+                  f"decode between its chunks (the scheduler's policy, decode graphs captured): their largest gap "
+                  f"between two tokens is **{inter['max_gap'] * 1e3:.0f} ms** = the longest chunk "
+                  f"({inter['chunk_max'] * 1e3:.0f} ms) + a decode step "
+                  f"(median {inter['decode_median'] * 1e3:.1f} ms)."]
     if a.sdpa:
         try:
             from benchmarks import gpu_prefill_attention as gpa
