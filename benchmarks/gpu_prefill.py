@@ -257,6 +257,7 @@ def main() -> None:
     perm = rng.permutation(be.num_pages).tolist()
     rows: list[dict[str, Any]] = []
     splits: dict[str, dict[str, float]] = {}
+    kinds: dict[str, list[tuple[str, int, float]]] = {}
 
     def case(name: str, prompts: list[tuple[int, list[int], list[int]]]) -> None:
         steps = prompt_steps(be, prompts, a.chunk)
@@ -270,6 +271,7 @@ def main() -> None:
         total = sum(sp.values())
         splits[name] = {k: v / total for k, v in sp.items()}
         splits[name]["_gpu_s"] = total
+        kinds[name] = sorted(((k, n, sec) for k, (n, sec) in prof.items()), key=lambda r: -r[2])
         rows.append({"case": name, "tokens": sum(plens), "steps": len(steps), "time": t,
                      "tok_s": sum(plens) / t, "tflops": fl / t / 1e12, "mfu": fl / t / peak})
         log(f"{name}: {t * 1e3:.1f} ms, {sum(plens) / t:,.0f} tok/s, MFU {fl / t / peak:.1%}; last step "
@@ -313,6 +315,12 @@ def main() -> None:
     for name, sp in splits.items():
         lines.append(f"| {name} | {sp['_gpu_s'] * 1e3:,.1f} | " + " | ".join(
             f"{sp[g]:.0%}" for g in ("attention", "GDN", "MoE", "dense GEMMs", "rest")) + " |")
+    for name, ks in kinds.items():
+        if name.startswith("TTFT 8k"):
+            lines += ["", f"Kernels of the last step of {name} (launches, GPU ms, share):", "",
+                      "| kernel | launches | ms | share |", "|---|---|---|---|"]
+            tot = sum(sec for _, _, sec in ks)
+            lines += [f"| {k} | {n} | {sec * 1e3:.2f} | {sec / tot:.1%} |" for k, n, sec in ks]
     if inter is not None:
         lines += ["", f"While a {inter['long']:,}-token prompt prefills ({inter['chunks']} chunks), 7 running requests "
                   f"decode between its chunks (the scheduler's policy, decode graphs captured): their largest gap "
