@@ -3,7 +3,7 @@ tile list built on the device, and two grouped GEMMs — no host synchronisation
 
 Per call, five guarded launches on the device's stream, all programmatic dependents (``pdl=True``):
 
-1. ``moe_topk`` grid ``(ncta,)`` x 256: per token (one warp) softmax + top-k, bit for bit ``moe_route``'s
+1. ``moe_topk`` grid ``(ncta,)`` x 1024: per token (one warp) softmax + top-k, bit for bit ``moe_route``'s
    (ties to the lower expert id, renormalised when ``norm_topk_prob``); per-CTA expert counts.
 2. ``moe_group`` grid ``(ncta,)`` x 1024: counts -> exclusive scan -> ``expert_off``, ``active``, the tile
    list (CTA 0) and ``pair_list`` grouped by expert (ascending pair index within an expert): exactly
@@ -48,10 +48,10 @@ GATE_UP_CBS = 1  # column blocks per gate_up CTA (K = H: long enough to hide its
 DOWN_CBS = 2  # column blocks per down CTA (K = I is short: chain two blocks through one ring)
 GEMM_THREADS = 256
 GEMM_SMEM = 4 * (GEMM_BM + 256) * 64 * 2  # GEMM_STAGES x (A + B tile) x BK x 2 bytes = 192 KB
-TOPK_THREADS = 256
+TOPK_THREADS = 1024
 GROUP_THREADS = 1024
 ROUTE_MAX_CTAS = 128  # routing CTAs at most (cta_counts rows)
-ROUTE_MIN_CHUNK = 32  # tokens per routing CTA at least
+ROUTE_MIN_CHUNK = 8  # tokens per routing CTA at least
 MAX_EXPERTS = 1024  # E_all: one moe_group thread per expert
 MAX_TOPK = 31
 

@@ -16,6 +16,7 @@ from hybrid_runtime.cuda.moe_prefill import (
     GEMM_BM,
     GEMM_SMEM,
     ROUTE_MAX_CTAS,
+    ROUTE_MIN_CHUNK,
     MoEPrefill,
     gemm_grid_x,
     max_tiles,
@@ -53,8 +54,8 @@ def test_float32_is_not_a_tensor_core_dtype() -> None:
 
 
 def test_route_geometry() -> None:
-    assert route_geometry(1) == (1, 32)
-    assert route_geometry(32) == (1, 32) and route_geometry(33) == (2, 32)
+    assert ROUTE_MIN_CHUNK == 8 and route_geometry(1) == (1, 8)
+    assert route_geometry(8) == (1, 8) and route_geometry(9) == (2, 8) and route_geometry(1024) == (128, 8)
     assert route_geometry(8192) == (128, 64)
     for n in (1, 7, 100, 4095, 4096, 4097, 8191, 65536, 100_000):
         ncta, chunk = route_geometry(n)
@@ -83,7 +84,7 @@ def test_tile_bound_holds_for_every_routing() -> None:
 
 
 @pytest.mark.parametrize("n,kk,e_all,chunk", [(1, 8, 256, 32), (7, 8, 256, 32), (64, 8, 256, 32), (300, 4, 16, 32),
-                                              (500, 8, 256, 200), (100, 3, 5, 32)])
+                                              (500, 8, 256, 200), (100, 3, 5, 32), (100, 8, 256, 8)])
 def test_grouping_model_is_moe_routes_contract(n: int, kk: int, e_all: int, chunk: int) -> None:
     """moe_group's algorithm (per-CTA counts, scans, warp-by-warp placement; chunk 200 x kk 8 = two rounds of
     1024 pairs per CTA) == a stable sort of the pairs by expert, and its tiles == tile_list()."""

@@ -20,7 +20,7 @@
 //   tiles[0] = the tile count; tile j at tiles[4 + 4j ..]: (expert, first slot in pair_list, rows 1..GEMM_BM)
 //   expert e contributes ceil(count_e / GEMM_BM) tiles, experts ascending, an expert's tiles in slot order.
 // Routing works in chunks of `chunk` tokens, one CTA per chunk (ncta = ceil(n / chunk) <= the host's cap):
-//   moe_topk  (grid ncta, 256 threads): per token (one warp) softmax + top-k exactly as moe_route, and the
+//   moe_topk  (grid ncta, 1024 threads): per token (one warp) softmax + top-k exactly as moe_route, and the
 //             CTA's per-expert pair counts -> cta_counts [ncta, E_all] (no atomics in global memory)
 //   moe_group (grid ncta, 1024 threads): every CTA sums the counts (its own prefix and the totals), scans
 //             them; CTA 0 writes expert_off, active and the tile list; each CTA places its chunk's pairs
@@ -59,7 +59,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ================================================================================================
 // Routing
 // ================================================================================================
-#define TOPK_THREADS 256
+#define TOPK_THREADS 1024
 #define GROUP_THREADS 1024
 #ifndef GEMM_BM
 #define GEMM_BM 128
@@ -122,7 +122,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ lg, int E,
   }
 }
 
-// grid (ncta), block 256: CTA c routes tokens [c * chunk, min(n, (c + 1) * chunk)), one warp per token, and
+// grid (ncta), block 1024: CTA c routes tokens [c * chunk, min(n, (c + 1) * chunk)), one warp per token, and
 // writes its per-expert pair counts to cta_counts[c, 0 .. E_all-1]. k <= 31, E_all = E + fold_shared <= 1024.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     moe_topk(const float* __restrict__ logits, int ld, int n, int E, int k, int renorm, int fold_shared, int chunk,
@@ -190,7 +190,8 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
   const int c = blockIdx.x;
   int total = 0, before = 0;
   if (tid < E_all) {
-    for (int j = 0; j < ncta; ++j) {  // fixed order: the same sums in every CTA
+#pragma unroll 8
+    for (int j = 0; j < ncta; ++j) {  // integer sums: the same in every CTA (8 loads in flight)
       const int v = cta_counts[(size_t)j * E_all + tid];
       total += v;
       before += j < c ? v : 0;
