@@ -1,5 +1,6 @@
-"""Gated DeltaNet prefill delta rule on the GPU: the chunked WY/UT path (gdn_chunk_prep + gdn_chunk_state)
-against the token scan (gdn_prefill), one layer of the Qwen3.5-35B-A3B shape.
+"""Gated DeltaNet prefill delta rule on the GPU: the chunked WY/UT path (gdn_chunk_prep + gdn_chunk_state) in
+both builds (precision "fp32": float32 SIMT; "tf32": tensor cores) against the token scan (gdn_prefill), one
+layer of the Qwen3.5-35B-A3B shape.
 
     python3 -m benchmarks.gpu_gdn_prefill --out benchmarks/results/gdn_prefill_h200.md
 
@@ -22,10 +23,13 @@ from benchmarks.gpu_common import log, time_calls, write_report
 
 NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096)]  # (sequences, tokens each)
+MODES = ("scan", "chunked", "tf32")  # the scan, the chunked fp32 build, the chunked tf32 build
 
 
-def bench_case(torch: Any, dev: Any, gdn: Any, conv: Any, rec: Any, wa: Any, ws: Any, S: int, T: int) -> tuple:
-    """Time both paths on S sequences of T tokens; returns (S, T, {(kind, mode): seconds}, o diff, state diff)."""
+def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, wa: Any, ws: Any, S: int,
+               T: int) -> tuple:
+    """Time the three paths on S sequences of T tokens; returns (S, T, {(kind, mode): seconds},
+    {mode: (o diff, state diff) vs the scan})."""
     from hybrid_runtime.cuda.driver import DeviceArray
 
     C = 2 * NK * DK + NV * DV
@@ -38,13 +42,15 @@ def bench_case(torch: Any, dev: Any, gdn: Any, conv: Any, rec: Any, wa: Any, ws:
     md = dev.upload(meta)
     starts, slots = md.ptr, md.ptr + 4 * (S + 1)
     x = dev.empty((N, C), "float32")
-    o = {m: dev.empty((N, NV * DV), "float32") for m in ("scan", "chunked")}
+    o = {m: dev.empty((N, NV * DV), "float32") for m in MODES}
 
     def full(mode: str):
+        gdn, pm = gdns[mode], "scan" if mode == "scan" else "chunked"
         return lambda i: gdn.prefill_launch(conv, rec, starts, slots, S, T, ua.ptr, C, ga.ptr, ba.ptr, wa,
-                                            x.ptr, o[mode].ptr, workspace=ws, n_tokens=N, mode=mode)
+                                            x.ptr, o[mode].ptr, workspace=ws, n_tokens=N, mode=pm)
 
     def delta(mode: str):
+        gdn = gdns[mode]
         if mode == "scan":
             smem = gdn.chunk * (2 * DK + 32 + 3) * 4
             k = gdn.module.kernel("gdn_prefill")
@@ -60,21 +66,22 @@ def bench_case(torch: Any, dev: Any, gdn: Any, conv: Any, rec: Any, wa: Any, ws:
     r0 = torch.as_tensor(rec, device="cuda").clone()
     c0 = torch.as_tensor(conv, device="cuda").clone()
     outs = {}
-    for m in ("scan", "chunked"):
+    for m in MODES:
         torch.as_tensor(rec, device="cuda").copy_(r0)
         torch.as_tensor(conv, device="cuda").copy_(c0)
         full(m)(0)
         torch.cuda.synchronize()
         outs[m] = (torch.as_tensor(o[m], device="cuda").clone(), torch.as_tensor(rec, device="cuda")[:S].clone())
-    err_o = float((outs["chunked"][0] - outs["scan"][0]).norm() / outs["scan"][0].norm())
-    err_s = float((outs["chunked"][1] - outs["scan"][1]).norm() / outs["scan"][1].norm())
+    errs = {m: (float((outs[m][0] - outs["scan"][0]).norm() / outs["scan"][0].norm()),
+                float((outs[m][1] - outs["scan"][1]).norm() / outs["scan"][1].norm())) for m in MODES[1:]}
     host_us = 60.0
     t = {(kind, m): time_calls(torch, (full if kind == "full" else delta)(m), host_us_per_call=host_us,
                                max_calls=50)
-         for kind in ("full", "delta") for m in ("scan", "chunked")}
-    log(f"S={S} T={T}: delta scan {t['delta', 'scan'] * 1e3:.3f} ms, chunked {t['delta', 'chunked'] * 1e3:.3f} ms"
-        f" (o diff {err_o:.1e}, state diff {err_s:.1e})")
-    return S, T, t, err_o, err_s
+         for kind in ("full", "delta") for m in MODES}
+    log(f"S={S} T={T}: delta scan {t['delta', 'scan'] * 1e3:.3f} ms, chunked {t['delta', 'chunked'] * 1e3:.3f} ms,"
+        f" tf32 {t['delta', 'tf32'] * 1e3:.3f} ms (o, state diff vs scan: fp32 {errs['chunked'][0]:.1e}, "
+        f"{errs['chunked'][1]:.1e}; tf32 {errs['tf32'][0]:.1e}, {errs['tf32'][1]:.1e})")
+    return S, T, t, errs
 
 
 def main() -> int:
@@ -99,31 +106,39 @@ def main() -> int:
     torch.as_tensor(cache.recurrent[0], device="cuda").normal_().mul_(0.02)
     conv, rec = cache.conv[0], cache.recurrent[0]
     gdn = CudaGdn(dev, layout, NK, "float32")
+    gdn_tf32 = CudaGdn(dev, layout, NK, "float32", precision="tf32")
+    assert gdn_tf32.precision == "tf32"
+    gdns = {"scan": gdn, "chunked": gdn, "tf32": gdn_tf32}
     w = torch.randn(C, KW, device="cuda") * 0.5
     wa = DeviceArray.from_torch(w)
     n_max = max(s * t for s, t in CASES)
     ws = dev.empty((gdn.workspace_bytes(n_max),), "uint8")
     log(f"{dev.limits.name}: workspace {gdn.workspace_bytes(n_max) / 2**20:.0f} MiB for {n_max} tokens")
-    rows = [bench_case(torch, dev, gdn, conv, rec, wa, ws, S, T) for S, T in CASES]
+    rows = [bench_case(torch, dev, gdns, conv, rec, wa, ws, S, T) for S, T in CASES]
 
     lines = [
-        "# Gated DeltaNet prefill (delta rule) on the H200: chunked WY/UT vs token scan",
+        "# Gated DeltaNet prefill (delta rule) on the H200: chunked WY/UT (fp32 SIMT, tf32 tensor cores) vs token scan",
         "",
         f"Command: `{' '.join(['python3 -m benchmarks.gpu_gdn_prefill', *sys.argv[1:]])}`  ",
         f"Device: {dev.limits.name}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.  ",
         f"Layer: {NK} key heads, {NV} value heads, dk = dv = {DK}, conv K = {KW}, float32 activations and "
         "state (the CUDA backend's GDN). Delta = the delta rule alone on a computed conv output (scan: "
-        "`gdn_prefill`; chunked: `gdn_chunk_prep` + `gdn_chunk_state`); full = `prefill_launch` (conv + window + "
-        "delta rule). Median of 3 queue-filled runs (CUDA events).",
+        "`gdn_prefill`; chunked: `gdn_chunk_prep` + `gdn_chunk_state`, fp32 = `precision=\"fp32\"` build, tf32 = "
+        "`precision=\"tf32\"`); full = `prefill_launch` (conv + window + delta rule). Median of 3 queue-filled "
+        "runs (CUDA events).",
         "",
-        "| sequences x tokens | scan delta ms | chunked delta ms | speed-up | chunked Mtok/s | scan full ms | "
-        "chunked full ms | full speed-up | chunked vs scan (o, state) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| sequences x tokens | scan delta ms | chunked fp32 delta ms | chunked tf32 delta ms | tf32 vs fp32 | "
+        "tf32 Mtok/s | scan full ms | fp32 full ms | tf32 full ms | fp32 vs scan (o, state) | "
+        "tf32 vs scan (o, state) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for S, T, t, eo, es in rows:
-        sd, cd, sf, cf = t["delta", "scan"], t["delta", "chunked"], t["full", "scan"], t["full", "chunked"]
-        lines.append(f"| {S} x {T} | {sd * 1e3:.3f} | {cd * 1e3:.3f} | {sd / cd:.2f}x | {S * T / cd / 1e6:.2f} | "
-                     f"{sf * 1e3:.3f} | {cf * 1e3:.3f} | {sf / cf:.2f}x | {eo:.1e}, {es:.1e} |")
+    for S, T, t, errs in rows:
+        sd, cd, td = t["delta", "scan"], t["delta", "chunked"], t["delta", "tf32"]
+        sf, cf, tf = t["full", "scan"], t["full", "chunked"], t["full", "tf32"]
+        (eo, es), (to, ts) = errs["chunked"], errs["tf32"]
+        lines.append(f"| {S} x {T} | {sd * 1e3:.3f} | {cd * 1e3:.3f} | {td * 1e3:.3f} | {cd / td:.2f}x | "
+                     f"{S * T / td / 1e6:.2f} | {sf * 1e3:.3f} | {cf * 1e3:.3f} | {tf * 1e3:.3f} | "
+                     f"{eo:.1e}, {es:.1e} | {to:.1e}, {ts:.1e} |")
     write_report(args.out, lines)
     return 0
 

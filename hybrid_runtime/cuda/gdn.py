@@ -12,8 +12,12 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
     form on 64-token chunks aligned to each sequence's token 0. ``gdn_chunk_prep`` does the intra-chunk
     work of every chunk of every sequence in parallel (grid ``(ceil(max_len/64), nv, S)``), then
     ``gdn_chunk_state`` carries the state from chunk to chunk (grid ``(ceil(dv/32), nv, S)``, one
-    sequential step of small matmuls per chunk) and writes o. float32 SIMT, so float32 bundles keep
-    their CPU parity (the CPU twin is the same float32 chunked form).
+    sequential step of small matmuls per chunk) and writes o. Two builds (``precision``):
+    ``"fp32"`` (default) is float32 SIMT, so float32 bundles keep their CPU parity (the CPU twin is the
+    same float32 chunked form); ``"tf32"`` runs the products (K K^T, Q K^T, W S, Q S, Aqk V, K^T V) on
+    tensor cores, mma.sync m16n8k8 tf32 with float32 accumulation and a float32 state, ~1e-3 relative to
+    float64: for bf16 / fp16 bundles. The forward substitution stays float32 SIMT in both. The build is
+    fixed per object (never chosen per step), so batch invariance holds within either.
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -50,26 +54,39 @@ CHUNK = 64  # tokens per chunk of the chunked delta rule (CH in gdn_chunk.cu)
 CHUNK_THREADS = 256  # NT in gdn_chunk.cu
 CHUNK_COLS = 32  # value columns per gdn_chunk_state CTA (BV in gdn_chunk.cu)
 PREFILL_MODES = ("chunked", "scan")
+PRECISIONS = ("fp32", "tf32")  # builds of gdn_chunk.cu: -DTC=0 (float32 SIMT) / -DTC=1 (tf32 tensor cores)
 
 
-def chunk_prep_smem(dk: int) -> int:
-    """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM): q, k ``[64][dk+1]``, A ``[64][64]``, G ``[64]``
-    float64 and four ``[64]`` float32 rows. 83,968 bytes at dk = 128."""
-    return 4 * (2 * CHUNK * (dk + 1) + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
+def chunk_prep_smem(dk: int, precision: str = "fp32") -> int:
+    """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM): q, k ``[64][dk+1]`` (tf32: ``[64][dk+4]``), A
+    ``[64][64]``, G ``[64]`` float64 and four ``[64]`` float32 rows. 83,968 bytes at dk = 128 (tf32: 85,504)."""
+    dkp = dk + (4 if precision == "tf32" else 1)
+    return 4 * (2 * CHUNK * dkp + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
 
 
-def chunk_state_smem(dk: int) -> int:
-    """Dynamic shared memory of gdn_chunk_state (STATE_SMEM): S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
-    ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``. 157,696 bytes at dk = 128."""
+def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
+    """Dynamic shared memory of gdn_chunk_state (STATE_SMEM). fp32: S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
+    ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``: 157,696 bytes at dk = 128. tf32 (rows padded
+    for conflict-free mma fragments): S ``[dk][40]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``,
+    U, V, sk*V ``[64][40]``, scales: 173,056 bytes at dk = 128."""
+    if precision == "tf32":
+        vst = CHUNK_COLS + 8
+        return 4 * (dk * vst + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 3 * CHUNK * vst
+                    + 2 * CHUNK * 4)
     return 4 * (dk * CHUNK_COLS + 3 * CHUNK * dk + CHUNK * CHUNK + 3 * CHUNK * CHUNK_COLS + 2 * CHUNK * 4)
 
 
 class CudaGdn:
     """Kernels of one GDN layer shape on one device. ``layout`` is the state layout of the buffers the
-    calls will receive (its conv shape ``(K-1, C)`` and recurrent shape ``(nv, dk, dv)`` must agree)."""
+    calls will receive (its conv shape ``(K-1, C)`` and recurrent shape ``(nv, dk, dv)`` must agree).
+
+    ``precision`` picks the chunked prefill's build: ``"fp32"`` (float32 SIMT, within float32 rounding of
+    the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: bf16 / fp16 bundles). tf32
+    needs dk % 16 == 0 and its shared memory on the device; otherwise the fp32 build is used, and
+    ``self.precision`` says which one runs. Decode and the scan do not depend on it."""
 
     def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16",
-                 prefill_mode: str = "chunked") -> None:
+                 prefill_mode: str = "chunked", precision: str = "fp32") -> None:
         nv, dk, dv = layout.recurrent_shape
         km1, C = layout.conv_shape
         if nk <= 0 or nv % nk or 2 * nk * dk + nv * dv != C:
@@ -82,15 +99,22 @@ class CudaGdn:
         self.nk, self.nv, self.dk, self.dv, self.K, self.C = nk, nv, dk, dv, km1 + 1, C
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode {prefill_mode!r} not in {PREFILL_MODES}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} not in {PRECISIONS}")
         self.act_dtype, self.prefill_mode = act_dtype, prefill_mode
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}", f"-DDV={dv}",
                                            f"-DKW={self.K}"), device.arch)
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
-        self.chunk_smem = (chunk_prep_smem(dk), chunk_state_smem(dk))
+        optin = device.limits.max_shared_mem_optin
+        if precision == "tf32" and (dk % 16 or max(chunk_prep_smem(dk, "tf32"), chunk_state_smem(dk, "tf32")) > optin):
+            precision = "fp32"
+        self.precision = precision
+        self.chunk_smem = (chunk_prep_smem(dk, precision), chunk_state_smem(dk, precision))
         self.chunk_module = None
-        if dk % 4 == 0 and max(self.chunk_smem) <= device.limits.max_shared_mem_optin:
+        if dk % 4 == 0 and max(self.chunk_smem) <= optin:
             self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                           f"-DDV={dv}"), device.arch)
+                                                           f"-DDV={dv}", f"-DTC={int(precision == 'tf32')}"),
+                                            device.arch)
             for name, nbytes in zip(("gdn_chunk_prep", "gdn_chunk_state"), self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
         self.conv_row = layout.conv_row_bytes // layout.itemsize  # element strides from the same layout

@@ -11,7 +11,13 @@ from test_cuda_compile import check_log, nvrtc_or_skip
 
 @pytest.mark.parametrize("opts", [("-DDT=0", "-DDK=128", "-DDV=128"), ("-DDT=2", "-DDK=128", "-DDV=128"),
                                   ("-DDT=1", "-DDK=20", "-DDV=12"), ("-DDT=0", "-DDK=64", "-DDV=32"),
-                                  ("-DDT=0", "-DDK=16", "-DDV=16")])
+                                  ("-DDT=0", "-DDK=16", "-DDV=16"),
+                                  # the tf32 tensor-core build (precision="tf32")
+                                  ("-DDT=0", "-DDK=128", "-DDV=128", "-DTC=1"),
+                                  ("-DDT=2", "-DDK=128", "-DDV=128", "-DTC=1"),
+                                  ("-DDT=1", "-DDK=16", "-DDV=12", "-DTC=1"),
+                                  ("-DDT=0", "-DDK=64", "-DDV=32", "-DTC=1"),
+                                  ("-DDT=0", "-DDK=192", "-DDV=64", "-DTC=1")])
 def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import compile_log, source
@@ -19,24 +25,59 @@ def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     log = compile_log(source("gdn_chunk.cu"), "gdn_chunk.cu", opts, "sm_90")
     assert "gdn_chunk_prep" in log and "gdn_chunk_state" in log
     check_log(log)
+    ptx = _ptx(source("gdn_chunk.cu"), opts)
+    tc = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cvt.rna.tf32.f32" in ptx
+    assert tc == ("-DTC=1" in opts)  # the tf32 build issues tf32 mma; the fp32 build none
 
 
+def _ptx(src: str, opts: tuple[str, ...]) -> str:
+    """PTX of ``src`` for compute_90 (NVRTC directly: the package caches only cubins)."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"gdn_chunk.cu", 0, [], [])
+    assert int(err) == 0
+    try:
+        args = [b"-arch=compute_90", b"-std=c++17", *(o.encode() for o in opts)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(args), args)
+        assert int(err) == 0
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = bytearray(int(size))  # written by NVRTC: a fresh mutable buffer
+        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+        assert int(err) == 0
+        return bytes(buf).rstrip(b"\0").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_tf32_build_refuses_head_dims_off_16() -> None:
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    with pytest.raises(Exception, match="DK % 16"):
+        compile_log(source("gdn_chunk.cu"), "gdn_chunk.cu", ("-DDK=20", "-DDV=12", "-DTC=1"), "sm_90")
+
+
+@pytest.mark.parametrize("tc", [0, 1])
 @pytest.mark.parametrize("dk", [16, 20, 64, 128, 192])
-def test_host_shared_memory_matches_the_kernel_macros(dk: int) -> None:
+def test_host_shared_memory_matches_the_kernel_macros(dk: int, tc: int) -> None:
     from hybrid_runtime.cuda.gdn import chunk_prep_smem, chunk_state_smem
     from hybrid_runtime.cuda.kernels import source
 
     src = source("gdn_chunk.cu")
-    env = {"CH": 64, "BV": 32, "DK": dk, "DKP": dk + 1}
+    env: dict[str, int] = {"CH": 64, "BV": 32, "DK": dk, "TC": tc}
 
     def macro(name: str) -> int:
-        expr = re.search(rf"#define {name} (.*)", src).group(1)  # type: ignore[union-attr]
+        expr = re.search(rf"#define {name} (.*?)(?://|$)", src, re.M).group(1)  # type: ignore[union-attr]
         return int(eval(expr, {}, env))  # our own source; names limited to env
 
-    assert chunk_prep_smem(dk) == 4 * macro("PREP_FLOATS")
-    assert chunk_state_smem(dk) == 4 * macro("STATE_FLOATS")
-    if dk == 128:
-        assert (chunk_prep_smem(dk), chunk_state_smem(dk)) == (83_968, 157_696)  # both fit the H200's 227 KB
+    for name in ("DKP", "WST", "KST", "AST", "VST"):
+        env[name] = macro(name)
+    precision = "tf32" if tc else "fp32"
+    assert chunk_prep_smem(dk, precision) == 4 * macro("PREP_FLOATS")
+    assert chunk_state_smem(dk, precision) == 4 * macro("STATE_FLOATS_TC" if tc else "STATE_FLOATS")
+    if dk == 128:  # all fit the H200's 227 KB
+        want = (85_504, 173_056) if tc else (83_968, 157_696)
+        assert (chunk_prep_smem(dk, precision), chunk_state_smem(dk, precision)) == want
 
 
 def test_workspace_bytes_formula() -> None:

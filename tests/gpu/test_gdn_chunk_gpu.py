@@ -1,6 +1,8 @@
 """Chunked GDN prefill (ops/cuda/gdn_chunk.cu) on the GPU: against the token-scan kernel (gdn_prefill) and
 against the float64 token recurrence, outputs and final states, from non-zero initial states, with GQA
-(nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch."""
+(nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch; both builds
+(precision "fp32": float32 SIMT, and "tf32": tensor cores), and the batch invariance of each (a prompt alone
+== in a batch, whole == cut at a multiple of 64, bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from hybrid_runtime.ops import gdn as ref
 pytestmark = pytest.mark.gpu
 
 TOL = 5e-5  # float32 kernels vs float64 (relative, Frobenius norm)
+# tf32 build vs float64: the numpy model of its operand rounding (tests/unit/test_gdn_chunk_math.py
+# test_tf32_operands_stay_near_float64) gives ~4e-4 at dk = dv = 128; 2.5e-3 leaves room for float32 sums
+TF32_TOL = 2.5e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,9 @@ def reference64(conv0: np.ndarray, rec0: np.ndarray, u: np.ndarray, g: np.ndarra
     return np.concatenate(outs), np.stack(states)
 
 
-def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True) -> None:
+def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, precision: str = "fp32") -> None:
+    """Scan and chunked (``precision`` build) from the same states; the chunked vs the scan and, with
+    ``ref64``, both vs the float64 recurrence (per sequence too)."""
     from hybrid_runtime.cuda.gdn import CudaGdn
     from hybrid_runtime.cuda.state import DeviceStateCache
     from hybrid_runtime.state_cache import StateLayout
@@ -61,8 +68,9 @@ def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True) -> 
     conv_np[scan_slots], rec_np[scan_slots] = conv0, rec0
     conv_np[chunk_slots], rec_np[chunk_slots] = conv0, rec0
     cache.upload_layer(0, conv_np, rec_np)
-    gdn = CudaGdn(dev, layout, sh.nk, "float32")
-    assert gdn.chunk_module is not None
+    gdn = CudaGdn(dev, layout, sh.nk, "float32", precision=precision)
+    assert gdn.chunk_module is not None and gdn.precision == precision
+    tol = TF32_TOL if precision == "tf32" else TOL
     N = sum(lens)
     u = rng.standard_normal((N, sh.C)).astype(np.float32)
     g = (-np.abs(rng.standard_normal((N, sh.nv))) * 0.5).astype(np.float32)
@@ -74,18 +82,20 @@ def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True) -> 
     o_chunk = dev.download(gdn.prefill(conv, rec, chunk_slots, lens, ud, gd, bd, wd, mode="chunked"))
     conv_d, rec_d = cache.download_layer(0)
     assert np.isfinite(o_chunk).all() and np.isfinite(rec_d[chunk_slots]).all()
-    assert rel(o_chunk, o_scan) < 1e-4
-    assert rel(rec_d[chunk_slots], rec_d[scan_slots]) < 1e-4
+    vs_scan = TF32_TOL if precision == "tf32" else 1e-4
+    assert rel(o_chunk, o_scan) < vs_scan
+    assert rel(rec_d[chunk_slots], rec_d[scan_slots]) < vs_scan
     assert np.array_equal(conv_d[chunk_slots], conv_d[scan_slots])  # the conv path is shared
     sink = layout.sink
     assert not rec_d[sink].any() and not conv_d[sink].any()  # nobody wrote the sink
     if ref64:
         o_ref, S_ref = reference64(conv0, rec0, u, g, beta, w, sh, lens)
-        assert rel(o_chunk, o_ref) < TOL and rel(o_scan, o_ref) < TOL
-        assert rel(rec_d[chunk_slots], S_ref) < TOL and rel(rec_d[scan_slots], S_ref) < TOL
+        print(f"{precision} {lens[:4]}: o {rel(o_chunk, o_ref):.2e}, state {rel(rec_d[chunk_slots], S_ref):.2e}")
+        assert rel(o_chunk, o_ref) < tol and rel(o_scan, o_ref) < TOL
+        assert rel(rec_d[chunk_slots], S_ref) < tol and rel(rec_d[scan_slots], S_ref) < TOL
         for s, n in enumerate(lens):  # every sequence on its own, not only the batch norm
             at = sum(lens[:s])
-            assert rel(o_chunk[at:at + n], o_ref[at:at + n]) < 10 * TOL, (s, n)
+            assert rel(o_chunk[at:at + n], o_ref[at:at + n]) < (4 if precision == "tf32" else 10) * tol, (s, n)
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
@@ -113,3 +123,84 @@ def test_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
 def test_qwen35_batch_8x4096_against_scan(dev) -> None:
     """The benchmark's batched shape, chunked vs scan only (the float64 reference would take minutes)."""
     run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False)
+
+
+# ---------------------------------------------------------------------------------------------- tf32 build
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+def test_tf32_single_sequence_qwen35_shape(dev, T: int) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [T], seed=T, precision="tf32")
+
+
+def test_tf32_long_prompt(dev) -> None:
+    run_both(dev, Shape(nk=2, nv=4, dk=128, dv=128, K=4), [8192], seed=8192, precision="tf32")
+
+
+def test_tf32_varlen_batch(dev) -> None:
+    run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), [65, 1, 700, 64, 129, 3, 2000], seed=17,
+             precision="tf32")
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 64, 32), (1, 2, 16, 12), (2, 4, 16, 48), (1, 2, 192, 64)])
+def test_tf32_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
+    """dv not a multiple of 32 (masked columns), dk = 16 / 64 (idle warps in step c), dk = 192 (two state
+    tiles per warp; 227 KB of shared memory)."""
+    nk, nv, dk, dv = dims
+    run_both(dev, Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4), [1, 100, 64, 257], seed=dk + dv, precision="tf32")
+
+
+def test_tf32_qwen35_batch_8x4096_against_scan(dev) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision="tf32")
+
+
+def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
+    from hybrid_runtime.cuda.gdn import CudaGdn
+    from hybrid_runtime.state_cache import StateLayout
+
+    sh = Shape(nk=1, nv=2, dk=20, dv=12, K=4)
+    gdn = CudaGdn(dev, StateLayout(3, (sh.K - 1, sh.C), (sh.nv, sh.dk, sh.dv)), sh.nk, "float32", precision="tf32")
+    assert gdn.precision == "fp32" and gdn.chunk_module is not None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_batch_and_cut_invariance(dev, precision: str) -> None:
+    """The chunked path gives a prompt the same bits alone, in a packed batch with others, and cut at a
+    multiple of 64 tokens (state and conv window through the slot): outputs and final state."""
+    from hybrid_runtime.cuda.gdn import CudaGdn
+    from hybrid_runtime.cuda.state import DeviceStateCache
+    from hybrid_runtime.state_cache import StateLayout
+
+    sh = Shape(nk=2, nv=4, dk=128, dv=128, K=4)
+    rng = np.random.default_rng(5)
+    layout = StateLayout(8, (sh.K - 1, sh.C), (sh.nv, sh.dk, sh.dv))
+    cache = DeviceStateCache(dev, layout, layers=[0])
+    conv_np, rec_np = layout.allocate()
+    conv_np[:] = rng.standard_normal(conv_np.shape).astype(np.float32)
+    rec_np[:] = (0.1 * rng.standard_normal(rec_np.shape)).astype(np.float32)
+    conv_np[1:4], rec_np[1:4] = conv_np[0], rec_np[0]  # slots 0..3 start from the same state
+    cache.upload_layer(0, conv_np, rec_np)
+    conv, rec = cache.conv[0], cache.recurrent[0]
+    gdn = CudaGdn(dev, layout, sh.nk, "float32", precision=precision)
+    T = 200
+    u = rng.standard_normal((T + 72, sh.C)).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((T + 72, sh.nv))) * 0.5).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T + 72, sh.nv))))).astype(np.float32)
+    w = dev.upload((0.5 * rng.standard_normal((sh.C, sh.K))).astype(np.float32))
+
+    def run(slots: list[int], parts: list[np.ndarray]) -> np.ndarray:
+        """Prefill the packed rows ``parts`` (index arrays into u/g/beta) as one step."""
+        idx = np.concatenate(parts)
+        ud, gd, bd = (dev.upload(np.ascontiguousarray(a[idx])) for a in (u, g, beta))
+        return dev.download(gdn.prefill(conv, rec, slots, [len(p) for p in parts], ud, gd, bd, w))
+
+    prompt = np.arange(T)
+    alone = run([0], [prompt])
+    mate_a, mate_b = np.arange(130, 130 + 65) % (T + 72), np.arange(5, 12)
+    batched = run([5, 1, 6], [mate_a, prompt, mate_b])
+    first, second = run([2], [prompt[:128]]), run([2], [prompt[128:]])
+    _, rec_d = cache.download_layer(0)
+    at = len(mate_a)
+    assert np.array_equal(batched[at:at + T], alone)
+    assert np.array_equal(np.concatenate([first, second]), alone)
+    assert np.array_equal(rec_d[1], rec_d[0]) and np.array_equal(rec_d[2], rec_d[0])

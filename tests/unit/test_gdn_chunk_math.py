@@ -11,9 +11,15 @@ CUDA is a transliteration of what this test verifies:
   sq_i = rq_i e^{G_i}, sk_i = rk_i e^{G_last - G_i} and e^{G_last}.
 * ``state pass`` (``gdn_chunk_state``, one CTA per (32 value columns, value head, sequence), sequential over
   chunks): V = U - W S; o = sq * (q_raw S) + Aqk V; S = e^{G_last} S + k_raw^T (sk * V).
+
+The tf32 build (``-DTC=1``) runs the same decomposition with the operands of every product except the
+forward substitution rounded to tf32 (``cvt.rna``); ``rnd=tf32`` applies that rounding here, which bounds
+the error the GPU tests allow that build.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +27,19 @@ import pytest
 from hybrid_runtime.ops.gdn import delta_rule_step
 
 CH = 64  # chunk length of the CUDA kernels
+Round = Callable[[np.ndarray], np.ndarray]
+
+
+def exact(a: np.ndarray) -> np.ndarray:
+    """The fp32 build's products: operands as they are (float64 here)."""
+    return a
+
+
+def tf32(a: np.ndarray) -> np.ndarray:
+    """cvt.rna.tf32.f32 of float32(a): 10 mantissa bits, round to nearest, ties away from zero (adding half
+    an ulp to the magnitude bits carries into the exponent correctly), back as float64."""
+    b = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
 def norms(x: np.ndarray, nk: int, dk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,9 +53,10 @@ def norms(x: np.ndarray, nk: int, dk: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk: int, nv: int, dk: int,
-         dv: int) -> dict[str, np.ndarray]:
+         dv: int, rnd: Round = exact) -> dict[str, np.ndarray]:
     """The workspace gdn_chunk_prep writes: w ``[N, nv, dk]``, u ``[N, nv, dv]``, aqk ``[N, nv, 64]`` (row i of
-    its chunk's Aqk), sc ``[N, nv, 4]`` = (sq, sk, e^{G_last}, 0). Rows are token rows of the packed batch."""
+    its chunk's Aqk), sc ``[N, nv, 4]`` = (sq, sk, e^{G_last}, 0). Rows are token rows of the packed batch.
+    ``rnd`` rounds the operands of K K^T and Q K^T (the tensor-core products of the tf32 build)."""
     N = x.shape[0]
     w, u = np.zeros((N, nv, dk)), np.zeros((N, nv, dv))
     aqk, sc = np.zeros((N, nv, CH)), np.zeros((N, nv, 4))
@@ -58,8 +78,8 @@ def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk:
                 G = np.cumsum(gg)  # padding adds 0: G[63] = G[n-1]
                 low = np.tril(np.ones((CH, CH), bool))
                 dec = np.where(low, np.exp(np.where(low, G[:, None] - G[None, :], 0.0)), 0.0)
-                A = np.tril(bt[:, None] * (ks @ ks.T) * dec, -1)
-                Aqk = (qs @ ks.T) * dec
+                A = np.tril(bt[:, None] * (rnd(ks) @ rnd(ks).T) * dec, -1)
+                Aqk = (rnd(qs) @ rnd(ks).T) * dec
                 eG = np.exp(G)
                 vraw = np.zeros((CH, dv))
                 vraw[:n] = x[t0:t0 + n, 2 * nk * dk + h * dv:2 * nk * dk + (h + 1) * dv]
@@ -76,10 +96,11 @@ def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk:
 
 
 def state_pass(x: np.ndarray, ws: dict[str, np.ndarray], starts: np.ndarray, states: np.ndarray, nk: int,
-               nv: int, dk: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+               nv: int, dk: int, dv: int, rnd: Round = exact) -> tuple[np.ndarray, np.ndarray]:
     """gdn_chunk_state: per (sequence, value head), chunk after chunk. states ``[S, nv, dk, dv]`` (copied).
     Returns (o ``[N, nv, dv]``, final states). The CUDA splits dv into CTAs of 32 columns; columns are
-    independent in every step, so the split does not show here."""
+    independent in every step, so the split does not show here. ``rnd`` rounds the operands of the four
+    products (tf32 build); the state itself and the sums stay unrounded (float32 accumulators there)."""
     N = x.shape[0]
     o = np.zeros((N, nv, dv))
     out = np.array(states, np.float64)
@@ -99,11 +120,11 @@ def state_pass(x: np.ndarray, ws: dict[str, np.ndarray], starts: np.ndarray, sta
                     ws["aqk"][t0:t0 + n, h], ws["sc"][t0:t0 + n, h]
                 Q[:n] = x[t0:t0 + n, kh * dk:(kh + 1) * dk]
                 K[:n] = x[t0:t0 + n, nk * dk + kh * dk:nk * dk + (kh + 1) * dk]
-                V = U - W @ S  # step a
+                V = U - rnd(W) @ rnd(S)  # step a
                 Vk = sc[:, 1:2] * V
-                o_c = sc[:, 0:1] * (Q @ S) + A @ V  # step b
+                o_c = sc[:, 0:1] * (rnd(Q) @ rnd(S)) + rnd(A) @ rnd(V)  # step b
                 o[t0:t0 + n, h] = o_c[:n]
-                S = sc[0, 2] * S + K.T @ Vk  # step c
+                S = sc[0, 2] * S + rnd(K).T @ rnd(Vk)  # step c
             out[s, h] = S
     return o, out
 
@@ -175,3 +196,25 @@ def test_cuts_at_chunk_multiples_do_not_change_the_result() -> None:
     o1, S1 = state_pass(x[a], prep(x[a], g[a], beta[a], sa, nk, nv, dk, dv), sa, states, nk, nv, dk, dv)
     o2, S2 = state_pass(x[b], prep(x[b], g[b], beta[b], sb, nk, nv, dk, dv), sb, S1, nk, nv, dk, dv)
     assert np.array_equal(np.concatenate([o1, o2]), whole_o) and np.array_equal(S2, whole_S)
+
+
+def test_tf32_rounding_model() -> None:
+    """The rounding the tf32 build applies: 10 mantissa bits, nearest, ties away from zero."""
+    one_ulp = 2.0**-10
+    a = np.array([1.0, 1.0 + one_ulp / 2, -(1.0 + one_ulp / 2), 1.0 + one_ulp / 4, 3.0 + 0.75 * 2 * one_ulp])
+    assert tf32(a).tolist() == [1.0, 1.0 + one_ulp, -(1.0 + one_ulp), 1.0, 3.0 + 2 * one_ulp]
+
+
+@pytest.mark.parametrize("lens", [[300], [64, 1, 129]])
+def test_tf32_operands_stay_near_float64(lens: list[int]) -> None:
+    """The tf32 build's decomposition (operands of K K^T, Q K^T, W S, Q S, Aqk V, K^T V rounded to tf32) at
+    the Qwen3.5 head size, from a non-zero state: relative (Frobenius) error a few 1e-4, the scale of the GPU
+    test's tolerance for that build (TF32_TOL in tests/gpu/test_gdn_chunk_gpu.py)."""
+    nk, nv, dk, dv = 1, 2, 128, 128
+    x, g, beta, starts, states = case(lens, nk, nv, dk, dv, seed=len(lens))
+    o_ref, S_ref = token_reference(x, g, beta, starts, states, nk, nv, dk, dv)
+    o, S = state_pass(x, prep(x, g, beta, starts, nk, nv, dk, dv, tf32), starts, states, nk, nv, dk, dv, tf32)
+    eo = np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref)
+    es = np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref)
+    print(f"tf32 model: o {eo:.2e}, state {es:.2e}")
+    assert 1e-6 < eo < 2e-3 and 1e-6 < es < 2e-3
