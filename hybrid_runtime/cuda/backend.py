@@ -238,7 +238,8 @@ class CudaBackend:
         # memory budget (gpu_memory_fraction) is a share of what the weights and static buffers leave free
         self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
         # GDN reads u from the float32 projection and writes its core output in float32
-        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32")
+        self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32",
+                              precision="fp32" if self.dtype == "float32" else "tf32")
                       if cfg.linear_layers else None)
         # the chunked delta rule's workspace (w, u, Aqk, scales of a step's tokens), one for every GDN layer,
         # a static buffer: allocated before the memory plan shares out what is left
