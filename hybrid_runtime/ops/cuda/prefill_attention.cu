@@ -313,7 +313,9 @@ __device__ __forceinline__ void tile_scores(float (&s)[MT][NNT][4], u32 aQ, u32 
 }
 
 // Causal mask (when `mask`), online softmax per row (g, g + 8; the 4 lanes of a quad hold a row's BN keys):
-// s becomes P, o and the running sums are rescaled.
+// s becomes P, o and the running sums are rescaled. The rescale of o (HD / 2 multiplies per row and thread) is
+// skipped for the warp's 8 rows g (or g + 8) of an m-tile when none has a new maximum: alpha is then exactly 1
+// (ex2(+0) = 1) for each, so the skip changes no bit. Past the first few tiles a row's maximum rarely moves.
 __device__ __forceinline__ void tile_softmax(float (&s)[MT][NNT][4], float (&o)[MT][NDT][4], float (&m_run)[MT][2],
                                              float (&l_run)[MT][2], bool mask, int n0, const int (&rpos)[MT][2],
                                              int t4, float scale_log2) {
@@ -351,10 +353,12 @@ __device__ __forceinline__ void tile_softmax(float (&s)[MT][NNT][4], float (&o)[
         sum += p0 + p1;
       }
       l_run[mt][hi] = l_run[mt][hi] * alpha + sum;
+      if (!__all_sync(0xffffffffu, alpha == 1.f)) {  // warp-uniform: some row of these 8 has a new maximum
 #pragma unroll
-      for (int dt = 0; dt < NDT; ++dt) {
-        o[mt][dt][2 * hi] *= alpha;
-        o[mt][dt][2 * hi + 1] *= alpha;
+        for (int dt = 0; dt < NDT; ++dt) {
+          o[mt][dt][2 * hi] *= alpha;
+          o[mt][dt][2 * hi + 1] *= alpha;
+        }
       }
     }
 }
