@@ -1,6 +1,7 @@
 """Causal prefill attention on the GPU: our paged kernel vs PyTorch SDPA (FlashAttention backend).
 
     python3 -m benchmarks.gpu_prefill_attention --out benchmarks/results/prefill_attention_h200.md
+    python3 -m benchmarks.gpu_prefill_attention --builds 4 8   # the 4-warp vs the 8-warp build, one run
 
 Shape: the target model's attention layers (16 query heads, 2 kv heads, head_dim 256, bfloat16); batch 1 at
 1k / 8k / 32k tokens and 8 x 4k (fresh prompts, start position 0). Ours reads K/V from the paged pool (page
@@ -10,7 +11,9 @@ with ``enable_gqa=True`` (K/V with Hkv heads) when that backend accepts it, else
 (the table says which). Time = median of 3 queue-filled runs of back-to-back calls (CUDA events, see
 ``gpu_common.time_calls``); ours is launched on inputs already on the device (work list and tables uploaded
 once), as the backend does. TFLOP/s counts causal FLOPs: 2 matmuls x 2 x Hq x hd x (keys attended, summed
-over queries). Max abs error: ours vs SDPA's bfloat16 output.
+over queries). Max abs error: ours vs SDPA's bfloat16 output. ``--builds`` times several builds of ours
+(``WARPS`` or ``WARPSxMTILES``: 4 = 64-row tiles, single-buffered K/V; 8 = 128-row tiles, double-buffered)
+on the same inputs, SDPA once per case; ``same bits`` says whether a build's output equals the first's.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def _sdpa_call(torch: Any, q: Any, k: Any, v: Any, group: int) -> tuple[Any, str
     return expanded, "K/V expanded to Hq"
 
 
-def bench_case(torch: Any, dev: Any, kern: Any, batch: int, seq_len: int, hq: int, hkv: int, hd: int,
-               page_size: int, sdpa_too: bool = True) -> dict:
+def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: int, hq: int, hkv: int, hd: int,
+               page_size: int, sdpa_too: bool = True) -> list[dict]:
+    """One row per kernel of ``kerns`` (builds of one dtype / head_dim / group) on the same inputs; SDPA's
+    figures (timed once) repeated in each row."""
     from hybrid_runtime.cuda.prefill_attention import pack_prefill_inputs
 
-    dtype = kern.variant.dtype
+    dtype = kerns[0].variant.dtype
     tdt = getattr(torch, dtype)
     pps = -(-seq_len // page_size)
     pages = batch * pps
@@ -84,48 +89,57 @@ def bench_case(torch: Any, dev: Any, kern: Any, batch: int, seq_len: int, hq: in
         vpool[idx] = vt.reshape(pps, page_size, hkv, hd)
     qp = qc.transpose(1, 2).reshape(batch * seq_len, hq, hd).contiguous()  # packed [tokens, Hq, hd]
     q_lens, start = [seq_len] * batch, [0] * batch
-    plan = kern.plan(q_lens, start, num_q_heads=hq, num_kv_heads=hkv, page_size=page_size)
-    packed = pack_prefill_inputs(plan, tables)
-    meta = dev.upload(packed.host)
-    out = torch.empty(batch * seq_len, hq, hd, device="cuda", dtype=torch.float32)
+    rows, outs, keep = [], [], []
+    for kern in kerns:
+        plan = kern.plan(q_lens, start, num_q_heads=hq, num_kv_heads=hkv, page_size=page_size)
+        packed = pack_prefill_inputs(plan, tables)
+        meta = dev.upload(packed.host)
+        out = torch.empty(batch * seq_len, hq, hd, device="cuda", dtype=torch.float32)
+        ptrs = (qp.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), meta.ptr + 4 * packed.tables_offset,
+                packed.table_stride, meta.ptr + 4 * packed.work_offset, out.data_ptr())
 
-    ptrs = (qp.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), meta.ptr + 4 * packed.tables_offset,
-            packed.table_stride, meta.ptr + 4 * packed.work_offset, out.data_ptr())
+        def ours(_i: int, kern: Any = kern, plan: Any = plan, ptrs: tuple = ptrs) -> None:
+            kern.launch(plan, *ptrs, pool_pages=pages)
 
-    def ours(_i: int) -> None:
-        kern.launch(plan, *ptrs, pool_pages=pages)
-
-    flops = plan.causal_flops()
-    t_ours = time_calls(torch, ours, host_us_per_call=60.0)
-    ours(0)
-    torch.cuda.synchronize()
-    res = {"batch": batch, "seq_len": seq_len, "shape": f"{hq}q/{hkv}kv/d{hd}", "dtype": dtype,
-           "page_size": page_size, "m_tiles": kern.variant.m_tiles, "work_items": plan.n_work,
-           "ours_s": t_ours, "ours_tflops": flops / t_ours / 1e12, "sdpa_s": None, "sdpa_tflops": None,
-           "ratio": None, "max_abs_err": None, "sdpa_gqa": None}
+        flops = plan.causal_flops()
+        t_ours = time_calls(torch, ours, host_us_per_call=60.0)
+        ours(0)
+        torch.cuda.synchronize()
+        v = kern.variant
+        rows.append({"batch": batch, "seq_len": seq_len, "shape": f"{hq}q/{hkv}kv/d{hd}", "dtype": dtype,
+                     "page_size": page_size, "m_tiles": v.m_tiles, "warps": v.warps, "stages": v.stages,
+                     "work_items": plan.n_work, "ours_s": t_ours, "ours_tflops": flops / t_ours / 1e12,
+                     "same_bits": None if not outs else bool(torch.equal(out, outs[0])), "sdpa_s": None,
+                     "sdpa_tflops": None, "ratio": None, "max_abs_err": None, "sdpa_gqa": None})
+        outs.append(out)
+        keep.append(meta)
     if sdpa_too:
         try:
             call, how = _sdpa_call(torch, qc, kc, vc, hq // hkv)
             t_sdpa = time_calls(torch, lambda _i: call(), host_us_per_call=60.0)
             ref = call().transpose(1, 2).reshape(batch * seq_len, hq, hd).float()
-            res.update(sdpa_s=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e12, ratio=t_ours / t_sdpa,
-                       max_abs_err=float((out - ref).abs().max()), sdpa_gqa=how)
+            for r, out in zip(rows, outs):
+                r.update(sdpa_s=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e12, ratio=r["ours_s"] / t_sdpa,
+                         max_abs_err=float((out - ref).abs().max()), sdpa_gqa=how)
             del ref
         except torch.OutOfMemoryError:
             log("SDPA: out of memory")
         except RuntimeError as e:
             log(f"SDPA flash unavailable: {str(e).splitlines()[0][:160]}")
-    del kc, vc, qc, kpool, vpool, qp, out, meta
+    del kc, vc, qc, kpool, vpool, qp, outs, keep
     torch.cuda.empty_cache()
-    return res
+    return rows
 
 
 def compare_sdpa(seq_lens: Sequence[int] = (1024, 8192, 32768), batch_cases: Sequence[tuple[int, int]] = ((8, 4096),),
                  *, num_q_heads: int = 16, num_kv_heads: int = 2, head_dim: int = 256, dtype: str = "bfloat16",
-                 page_size: int = 64, m_tiles: int | None = None, sdpa_too: bool = True) -> list[dict]:
-    """One row per case: batch 1 at each of ``seq_lens``, then each ``(batch, seq_len)`` of ``batch_cases``.
-    Keys: batch, seq_len, shape, dtype, page_size, m_tiles, work_items, ours_s, ours_tflops, sdpa_s,
-    sdpa_tflops, ratio (ours / SDPA time: < 1 is faster), max_abs_err, sdpa_gqa (how SDPA did GQA)."""
+                 page_size: int = 64, m_tiles: int | None = None, sdpa_too: bool = True,
+                 builds: Sequence[tuple[int | None, int | None]] = ((None, None),)) -> list[dict]:
+    """One row per case and build: batch 1 at each of ``seq_lens``, then each ``(batch, seq_len)`` of
+    ``batch_cases``; ``builds``: ``(warps, m_tiles)`` pairs (None: the default; ``m_tiles`` overrides a
+    pair's None). Keys: batch, seq_len, shape, dtype, page_size, m_tiles, warps, stages, work_items, ours_s,
+    ours_tflops, same_bits (vs the case's first build; None for it), sdpa_s, sdpa_tflops, ratio (ours / SDPA
+    time: < 1 is faster), max_abs_err, sdpa_gqa (how SDPA did GQA)."""
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
@@ -133,28 +147,35 @@ def compare_sdpa(seq_lens: Sequence[int] = (1024, 8192, 32768), batch_cases: Seq
 
     torch.cuda.init()
     dev = CudaDevice(0, stream=0)  # the legacy default stream: ordered with PyTorch's work and events
-    kern = CudaPrefillAttention(dev, dtype, head_dim, num_q_heads // num_kv_heads, m_tiles)
+    group = num_q_heads // num_kv_heads
+    kerns = [CudaPrefillAttention(dev, dtype, head_dim, group, m_tiles if mt is None else mt, w) for w, mt in builds]
     rows = []
     for batch, n in [(1, int(s)) for s in seq_lens] + [(int(b), int(s)) for b, s in batch_cases]:
-        r = bench_case(torch, dev, kern, batch, n, num_q_heads, num_kv_heads, head_dim, page_size, sdpa_too)
-        log(f"B={batch} L={n}: ours {r['ours_s'] * 1e3:.3f} ms {r['ours_tflops']:.0f} TFLOP/s | SDPA "
-            + (f"{r['sdpa_s'] * 1e3:.3f} ms {r['sdpa_tflops']:.0f} TFLOP/s | ratio {r['ratio']:.2f} | "
-               f"max abs err {r['max_abs_err']:.2e}" if r["sdpa_s"] else "—"))
-        rows.append(r)
+        for r in bench_case(torch, dev, kerns, batch, n, num_q_heads, num_kv_heads, head_dim, page_size, sdpa_too):
+            log(f"B={batch} L={n} w{r['warps']} mt{r['m_tiles']}: ours {r['ours_s'] * 1e3:.3f} ms "
+                f"{r['ours_tflops']:.0f} TFLOP/s | SDPA "
+                + (f"{r['sdpa_s'] * 1e3:.3f} ms {r['sdpa_tflops']:.0f} TFLOP/s | ratio {r['ratio']:.2f} | "
+                   f"max abs err {r['max_abs_err']:.2e}" if r["sdpa_s"] else "—")
+                + ("" if r["same_bits"] is None else f" | same bits as the first build: {r['same_bits']}"))
+            rows.append(r)
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| shape | B | L | work items | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours / SDPA | "
-             "max abs err | SDPA GQA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | build | B | L | work items | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | ours / SDPA | "
+             "max abs err | same bits | SDPA GQA |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sd = r["sdpa_s"] is not None
+        same = "—" if r["same_bits"] is None else ("yes" if r["same_bits"] else "NO")
         lines.append(
-            f"| {r['shape']} {r['dtype']} ps{r['page_size']} mt{r['m_tiles']} | {r['batch']} | {r['seq_len']} | "
-            f"{r['work_items']} | {r['ours_s'] * 1e3:.3f} | {r['ours_tflops']:.0f} | "
+            f"| {r['shape']} {r['dtype']} ps{r['page_size']} | w{r['warps']} mt{r['m_tiles']} s{r['stages']} | "
+            f"{r['batch']} | {r['seq_len']} | {r['work_items']} | {r['ours_s'] * 1e3:.3f} | {r['ours_tflops']:.0f} | "
             + (f"{r['sdpa_s'] * 1e3:.3f} | {r['sdpa_tflops']:.0f} | {r['ratio']:.2f} | {r['max_abs_err']:.1e} | "
-               f"{r['sdpa_gqa']} |" if sd else "— | — | — | — | — |"))
+               f"{same} | {r['sdpa_gqa']} |" if sd else f"— | — | — | — | {same} | — |"))
     return lines
+
+
+table_lines = table  # the name benchmarks/gpu_prefill.py --sdpa calls
 
 
 def main() -> int:
@@ -168,11 +189,22 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--m-tiles", type=int, choices=[1, 2], help="override the build's 16-row tiles per warp")
+    ap.add_argument("--builds", nargs="*", default=[],
+                    help="builds to time on the same inputs: WARPS (4 or 8) or WARPSxMTILES, e.g. '4 8' "
+                         "(default: the default build only)")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.batch_cases]
+    builds: list[tuple[int | None, int | None]] = []
+    for b in args.builds or ["default"]:
+        if b == "default":
+            builds.append((None, None))
+        else:
+            w, _, mt = b.lower().partition("x")
+            builds.append((int(w), int(mt) if mt else None))
     rows = compare_sdpa(args.seq_lens, cases, num_q_heads=args.hq, num_kv_heads=args.hkv, head_dim=args.head_dim,
-                        dtype=args.dtype, page_size=args.page_size, m_tiles=args.m_tiles, sdpa_too=not args.no_sdpa)
+                        dtype=args.dtype, page_size=args.page_size, m_tiles=args.m_tiles, sdpa_too=not args.no_sdpa,
+                        builds=builds)
     import torch
 
     lines = [

@@ -19,6 +19,11 @@ The host builds a work list (:func:`plan_prefill`): one int32 row ``(sequence, f
 first position)`` per CTA tile of ``tokens_per_tile = rows // G`` query tokens (the GQA group is packed into
 the tile's rows), heaviest tiles (most keys) first; grid ``(n_work, Hkv, 1)``. :func:`pack_prefill_inputs`
 puts the work list and the page tables into one int32 array for one upload.
+
+Two schedules (:class:`PrefillVariant` ``warps``): 4 warps, 64-row tiles, single-buffered K/V (two CTAs per
+SM at hd 256), and 8 warps, 128-row tiles, double-buffered K/V (one CTA per SM, 192 KB at hd 256), the
+default for hd > 128: each K/V tile copied serves twice the rows, halving the L2 -> SM traffic per FLOP. A
+row's arithmetic is the same in both (the same key tiles in the same order), so they give the same bits.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from .kernels import Kernel, Launch, load_module
 SOURCE = "prefill_attention.cu"
 ENTRY = "prefill_attn"
 DT_CODES = {"float16": 1, "bfloat16": 2}
-WARPS = 4  # the kernel's NWARPS (default)
+WARPS = 4  # the kernel's NWARPS of the 64-row build (single-buffered K/V)
 THREADS = 32 * WARPS
+WIDE_WARPS = 8  # the 128-row build (double-buffered K/V)
 KEY_TILE = 64  # the kernel's BN
 WORK_INTS = 4  # ints per work item: (sequence, first q row, tokens, first position)
 ALIGN_INTS = 32  # the page tables start on a 128-byte line in pack_prefill_inputs' layout
@@ -49,25 +55,43 @@ class PrefillAttentionError(ValueError):
 
 
 def default_m_tiles(head_dim: int) -> int:
-    """16-row m-tiles per warp: 2 (128-row tiles, K/V fragments reused twice) where the registers allow it
-    without spilling, else 1 (64-row tiles). NVRTC 13 on sm_90: hd <= 64 x 2 fits; hd 128 x 2 spills for some
-    group sizes (G = 1), hd 256 x 2 cannot fit at all."""
+    """16-row m-tiles per warp: 2 (32 rows per warp, K/V fragments reused twice) where the registers allow it
+    without spilling, else 1. NVRTC 13 on sm_90: hd <= 64 x 2 fits; hd 128 x 2 spills for some group sizes
+    (G = 1), hd 256 x 2 cannot fit at all."""
     return 2 if head_dim <= 64 else 1
+
+
+def default_warps(head_dim: int) -> int:
+    """Warps per CTA: 8 (128-row tiles, double-buffered K/V, one CTA per SM) for hd > 128, where the 4-warp
+    64-row build's K/V traffic per FLOP is the limit (hd 256: 249 registers, no spills); else 4 (unchanged:
+    not measured against the 8-warp build there)."""
+    return WIDE_WARPS if head_dim > 128 else WARPS
 
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """One compiled build: ``-DHD -DDT -DG -DMT``."""
+    """One compiled build: ``-DHD -DDT -DG -DMT -DNWARPS -DSTAGES``. ``warps`` 4: K/V single-buffered (1
+    stage); 8: double-buffered (2 stages)."""
 
     dtype: str
     head_dim: int
     group: int
     m_tiles: int = 1
+    warps: int = WARPS
+
+    @property
+    def stages(self) -> int:
+        """K/V tile buffers (the kernel's STAGES)."""
+        return 2 if self.warps == WIDE_WARPS else 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     @property
     def rows(self) -> int:
         """Query rows (token x head) per CTA tile (the kernel's BM)."""
-        return WARPS * 16 * self.m_tiles
+        return self.warps * 16 * self.m_tiles
 
     @property
     def tokens_per_tile(self) -> int:
@@ -75,17 +99,19 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: Q tile [rows][hd] + one K and one V tile [64][hd], all T."""
-        return (self.rows + 2 * KEY_TILE) * self.head_dim * 2
+        """Dynamic shared memory: Q tile [rows][hd] + ``stages`` x (one K and one V tile [64][hd]), all T."""
+        return (self.rows + 2 * KEY_TILE * self.stages) * self.head_dim * 2
 
     @property
     def options(self) -> tuple[str, ...]:
         return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
-                f"-DMT={self.m_tiles}")
+                f"-DMT={self.m_tiles}", f"-DNWARPS={self.warps}", f"-DSTAGES={self.stages}")
 
 
-def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> PrefillVariant:
-    """The build for ``(dtype, head_dim, group = Hq / Hkv)``; :class:`PrefillAttentionError` if none can run."""
+def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int | None = None,
+                           warps: int | None = None) -> PrefillVariant:
+    """The build for ``(dtype, head_dim, group = Hq / Hkv)`` (``m_tiles`` / ``warps``: override the defaults,
+    :func:`default_m_tiles` / :func:`default_warps`); :class:`PrefillAttentionError` if none can run."""
     if dtype not in DT_CODES:
         raise PrefillAttentionError(
             f"prefill attention runs float16 / bfloat16 only (tensor cores), got {dtype}: keep the per-token "
@@ -96,7 +122,10 @@ def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int |
     mt = default_m_tiles(head_dim) if m_tiles is None else int(m_tiles)
     if mt not in (1, 2):
         raise PrefillAttentionError(f"m_tiles must be 1 or 2, got {mt}")
-    v = PrefillVariant(dtype, head_dim, int(group), mt)
+    nw = default_warps(head_dim) if warps is None else int(warps)
+    if nw not in (WARPS, WIDE_WARPS):
+        raise PrefillAttentionError(f"warps must be {WARPS} or {WIDE_WARPS}, got {nw}")
+    v = PrefillVariant(dtype, head_dim, int(group), mt, nw)
     if not 1 <= group <= v.rows:
         raise PrefillAttentionError(
             f"GQA group Hq/Hkv = {group} unsupported: it must be in 1..{v.rows} (query rows per tile)")
@@ -154,7 +183,7 @@ class PrefillPlan:
 
 def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, dtype: str, page_size: int, limits: DeviceLimits,
-                 m_tiles: int | None = None) -> PrefillPlan:
+                 m_tiles: int | None = None, warps: int | None = None) -> PrefillPlan:
     """Pure host: the work list and launch geometry of one prefill batch (``q_lens[s]`` new tokens of sequence
     ``s`` at positions ``start_pos[s] ..``), validated against ``limits``. Raises :class:`PrefillAttentionError`
     naming what to change when the shape cannot run."""
@@ -164,7 +193,7 @@ def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads
         raise PrefillAttentionError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if page_size < 16 or page_size % 16:
         raise PrefillAttentionError(f"page_size {page_size} unsupported: it must be a multiple of 16 (>= 16)")
-    v = choose_prefill_variant(dtype, head_dim, num_q_heads // num_kv_heads, m_tiles)
+    v = choose_prefill_variant(dtype, head_dim, num_q_heads // num_kv_heads, m_tiles, warps)
     lens = [int(n) for n in q_lens]
     pos = [int(p) for p in start_pos]
     if any(n < 0 for n in lens) or any(p < 0 for p in pos):
@@ -187,11 +216,11 @@ def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads
     work = np.ascontiguousarray(work[order].astype(np.int32))
     work.setflags(write=False)
     problems = []
-    if limits.max_threads_per_block < THREADS:
-        problems.append(f"{THREADS} threads per block > the device's {limits.max_threads_per_block}")
+    if limits.max_threads_per_block < v.threads:
+        problems.append(f"{v.threads} threads per block > the device's {limits.max_threads_per_block}")
     if v.smem_bytes > limits.max_shared_mem_optin:
         problems.append(f"{v.smem_bytes} bytes of shared memory > the device's opt-in limit "
-                        f"{limits.max_shared_mem_optin} (use a smaller head_dim or m_tiles=1)")
+                        f"{limits.max_shared_mem_optin} (use a smaller head_dim, m_tiles=1 or warps={WARPS})")
     if work.shape[0] > limits.max_grid_x:
         problems.append(f"{work.shape[0]} work items > max grid x {limits.max_grid_x}: split the batch")
     if num_kv_heads > limits.max_grid_y:
@@ -199,7 +228,7 @@ def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads
     if problems:
         raise PrefillAttentionError(f"prefill attention cannot run on {limits.name}: " + "; ".join(problems))
     cu.setflags(write=False)
-    return PrefillPlan(v, work, (max(1, work.shape[0]), num_kv_heads, 1), (THREADS, 1, 1), v.smem_bytes,
+    return PrefillPlan(v, work, (max(1, work.shape[0]), num_kv_heads, 1), (v.threads, 1, 1), v.smem_bytes,
                        tuple(lens), tuple(pos), cu, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
 
 
@@ -253,15 +282,17 @@ def prefill_launch(plan: PrefillPlan, *, q: int, k: int, v: int, tables: int, ta
 
 
 class CudaPrefillAttention:
-    """The prefill-attention kernel of one ``(dtype, head_dim, group)`` on one device.
+    """The prefill-attention kernel of one ``(dtype, head_dim, group)`` on one device (``m_tiles`` / ``warps``:
+    override the default build, see :func:`choose_prefill_variant`).
 
     The variant is compiled and loaded at construction and its dynamic-shared-memory opt-in is set once (all
     the device allows), so every plan :func:`plan_prefill` accepts for ``device.limits`` can launch.
     """
 
-    def __init__(self, device: CudaDevice, dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> None:
+    def __init__(self, device: CudaDevice, dtype: str, head_dim: int, group: int, m_tiles: int | None = None,
+                 warps: int | None = None) -> None:
         self.device = device
-        self.variant = choose_prefill_variant(dtype, head_dim, group, m_tiles)
+        self.variant = choose_prefill_variant(dtype, head_dim, group, m_tiles, warps)
         module = load_module(SOURCE, self.variant.options, device.arch)
         self.kernel: Kernel = module.kernel(ENTRY)
         if self.kernel.optin_bytes(device) is None:
@@ -279,7 +310,7 @@ class CudaPrefillAttention:
                                         f"G = {self.variant.group}")
         return plan_prefill(q_lens, start_pos, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=self.variant.head_dim, dtype=self.variant.dtype, page_size=page_size,
-                            limits=self.limits, m_tiles=self.variant.m_tiles)
+                            limits=self.limits, m_tiles=self.variant.m_tiles, warps=self.variant.warps)
 
     def launch(self, plan: PrefillPlan, q_ptr: int, k_pool_ptr: int, v_pool_ptr: int, tables_ptr: int,
                table_stride: int, work_ptr: int, out_ptr: int, *, pool_pages: int | None = None) -> None:

@@ -20,11 +20,11 @@ def ptxas_figures(log: str) -> tuple[int, int]:
     return regs, spills
 
 
-def compile_variant_log(dtype: str, hd: int, group: int, m_tiles: int | None = None) -> str:
+def compile_variant_log(dtype: str, hd: int, group: int, m_tiles: int | None = None, warps: int | None = None) -> str:
     from hybrid_runtime.cuda.kernels import compile_log, source
     from hybrid_runtime.cuda.prefill_attention import SOURCE, choose_prefill_variant
 
-    v = choose_prefill_variant(dtype, hd, group, m_tiles)
+    v = choose_prefill_variant(dtype, hd, group, m_tiles, warps)
     return compile_log(source(SOURCE), SOURCE, v.options, "sm_90")
 
 
@@ -49,6 +49,20 @@ def test_prefill_two_m_tiles_at_hd128_compiles() -> None:
     nvrtc_or_skip()
     check_log(compile_variant_log("bfloat16", 128, 8, 2), max_spill=0)
     regs, _ = ptxas_figures(compile_variant_log("bfloat16", 128, 1, 2))
+    assert regs <= 255
+
+
+@pytest.mark.parametrize("cfg", [(dt, hd, g, w) for dt in ("float16", "bfloat16") for hd in (64, 128, 256)
+                                 for g in (1, 8) for w in (4, 8)], ids=lambda c: f"{c[0]}-hd{c[1]}-g{c[2]}-w{c[3]}")
+def test_prefill_both_schedules_compile_without_spills(cfg) -> None:
+    """The 4-warp single-buffered and the 8-warp double-buffered builds at every serving head dim (the default
+    picks one per head dim; the benchmark compares both). 8 warps = 256 threads: <= 255 registers (one CTA of
+    the register file), hd 256 needs ~249."""
+    nvrtc_or_skip()
+    dt, hd, g, w = cfg
+    log = compile_variant_log(dt, hd, g, warps=w)
+    check_log(log, max_spill=0)
+    regs, _ = ptxas_figures(log)
     assert regs <= 255
 
 

@@ -41,10 +41,11 @@ def kernels(dev):
 
     cache: dict[tuple, CudaPrefillAttention] = {}
 
-    def get(dtype: str, hd: int, group: int, m_tiles: int | None = None) -> CudaPrefillAttention:
-        key = (dtype, hd, group, m_tiles)
+    def get(dtype: str, hd: int, group: int, m_tiles: int | None = None,
+            warps: int | None = None) -> CudaPrefillAttention:
+        key = (dtype, hd, group, m_tiles, warps)
         if key not in cache:
-            cache[key] = CudaPrefillAttention(dev, dtype, hd, group, m_tiles)
+            cache[key] = CudaPrefillAttention(dev, dtype, hd, group, m_tiles, warps)
         return cache[key]
 
     return get
@@ -114,12 +115,12 @@ def check(torch, out, ref, q_lens, dtype: str, what: str) -> None:
         row += n
 
 
-def run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, m_tiles=None) -> None:
+def run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, m_tiles=None, warps=None) -> None:
     from hybrid_runtime.cuda.driver import DeviceArray
 
     q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
     ref = reference(torch, q, k, v, tables, q_lens, start_pos)
-    kern = kernels(dtype, hd, hq // hkv, m_tiles)
+    kern = kernels(dtype, hd, hq // hkv, m_tiles, warps)
     out = kern.run(DeviceArray.from_torch(q), DeviceArray.from_torch(k), DeviceArray.from_torch(v), tables,
                    q_lens, start_pos)
     res = torch.as_tensor(out, device="cuda").clone()
@@ -173,6 +174,45 @@ def test_two_m_tiles_hd128(torch, kernels, group: int) -> None:
     run_case(torch, kernels, rng, [700, 129, 1], [0, 77, 300], 8 * group, 8, 128, 32, "bfloat16", m_tiles=2)
 
 
+@pytest.mark.parametrize("cfg", [(16, 2, 256, "bfloat16", 64, 4, None), (8, 1, 256, "float16", 16, 4, None),
+                                 (16, 4, 256, "bfloat16", 48, 4, None), (32, 8, 128, "bfloat16", 16, 8, None),
+                                 (12, 4, 80, "float16", 32, 8, None), (8, 8, 64, "bfloat16", 64, 8, None),
+                                 (32, 2, 128, "float16", 64, 8, None)],
+                         ids=lambda c: f"hq{c[0]}-hkv{c[1]}-hd{c[2]}-{c[3]}-ps{c[4]}-w{c[5]}-mt{c[6]}")
+def test_non_default_schedules_match_reference(torch, kernels, cfg) -> None:
+    """The 4-warp single-buffered build at hd 256 (the default there is 8 warps) and the 8-warp double-buffered
+    build at the head dims whose default is 4 warps (hd 80: the generic K/V load path with a partial last
+    round; hd 64 x 8 warps x 2 m-tiles: 256-row tiles; G 16 at hd 128)."""
+    hq, hkv, hd, dtype, ps, warps, mt = cfg
+    rng = np.random.default_rng(hq * hd + warps)
+    run_case(torch, kernels, rng, [700, 129, 1, 64], [0, 77, 300, ps], hq, hkv, hd, ps, dtype, m_tiles=mt,
+             warps=warps)
+
+
+@pytest.mark.parametrize("cfg", [(16, 2, 256, "bfloat16", 64), (12, 4, 256, "float16", 16),
+                                 (32, 8, 128, "bfloat16", 32)], ids=lambda c: f"hq{c[0]}-hkv{c[1]}-hd{c[2]}")
+def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
+    """4 warps (64-row tiles, one K/V buffer) and 8 warps (128-row tiles, two buffers) do a row's arithmetic
+    identically (the same key tiles in order; a tile a row does not see leaves it exactly as it was): equal
+    outputs, so either build (or a per-launch choice between them) keeps a prompt's bits whatever shares its
+    step."""
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    hq, hkv, hd, dtype, ps = cfg
+    rng = np.random.default_rng(hd + hq)
+    q_lens, start_pos = [1000, 37, 1, 300], [0, 70, 5000, 129]
+    q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
+    args = (DeviceArray.from_torch(q), DeviceArray.from_torch(k), DeviceArray.from_torch(v), tables, q_lens,
+            start_pos)
+    outs = []
+    for warps in (4, 8):
+        kern = kernels(dtype, hd, hq // hkv, 1, warps)
+        outs.append(torch.as_tensor(kern.run(*args), device="cuda").clone())
+        kern.device.synchronize()
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]), f"max diff {float((outs[0] - outs[1]).abs().max()):.3e}"
+
+
 def test_chunked_prefill_equals_one_shot(torch, kernels) -> None:
     """A prompt attended in three chunks (each reading the pool, earlier chunks' keys included) gives the rows
     of the one-shot prefill."""
@@ -219,5 +259,10 @@ def test_plan_matches_device_limits(dev, kernels) -> None:
     kern = kernels("bfloat16", 256, 8)
     assert kern.kernel.optin_bytes(dev) is not None
     p = kern.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
-    assert p.smem_bytes == (64 + 128) * 256 * 2 <= dev.limits.max_shared_mem_optin
+    assert p.block == (256, 1, 1) and p.grid == (256, 2, 1)  # 8 warps, 16 tokens per 128-row tile
+    assert p.smem_bytes == (128 + 2 * 128) * 256 * 2 <= dev.limits.max_shared_mem_optin
     assert kern.kernel.problems(dev, p.grid, p.block, p.smem_bytes) == []
+    k4 = kernels("bfloat16", 256, 8, None, 4)
+    p4 = k4.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
+    assert p4.block == (128, 1, 1) and p4.smem_bytes == (64 + 128) * 256 * 2
+    assert k4.kernel.problems(dev, p4.grid, p4.block, p4.smem_bytes) == []

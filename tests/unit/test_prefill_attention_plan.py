@@ -14,6 +14,7 @@ import pytest
 from hybrid_runtime.cuda.prefill_attention import (
     KEY_TILE,
     WARPS,
+    WIDE_WARPS,
     PrefillAttentionError,
     PrefillPlan,
     choose_prefill_variant,
@@ -25,21 +26,23 @@ from hybrid_runtime.ops.dispatcher import DeviceLimits
 LIM = DeviceLimits("fake-h200", sm_count=132)
 
 
-def make_plan(q_lens, start_pos, hq=16, hkv=2, hd=256, dtype="bfloat16", ps=64, limits=LIM, m_tiles=None):
+def make_plan(q_lens, start_pos, hq=16, hkv=2, hd=256, dtype="bfloat16", ps=64, limits=LIM, m_tiles=None,
+              warps=None):
     return plan_prefill(q_lens, start_pos, num_q_heads=hq, num_kv_heads=hkv, head_dim=hd, dtype=dtype,
-                        page_size=ps, limits=limits, m_tiles=m_tiles)
+                        page_size=ps, limits=limits, m_tiles=m_tiles, warps=warps)
 
 
-@pytest.mark.parametrize("hq,hkv,hd", [(16, 2, 256), (32, 8, 128), (8, 8, 64), (12, 4, 80), (16, 1, 128),
-                                       (40, 8, 128), (64, 1, 64)])
-def test_work_list_covers_every_token_once(hq: int, hkv: int, hd: int) -> None:
+@pytest.mark.parametrize("hq,hkv,hd,warps", [(16, 2, 256, None), (16, 2, 256, WARPS), (32, 8, 128, None),
+                                             (8, 8, 64, None), (12, 4, 80, None), (16, 1, 128, WIDE_WARPS),
+                                             (40, 8, 128, None), (64, 1, 64, None), (64, 1, 64, WIDE_WARPS)])
+def test_work_list_covers_every_token_once(hq: int, hkv: int, hd: int, warps: int | None) -> None:
     rng = np.random.default_rng(hq * hd + hkv)
     q_lens = [int(x) for x in rng.integers(0, 300, size=7)] + [1, 0, 1000]
     start = [int(x) for x in rng.integers(0, 5000, size=len(q_lens))]
-    p = make_plan(q_lens, start, hq, hkv, hd)
+    p = make_plan(q_lens, start, hq, hkv, hd, warps=warps)
     G = hq // hkv
     assert p.variant.group == G and p.variant.tokens_per_tile == p.variant.rows // G
-    assert p.grid == (p.n_work, hkv, 1) and p.block == (WARPS * 32, 1, 1)
+    assert p.grid == (p.n_work, hkv, 1) and p.block == (p.variant.warps * 32, 1, 1)
     assert p.work.dtype == np.int32 and p.work.shape == (p.n_work, 4) and not p.work.flags.writeable
     cu = p.cu_seqlens
     seen = np.zeros(p.num_tokens, np.int64)
@@ -75,31 +78,49 @@ def test_refusals_name_what_to_change() -> None:
     with pytest.raises(PrefillAttentionError, match="page_size 40"):
         make_plan([4], [0], ps=40)
     with pytest.raises(PrefillAttentionError, match="GQA group"):
-        make_plan([4], [0], hq=128, hkv=1)
+        make_plan([4], [0], hq=256, hkv=1)  # 128 rows per tile at hd 256
+    with pytest.raises(PrefillAttentionError, match="GQA group"):
+        make_plan([4], [0], hq=128, hkv=1, warps=WARPS)
     with pytest.raises(PrefillAttentionError, match="multiple of num_kv_heads"):
         make_plan([4], [0], hq=12, hkv=5)
     with pytest.raises(PrefillAttentionError, match="shared memory"):
         make_plan([4], [0], limits=DeviceLimits("small", sm_count=1, max_shared_mem_optin=64 * 1024))
+    with pytest.raises(PrefillAttentionError, match="warps=4"):  # the 8-warp build's 192 KB; the 4-warp one fits
+        make_plan([4], [0], limits=DeviceLimits("a100ish", sm_count=1, max_shared_mem_optin=163 * 1024))
+    assert make_plan([4], [0], warps=WARPS, limits=DeviceLimits("a100ish", sm_count=1,
+                                                                max_shared_mem_optin=163 * 1024)).n_work == 1
+    with pytest.raises(PrefillAttentionError, match="threads per block"):
+        make_plan([4], [0], limits=DeviceLimits("narrow", sm_count=1, max_threads_per_block=128))
     with pytest.raises(PrefillAttentionError, match="max grid x"):
-        make_plan([100], [0], limits=DeviceLimits("tiny", sm_count=1, max_grid_x=8))
+        make_plan([200], [0], limits=DeviceLimits("tiny", sm_count=1, max_grid_x=8))
     with pytest.raises(PrefillAttentionError, match="max grid y"):
         make_plan([1], [0], hq=70000, hkv=70000, hd=16)
     with pytest.raises(PrefillAttentionError, match="q_lens"):
         make_plan([1, 2], [0])
     with pytest.raises(PrefillAttentionError, match="m_tiles"):
         choose_prefill_variant("bfloat16", 128, 8, m_tiles=3)
+    with pytest.raises(PrefillAttentionError, match="warps must be"):
+        choose_prefill_variant("bfloat16", 128, 8, warps=6)
 
 
 def test_variants_and_shared_memory() -> None:
-    v = choose_prefill_variant("bfloat16", 256, 8)
-    assert (v.m_tiles, v.rows, v.tokens_per_tile, v.smem_bytes) == (1, 64, 8, (64 + 128) * 256 * 2)
-    assert v.options == ("-DHD=256", "-DDT=2", "-DG=8", "-DMT=1")
+    v = choose_prefill_variant("bfloat16", 256, 8)  # the default at hd 256: 8 warps, 128 rows, 2 K/V stages
+    assert (v.warps, v.stages, v.threads, v.m_tiles, v.rows, v.tokens_per_tile) == (8, 2, 256, 1, 128, 16)
+    assert v.smem_bytes == (128 + 2 * 128) * 256 * 2 == 192 * 1024
+    assert v.options == ("-DHD=256", "-DDT=2", "-DG=8", "-DMT=1", "-DNWARPS=8", "-DSTAGES=2")
+    v = choose_prefill_variant("bfloat16", 256, 8, warps=4)  # the 64-row single-buffered build
+    assert (v.stages, v.threads, v.rows, v.tokens_per_tile, v.smem_bytes) == (1, 128, 64, 8, (64 + 128) * 256 * 2)
+    assert v.options == ("-DHD=256", "-DDT=2", "-DG=8", "-DMT=1", "-DNWARPS=4", "-DSTAGES=1")
     v = choose_prefill_variant("float16", 64, 4)
-    assert (v.m_tiles, v.rows, v.tokens_per_tile) == (2, 128, 32)
+    assert (v.warps, v.m_tiles, v.rows, v.tokens_per_tile) == (4, 2, 128, 32)
     assert choose_prefill_variant("float16", 128, 3).tokens_per_tile == 21  # 63 rows used, 1 padding row
+    assert choose_prefill_variant("bfloat16", 144, 8).warps == 8
+    assert choose_prefill_variant("bfloat16", 128, 8).warps == 4
     for hd in range(16, 257, 16):
         for mt in (1, 2):
-            assert choose_prefill_variant("bfloat16", hd, 1, mt).smem_bytes <= LIM.max_shared_mem_optin
+            for w in (WARPS, WIDE_WARPS):
+                if w == WARPS or mt == 1 or hd <= 224:  # 8 warps x 2 m-tiles: 256 rows
+                    assert choose_prefill_variant("bfloat16", hd, 1, mt, w).smem_bytes <= LIM.max_shared_mem_optin
 
 
 def test_pack_layout() -> None:
@@ -139,6 +160,7 @@ def kernel_model(p: PrefillPlan, packed, q: np.ndarray, kpool: np.ndarray, vpool
     TOKB = BM // G
     RUSED = TOKB * G
     rows_per_warp = 16 * v.m_tiles
+    nwarps = v.warps
     kflat = kpool.reshape(-1, hd)  # pool row (page * ps + off) * Hkv + kvh
     vflat = vpool.reshape(-1, hd)
     h = packed.host
@@ -156,8 +178,8 @@ def kernel_model(p: PrefillPlan, packed, q: np.ndarray, kpool: np.ndarray, vpool
             qt = np.zeros((BM, hd))
             qt[ok] = q[qrow0 + tok[ok], h0 + hg[ok]]
             rpos = qpos0 + np.minimum(tok, ntok - 1)
-            warp_maxpos = [qpos0 + min((w * rows_per_warp + rows_per_warp - 1) // G, ntok - 1) for w in range(WARPS)]
-            warp_live = [w * rows_per_warp < ntok * G for w in range(WARPS)]
+            warp_maxpos = [qpos0 + min((w * rows_per_warp + rows_per_warp - 1) // G, ntok - 1) for w in range(nwarps)]
+            warp_live = [w * rows_per_warp < ntok * G for w in range(nwarps)]
             m = np.full(BM, -np.inf)
             l = np.zeros(BM)
             o = np.zeros((BM, hd))
@@ -183,7 +205,7 @@ def kernel_model(p: PrefillPlan, packed, q: np.ndarray, kpool: np.ndarray, vpool
                 if n0 + BN - 1 > qpos0:
                     keys = n0 + np.arange(BN)
                     s = np.where(keys[None, :] > rpos[:, None], -np.inf, s)
-                for w in range(WARPS):
+                for w in range(nwarps):
                     if not (warp_live[w] and n0 <= warp_maxpos[w]):
                         continue
                     sl = slice(w * rows_per_warp, (w + 1) * rows_per_warp)
@@ -232,19 +254,22 @@ def random_case(rng, q_lens, start_pos, hq, hkv, hd, ps, extra_pages=5):
 
 
 @pytest.mark.parametrize("case", [
-    # (q_lens, start_pos, Hq, Hkv, hd, page_size, m_tiles)
-    ([70, 1, 33], [0, 5, 64], 16, 2, 32, 16, None),  # G 8: 8 tokens per tile, mid-page starts
-    ([100], [37], 4, 4, 16, 16, 1),  # G 1: 64 tokens per tile, several warps skip diagonal tiles
-    ([130, 9], [200, 0], 8, 2, 16, 48, 2),  # G 4, 128-row tiles, page size 48 (tiles span pages)
-    ([40, 17], [3, 120], 6, 2, 16, 32, 1),  # G 3: a padding row per tile
-    ([5, 64, 2], [63, 0, 1], 16, 1, 16, 16, 1),  # G 16: 4 tokens per tile
-    ([1, 1, 1], [0, 200, 15], 2, 1, 16, 64, 1),  # single tokens (decode-like) past cached pages
+    # (q_lens, start_pos, Hq, Hkv, hd, page_size, m_tiles, warps)
+    ([70, 1, 33], [0, 5, 64], 16, 2, 32, 16, None, None),  # G 8: 8 tokens per tile, mid-page starts
+    ([100], [37], 4, 4, 16, 16, 1, None),  # G 1: 64 tokens per tile, several warps skip diagonal tiles
+    ([130, 9], [200, 0], 8, 2, 16, 48, 2, None),  # G 4, 128-row tiles, page size 48 (tiles span pages)
+    ([40, 17], [3, 120], 6, 2, 16, 32, 1, None),  # G 3: a padding row per tile
+    ([5, 64, 2], [63, 0, 1], 16, 1, 16, 16, 1, None),  # G 16: 4 tokens per tile
+    ([1, 1, 1], [0, 200, 15], 2, 1, 16, 64, 1, None),  # single tokens (decode-like) past cached pages
+    ([70, 1, 33], [0, 5, 64], 16, 2, 32, 16, 1, WIDE_WARPS),  # 8 warps, G 8: 16 tokens per 128-row tile
+    ([130, 9], [200, 0], 6, 2, 16, 48, 1, WIDE_WARPS),  # 8 warps, G 3: 42 tokens + 2 padding rows
+    ([300], [10], 2, 2, 16, 16, 2, WIDE_WARPS),  # 8 warps x 2 m-tiles, G 1: 256 tokens, warps skip tiles
 ])
 def test_kernel_model_matches_dense_causal_attention(case) -> None:
-    q_lens, start_pos, hq, hkv, hd, ps, mt = case
+    q_lens, start_pos, hq, hkv, hd, ps, mt, warps = case
     rng = np.random.default_rng(sum(q_lens) + hq)
     q, k, v, tables = random_case(rng, q_lens, start_pos, hq, hkv, hd, ps)
-    p = make_plan(q_lens, start_pos, hq, hkv, hd, ps=ps, m_tiles=mt)
+    p = make_plan(q_lens, start_pos, hq, hkv, hd, ps=ps, m_tiles=mt, warps=warps)
     packed = pack_prefill_inputs(p, tables)
     got = kernel_model(p, packed, q, k, v)
     ref = dense_reference(q, k, v, tables, q_lens, start_pos)
