@@ -4,7 +4,6 @@ CUDA-core kernels it replaces in prefill (``fused.cu``: one-CTA ``moe_route``, `
 and against a dense bf16 cuBLASLt GEMM measured in the same run ([8192 x 2048] @ [2048 x 8192]).
 
     python3 -m benchmarks.gpu_moe_prefill --out benchmarks/results/gpu_moe_prefill_h200.md
-    python3 -m benchmarks.gpu_moe_prefill --cbs 1:2,1:1,1:4,2:2   # also time the GEMMs per column-block grouping
 
 Random bf16 weights generated on the device (one copy: 1.5 GB, every step reads all 256 experts, far past the
 L2), random bf16 h and float32 router logits. Times: CUDA events around back-to-back calls queued behind a spin
@@ -47,10 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results/gpu_moe_prefill_h200.md")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--cbs", default="", help="extra gate_up:down column blocks per CTA to time the GEMMs with, "
-                    "e.g. 1:1,1:4,2:2 (the table's main columns use MoEPrefill's defaults)")
     args = ap.parse_args()
-    sweep = [tuple(int(v) for v in c.split(":")) for c in args.cbs.split(",") if c]
     import torch
 
     from hybrid_runtime.cuda.backend import MOE_ROWS_PER_CTA, SMEM_DEFAULT, fill_random
@@ -138,18 +134,12 @@ def main() -> int:
         t_route = timed(dev, new_route)
         new_route()
         t_gemm = timed(dev, new_gemms)
-        by_cbs = {}
-        default_cbs = (moe.gate_up_cbs, moe.down_cbs)
-        for gcb, dcb in sweep:
-            moe.gate_up_cbs, moe.down_cbs = gcb, dcb
-            by_cbs[f"{gcb}:{dcb}"] = timed(dev, new_gemms)
-        moe.gate_up_cbs, moe.down_cbs = default_cbs
         t_old = timed(dev, old_all, reps=5)
         t_old_route = timed(dev, old_route, reps=5)
         flops = 2.0 * P * (2 * INTER * H + INTER * H)
         r = {"n": n, "pairs": P, "new": t_new, "route": t_route, "gemms": t_gemm, "old": t_old,
              "old_route": t_old_route, "tflops": flops / t_new / 1e12, "gemm_tflops": flops / t_gemm / 1e12,
-             "old_tflops": flops / t_old / 1e12, "by_cbs": by_cbs}
+             "old_tflops": flops / t_old / 1e12}
         log(r)
         rows.append(r)
 
@@ -166,12 +156,6 @@ def main() -> int:
                      f"{r['gemms'] * 1e6:.0f} | {r['tflops']:.0f} | {r['gemm_tflops']:.0f} | "
                      f"{r['tflops'] * 1e12 / dense:.0%} | {r['old'] * 1e6:.0f} | {r['old_route'] * 1e6:.0f} | "
                      f"{r['old_tflops']:.1f} | {r['old'] / r['new']:.1f}x |")
-    if sweep:
-        lines += ["", f"GEMMs (us) by column blocks per CTA, gate_up:down (defaults {moe.gate_up_cbs}:{moe.down_cbs})",
-                  "", "| tokens | " + " | ".join(f"{g}:{d}" for g, d in sweep) + " |",
-                  "|---:|" + "---:|" * len(sweep)]
-        for r in rows:
-            lines.append(f"| {r['n']} | " + " | ".join(f"{t * 1e6:.0f}" for t in r["by_cbs"].values()) + " |")
     write_report(args.out, lines)
     return 0
 

@@ -8,16 +8,10 @@ Per call, five guarded launches on the device's stream, all programmatic depende
 2. ``moe_group`` grid ``(ncta,)`` x 1024: counts -> exclusive scan -> ``expert_off``, ``active``, the tile
    list (CTA 0) and ``pair_list`` grouped by expert (ascending pair index within an expert): exactly
    ``moe_route``'s output contract, so the rest of the backend reads the same buffers.
-3. ``moe_gemm_gate_up`` grid ``(ceil(ceil(I / 128) / cbs), max_tiles)`` x 256, 192 KB of shared memory (one
-   CTA per SM): per tile of up to :data:`GEMM_BM` pairs of one expert, ``act[p] = silu(h_t Wg^T) * (h_t Wu^T)``
-   (T, ``[pairs, I]``), ``cbs`` blocks of 128 act columns (128 gate + 128 up weight rows) per CTA.
-4. ``moe_gemm_down`` grid ``(ceil(ceil(H / 256) / cbs), max_tiles)`` x 256: ``y[t, slot] = pair_w[p] * act[p]
-   Wd^T`` (float32 ``[n, ny, H]``, one slot per pair: no atomics), ``cbs`` blocks of 256 y columns per CTA.
-
-A GEMM CTA is 8 warps of 64 x 64 (a 128-row x 256-B-row CTA tile) over a 4-stage cp.async ring; its column
-blocks run back to back through the ring, so the next block's loads overlap the last one's epilogue.
-``cbs`` (:data:`GATE_UP_CBS`, :data:`DOWN_CBS`; attributes of :class:`MoEPrefill`) only regroups whole
-column blocks between CTAs: no output bit depends on it.
+3. ``moe_gemm_gate_up`` grid ``(I / 64, max_tiles)`` x 128, 96 KB of shared memory: per tile of up to
+   :data:`GEMM_BM` pairs of one expert, ``act[p] = silu(h_t Wg^T) * (h_t Wu^T)`` (T, ``[pairs, I]``).
+4. ``moe_gemm_down`` grid ``(H / 128, max_tiles)`` x 128: ``y[t, slot] = pair_w[p] * act[p] Wd^T`` (float32
+   ``[n, ny, H]``, one slot per pair: no atomics).
 
 ``ncta = ceil(n / chunk)`` routing CTAs of ``chunk`` tokens (:func:`route_geometry`); the GEMM grids use
 the bound :func:`max_tiles` and their CTAs past the device's tile count exit at once. Each output row
@@ -41,13 +35,10 @@ from .weights import MoEWeights
 SOURCE = "moe_gemm.cu"
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
-GATE_UP_COLS = 128  # act columns per gate_up column block (128 gate + 128 up rows of the weights)
-DOWN_COLS = 256  # y columns per down column block
-H_ALIGN, I_ALIGN = 128, 64  # supported H, I: multiples (a last column block may be half full)
-GATE_UP_CBS = 1  # column blocks per gate_up CTA (K = H: long enough to hide its own prologue)
-DOWN_CBS = 2  # column blocks per down CTA (K = I is short: chain two blocks through one ring)
-GEMM_THREADS = 256
-GEMM_SMEM = 4 * (GEMM_BM + 256) * 64 * 2  # GEMM_STAGES x (A + B tile) x BK x 2 bytes = 192 KB
+GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
+DOWN_BN = 128  # y columns per down CTA
+GEMM_THREADS = 128
+GEMM_SMEM = 3 * (GEMM_BM + 128) * 64 * 2  # GEMM_STAGES x (A + B tile) x BK x 2 bytes = 96 KB
 TOPK_THREADS = 1024
 GROUP_THREADS = 1024
 ROUTE_MAX_CTAS = 128  # routing CTAs at most (cta_counts rows)
@@ -57,16 +48,10 @@ MAX_TOPK = 31
 
 
 def supported(dtype: str, hidden: int, inter: int, e_all: int, k: int) -> bool:
-    """Whether the tensor-core path runs this shape: bf16/fp16, H % 128 == 0, I % 64 == 0 (whole k tiles and
-    whole warp columns of the GEMMs), at most 1024 experts and top-31."""
-    return (dtype in DT_CODES and hidden > 0 and inter > 0 and hidden % H_ALIGN == 0 and inter % I_ALIGN == 0
+    """Whether the tensor-core path runs this shape: bf16/fp16, H % 128 == 0, I % 64 == 0 (whole tiles of
+    the GEMMs' K and N), at most 1024 experts and top-31."""
+    return (dtype in DT_CODES and hidden > 0 and inter > 0 and hidden % DOWN_BN == 0 and inter % GATE_UP_BN == 0
             and 0 < e_all <= MAX_EXPERTS and 0 < k <= MAX_TOPK)
-
-
-def gemm_grid_x(cols: int, block: int, cbs: int) -> int:
-    """x extent of a GEMM grid: ``ceil(ceil(cols / block) / cbs)`` CTAs of ``cbs`` column blocks."""
-    blocks = -(-cols // block)
-    return -(-blocks // cbs)
 
 
 def route_geometry(n: int) -> tuple[int, int]:
@@ -125,8 +110,7 @@ class MoEPrefill:
             raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
         self.device, self.dtype = device, dtype
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[dtype]}",), device.arch)
-        self.gate_up_cbs, self.down_cbs = GATE_UP_CBS, DOWN_CBS  # tunable: no output bit depends on them
-        for name in ("moe_gemm_gate_up", "moe_gemm_down"):  # 192 KB: past the default 48 KB
+        for name in ("moe_gemm_gate_up", "moe_gemm_down"):  # 96 KB: past the default 48 KB
             self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list, smem: int = 0) -> None:
@@ -156,21 +140,16 @@ class MoEPrefill:
                 e_all: int, bufs: MoEBuffers) -> None:
         """The grouped GEMMs after :meth:`route`: h (T ``[n, ldh]``), stacked weights ``gate_up``
         ``[E_all, 2I, H]`` and ``down`` ``[E_all, H, I]`` (device pointers) -> ``bufs.act``, ``bufs.y``."""
-        if hidden % H_ALIGN or inter % I_ALIGN or ldh % 8 or ldh < hidden or ny < kk:
+        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
             raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
-        if self.gate_up_cbs < 1 or self.down_cbs < 1:
-            raise ValueError(f"column blocks per CTA must be >= 1, got {self.gate_up_cbs}, {self.down_cbs}")
         tiles = max_tiles(n * kk, e_all)
-        gx = gemm_grid_x(inter, GATE_UP_COLS, self.gate_up_cbs)
-        self._launch("moe_gemm_gate_up", (gx, tiles, 1), GEMM_THREADS,
+        self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
                      [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
-                      ("i32", self.gate_up_cbs), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)],
-                     smem=GEMM_SMEM)
-        dx = gemm_grid_x(hidden, DOWN_COLS, self.down_cbs)
-        self._launch("moe_gemm_down", (dx, tiles, 1), GEMM_THREADS,
+                      ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)
+        self._launch("moe_gemm_down", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
                      [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
-                      ("i32", kk), ("i32", ny), ("i32", self.down_cbs), ("ptr", bufs.tiles), ("ptr", bufs.pair_list),
-                      ("ptr", bufs.y)], smem=GEMM_SMEM)
+                      ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
+                     smem=GEMM_SMEM)
 
     def launch(self, n: int, logits: int, ld: int, mw: MoEWeights, h: int, ldh: int, k: int, renorm: bool, ny: int,
                bufs: MoEBuffers) -> None:

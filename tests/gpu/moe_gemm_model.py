@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-BM, BN, BK, STAGES, THREADS = 128, 256, 64, 4, 256
-GU_COLS = BN // 2
+BM, BN, BK, STAGES, THREADS = 128, 128, 64, 3, 128
 
 
 def swz(row: int | np.ndarray, c: int | np.ndarray) -> int | np.ndarray:
@@ -97,118 +96,88 @@ def _mma(d: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
 
 def gemm_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: int, H: int, kk: int, ny: int,
                    tile: tuple[int, int, int], pair_list: np.ndarray, pair_w: np.ndarray | None, bx: int,
-                   out: np.ndarray, cbs: int = 1) -> None:
+                   out: np.ndarray) -> None:
     """CTA (bx, tile) of moe_gemm_gate_up (``mode`` "gate_up": A = h flat, W = w_gu flat [E_all*2I*H], out =
-    act flat [pairs*I]) or moe_gemm_down ("down": A = act flat, W = w_d flat, out = y flat [n*ny*H]), with
-    ``cbs`` column blocks per CTA. The shared ring starts as NaN and rows the kernel does not load stay so: a
-    stored result that read one would be NaN."""
+    act flat [pairs*I]) or moe_gemm_down ("down": A = act flat, W = w_d flat, out = y flat [n*ny*H])."""
     e, start, rows = tile
     s_pair = np.array([pair_list[start + r] if r < rows else -1 for r in range(BM)])
     s_src = np.array([-1 if p < 0 else ((p // kk) * lda if mode == "gate_up" else p * lda) for p in s_pair])
-    ring = [(np.full((BM, 8, 8), np.nan), np.full((BN, 8, 8), np.nan)) for _ in range(STAGES)]
-    cols, total = (GU_COLS, I) if mode == "gate_up" else (BN, H)
-    ncb = -(-total // cols)
-    cb_first = bx * cbs
-    n_cb = min(ncb, cb_first + cbs) - cb_first
-    KT = K // BK
-    n_it = n_cb * KT
-    up_jump = (I - GU_COLS) * K if mode == "gate_up" else 0
+    ring = [(np.zeros((BM, 8, 8)), np.zeros((BN, 8, 8))) for _ in range(STAGES)]  # [row][phys chunk][8]
+    if mode == "gate_up":
+        wb0, up_jump = e * 2 * I * K + bx * 64 * K, (I - 64) * K
+    else:
+        wb0, up_jump = e * H * K + bx * BN * K, 0
 
-    def load_stage(stage: int, it: int) -> None:
+    def load_stage(stage: int, kt: int) -> None:
         sA, sB = ring[stage]
-        cq = it // KT
-        k0, c0 = (it - cq * KT) * BK, (cb_first + cq) * cols
+        k0 = kt * BK
         for tid in range(THREADS):
             ch, r0 = tid & 7, tid >> 3
-            we = e * (2 * I if mode == "gate_up" else H) * K + r0 * K + ch * 8
-            for i in range(BM // 32):
-                row = r0 + 32 * i
+            for i in range(BM // 16):
+                row = r0 + 16 * i
                 src = s_src[row]
-                if src >= 0:
-                    sA[row, swz(row, ch)] = A[src + k0 + ch * 8:src + k0 + ch * 8 + 8]
-            wb = we + c0 * K + k0
-            for i in range(BN // 32):
-                row = r0 + 32 * i
-                col = c0 + ((row & (GU_COLS - 1)) if mode == "gate_up" else row)
-                s = wb + 32 * i * K + (up_jump if mode == "gate_up" and i >= 4 else 0)
-                if col < total:
-                    sB[row, swz(row, ch)] = W[s:s + 8]
+                sA[row, swz(row, ch)] = 0.0 if src < 0 else A[src + k0 + ch * 8:src + k0 + ch * 8 + 8]
+            for i in range(BN // 16):
+                row = r0 + 16 * i
+                s = wb0 + r0 * K + ch * 8 + 16 * i * K + (up_jump if i >= 4 else 0) + k0
+                sB[row, swz(row, ch)] = W[s:s + 8]
 
-    def zero() -> np.ndarray:
-        return np.zeros((8, 4, 8, 32, 4))  # [warp][mt][nt][lane][4]
-
-    acc = zero()
+    KT = K // BK
+    acc = np.zeros((4, 4, 8, 32, 4))  # [warp][mt][nt][lane][4]
     for s in range(STAGES - 1):
-        if s < n_it:
+        if s < KT:
             load_stage(s, s)
     lane = np.arange(32)
     a_row, a_ch = lane & 15, lane >> 4
     b_row, b_ch = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1
-    q = kt = 0
-    for it in range(n_it):
-        nk = it + STAGES - 1
-        if nk < n_it:  # (on the GPU the refill overlaps the compute below; it targets the stage it - 1 used)
-            assert nk % STAGES != it % STAGES
-        sA, sB = ring[it % STAGES]
-        c0 = (cb_first + q) * cols
-        mruns = []
-        for warp in range(8):
-            wm, wn = warp >> 2, warp & 3
-            wcol = wn * 32 if mode == "gate_up" else wn * 64
-            mrun = rows - wm * 64 if c0 + wcol < total else 0
-            mruns.append(mrun)
-            if mrun <= 0:
+    for kt in range(KT):
+        nk = kt + STAGES - 1
+        if nk < KT:  # (on the GPU the refill overlaps the compute below; it targets the stage kt - 1 used)
+            assert nk % STAGES != kt % STAGES
+        sA, sB = ring[kt % STAGES]
+        for warp in range(4):
+            wm, wn = warp >> 1, warp & 1
+            mrows = rows - wm * 64
+            if mrows <= 0:
                 continue
             for ks in range(BK // 16):
                 b = np.zeros((8, 2, 32, 2))
                 for np_ in range(4):
-                    base = (np_ * 16 + wn * 32 if np_ < 2 else GU_COLS + wn * 32 + (np_ - 2) * 16) \
-                        if mode == "gate_up" else wn * 64 + np_ * 16
+                    base = (np_ * 16 + wn * 32 if np_ < 2 else 64 + wn * 32 + (np_ - 2) * 16) if mode == "gate_up" \
+                        else wn * 64 + np_ * 16
                     row = base + b_row
                     r = _ldsm_x4(sB, row, swz(row, 2 * ks + b_ch))
                     b[2 * np_] = r[0:2]
                     b[2 * np_ + 1] = r[2:4]
                 for mt in range(4):
-                    if mt * 16 < mrun:
+                    if mt * 16 < mrows:
                         row = wm * 64 + mt * 16 + a_row
                         a = _ldsm_x4(sA, row, swz(row, 2 * ks + a_ch))
                         for nt in range(8):
                             _mma(acc[warp, mt, nt], a, b[nt])
-        kt += 1
-        if kt == KT:
-            for warp in range(8):
-                if mruns[warp] > 0:
-                    _epilogue(mode, acc[warp], warp, rows, c0, I, kk, ny, H, s_pair, pair_w, out)
-            acc = zero()
-            kt = 0
-            q += 1
-        if nk < n_it:
+        if nk < KT:
             load_stage(nk % STAGES, nk)
-
-
-def _epilogue(mode: str, acc: np.ndarray, warp: int, rows: int, c0: int, I: int, kk: int, ny: int, H: int,
-              s_pair: np.ndarray, pair_w: np.ndarray | None, out: np.ndarray) -> None:
-    """One warp's stores of a column block (acc [mt][nt][lane][4])."""
-    wm, wn = warp >> 2, warp & 3
-    for ln in range(32):
-        g, t4 = ln >> 2, ln & 3
-        for mt in range(4):
-            for hi in range(2):
-                r = wm * 64 + mt * 16 + g + hi * 8
-                if r >= rows:
-                    continue
-                p = s_pair[r]
-                ac = acc[mt, :, ln]
-                if mode == "gate_up":
-                    dst = p * I + c0 + wn * 32 + 2 * t4
-                    for nt in range(4):
-                        for c in range(2):
-                            gv, uv = ac[nt, 2 * hi + c], ac[nt + 4, 2 * hi + c]
-                            out[dst + nt * 8 + c] = gv / (1 + np.exp(-gv)) * uv
-                else:
-                    t, slot = p // kk, p % kk
-                    assert pair_w is not None
-                    dst = (t * ny + slot) * H + c0 + wn * 64 + 2 * t4
-                    for nt in range(8):
-                        for c in range(2):
-                            out[dst + nt * 8 + c] = pair_w[p] * ac[nt, 2 * hi + c]
+    for warp in range(4):
+        wm, wn = warp >> 1, warp & 1
+        for ln in range(32):
+            g, t4 = ln >> 2, ln & 3
+            for mt in range(4):
+                for hi in range(2):
+                    r = wm * 64 + mt * 16 + g + hi * 8
+                    if r >= rows:
+                        continue
+                    p = s_pair[r]
+                    ac = acc[warp, mt, :, ln]
+                    if mode == "gate_up":
+                        dst = p * I + bx * 64 + wn * 32 + 2 * t4
+                        for nt in range(4):
+                            for c in range(2):
+                                gv, uv = ac[nt, 2 * hi + c], ac[nt + 4, 2 * hi + c]
+                                out[dst + nt * 8 + c] = gv / (1 + np.exp(-gv)) * uv
+                    else:
+                        t, slot = p // kk, p % kk
+                        assert pair_w is not None
+                        dst = (t * ny + slot) * H + bx * BN + wn * 64 + 2 * t4
+                        for nt in range(8):
+                            for c in range(2):
+                                out[dst + nt * 8 + c] = pair_w[p] * ac[nt, 2 * hi + c]

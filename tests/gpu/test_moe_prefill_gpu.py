@@ -16,10 +16,7 @@ pytestmark = pytest.mark.gpu
 
 DT = {"float16": 1, "bfloat16": 2}
 CANARY = -7777.0
-# a35b: Qwen3.5-35B-A3B; half: half-full last column blocks (I % 128 == 64, H % 256 == 128, two down blocks
-# chained in one CTA); default: the default model's MoE (one half-full down block)
-SHAPES = {"a35b": (2048, 512, 256, 8), "small": (256, 128, 16, 4), "half": (384, 192, 8, 2),
-          "default": (128, 128, 8, 2)}
+SHAPES = {"a35b": (2048, 512, 256, 8), "small": (256, 128, 16, 4)}
 # (n, case) in this order: the largest first, so later, smaller steps run over its stale tiles and pair_list
 CASES = [(4096, "spread"), (1000, "one_takes_all"), (64, "cold_experts"), (7, "spread"), (1, "spread")]
 
@@ -140,8 +137,7 @@ def logits_for(rng: np.random.Generator, n: int, E: int, ld: int, case: str) -> 
     return lg
 
 
-@pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small"),
-                                         ("bfloat16", "half"), ("float16", "default")])
+@pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
 def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str) -> None:
     from hybrid_runtime.cuda.moe_prefill import tile_list
 
@@ -197,18 +193,3 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev) -> None:
     big = s.run(1000, hb, lg)
     small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
     assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
-
-
-@pytest.mark.parametrize("shape", ["a35b", "half"])
-def test_column_blocks_per_cta_change_no_bit(dev, shape: str) -> None:
-    """gate_up_cbs / down_cbs only regroup whole column blocks between CTAs: y and act have the same bits."""
-    s = Setup(dev, "bfloat16", shape, n_max=512)
-    rng = np.random.default_rng(9)
-    hb = host_bits(rng.standard_normal((512, s.H)).astype(np.float32), "bfloat16")
-    lg = logits_for(rng, 512, s.E, s.ld, "spread")
-    ref = s.run(512, hb, lg)
-    for gcb, dcb in [(1, 1), (2, 4), (3, 3)]:
-        s.moe.gate_up_cbs, s.moe.down_cbs = gcb, dcb
-        got = s.run(512, hb, lg)
-        assert np.array_equal(got["y"].view(np.uint32), ref["y"].view(np.uint32)), (shape, gcb, dcb)
-        assert np.array_equal(got["act"].view(np.uint8), ref["act"].view(np.uint8)), (shape, gcb, dcb)

@@ -246,34 +246,26 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 }
 
 // ================================================================================================
-// Grouped GEMMs: CTA (x, tile) computes GEMM_BM rows (the tile's pairs) x `cbs` column blocks of GEMM_BN B rows,
-// block after block (see grouped_gemm).
-//   gate_up: A = h rows of the pairs' tokens ([n, ldh] T), block cb: B = expert e's gate rows [cb*128, +128) and
-//            up rows [I + cb*128, +128) of w_gu [E_all, 2I, H]; act[p, cb*128 + i] = silu(gate) * up (T, [pairs, I])
-//   down:    A = act rows of the pairs, block cb: B = rows [cb*256, +256) of w_d [E_all, H, I];
-//            y[t, slot, cb*256 + j] = pair_w[p] * acc   (float32, y [n, ny, H]; no atomics: one slot per pair)
-// 256 threads = 8 warps (2 in m x 4 in n), warp tile 64 rows x 64 columns (8 n-tiles of 8; gate_up: 4 gate
-// n-tiles and the 4 up n-tiles of the same columns, so SwiGLU is thread-local); warp w: wm = w >> 2, wn = w & 3
-// (the 4 warps of the first 64 rows sit on the 4 SM sub-partitions). Each 32 KB B stage feeds 128 rows.
-// BK = 64: shared rows of 128 bytes, 16-byte chunks XOR-swizzled by (row & 7); GEMM_STAGES-deep cp.async ring
-// (4 x 48 KB = 192 KB dynamic smem, one CTA per SM), one commit group per k tile, one barrier per k tile.
-// A column block may be partial (I % 128 == 64, H % 256 == 128): B rows past the matrix are not loaded and the
-// warps of those columns neither compute nor store. m-tiles wholly past the tile's rows are skipped; A rows past
-// them are not loaded (an MMA row depends on its own A row only, so stale shared rows never reach a kept row).
-// Every output element is the sum over k in one fixed order (k tiles ascending, k16 steps ascending, the MMA's
-// own), whatever the tile's row count, the row's place in it or cbs: batch invariance.
+// Grouped GEMMs: CTA (x, tile) computes GEMM_BM rows (the tile's pairs) x one column block.
+//   gate_up: A = h rows of the pairs' tokens ([n, ldh] T), B = expert e's gate rows [x*64, +64) and up rows
+//            [I + x*64, +64) of w_gu [E_all, 2I, H]; act[p, x*64 + i] = silu(gate) * up   (T, [pairs, I])
+//   down:    A = act rows of the pairs, B = rows [x*128, +128) of w_d [E_all, H, I];
+//            y[t, slot, x*128 + j] = pair_w[p] * acc   (float32, y [n, ny, H]; no atomics: one slot per pair)
+// 128 threads = 4 warps (2 x 2), warp tile 64 rows x 64 columns (8 n-tiles of 8; gate_up: 4 gate n-tiles
+// and the 4 up n-tiles of the same columns, so SwiGLU is thread-local). BK = 64: shared rows of 128 bytes,
+// 16-byte chunks XOR-swizzled by (row & 7); GEMM_STAGES-deep cp.async ring, one commit group per k tile.
+// Dynamic shared memory GEMM_SMEM (96 KB: two CTAs per SM). m-tiles wholly past the tile's rows are skipped.
 // Shapes: H % 128 == 0, I % 64 == 0, ldh % 8 == 0 (the host checks).
 // ================================================================================================
-#define GEMM_THREADS 256
-#define GEMM_BN 256  // B rows staged per CTA
+#define GEMM_THREADS 128
+#define BN 128  // B rows staged per CTA
 #define BK 64
-#define GEMM_STAGES 4
+#define GEMM_STAGES 3
 #define ROWB (BK * 2)
 #define A_BYTES (GEMM_BM * ROWB)
-#define B_BYTES (GEMM_BN * ROWB)
+#define B_BYTES (BN * ROWB)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define GEMM_SMEM (GEMM_STAGES * STAGE_BYTES)
-#define GU_COLS (GEMM_BN / 2)  // act columns per gate_up column block
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
 
@@ -285,8 +277,8 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   return r;
 }
 __device__ __forceinline__ int swz(int row, int c) { return c ^ (row & 7); }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -323,7 +315,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 // Shared row of the B tile that n-tile pair np (n-tiles 2np, 2np+1) of warp column wn starts at.
 template <int MODE>
 __device__ __forceinline__ int b_smem_row(int wn, int np) {
-  if (MODE == MODE_GATE_UP) return np < 2 ? wn * 32 + np * 16 : GU_COLS + wn * 32 + (np - 2) * 16;
+  if (MODE == MODE_GATE_UP) return np < 2 ? wn * 32 + np * 16 : 64 + wn * 32 + (np - 2) * 16;
   return wn * 64 + np * 16;
 }
 
@@ -361,50 +353,11 @@ __device__ __forceinline__ void mma_stage(float (&acc)[4][8][4], u32 sA, u32 sB,
   }
 }
 
-// The thread's epilogue of one column block (columns from c0) of its warp's 64 x 64 tile: it holds rows
-// wm*64 + mt*16 + g (+8) and columns 2 t4, 2 t4 + 1 of each n-tile. Rows past the tile are not stored.
-template <int MODE>
-__device__ __forceinline__ void epilogue(const float (&acc)[4][8][4], int rows, int wm, int wn, int lane, int c0,
-                                         int I, int kk, int ny, int H, const int* s_pair,
-                                         const float* __restrict__ pair_w, T* __restrict__ act,
-                                         float* __restrict__ y) {
-  const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int r = wm * 64 + mt * 16 + g + hi * 8;
-      if (r >= rows) continue;
-      const int p = s_pair[r];
-      if (MODE == MODE_GATE_UP) {
-        T* dst = act + (size_t)p * I + c0 + wn * 32 + 2 * t4;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const float v0 = siluf_(acc[mt][nt][2 * hi]) * acc[mt][nt + 4][2 * hi];
-          const float v1 = siluf_(acc[mt][nt][2 * hi + 1]) * acc[mt][nt + 4][2 * hi + 1];
-          *(u32*)(dst + nt * 8) = pack2(v0, v1);
-        }
-      } else {
-        const int t = p / kk, slot = p - t * kk;
-        const float w = pair_w[p];
-        float* dst = y + ((size_t)t * ny + slot) * H + c0 + wn * 64 + 2 * t4;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *(float2*)(dst + nt * 8) = make_float2(w * acc[mt][nt][2 * hi], w * acc[mt][nt][2 * hi + 1]);
-      }
-    }
-  }
-}
-
-// CTA (x, tile): column blocks [x * cbs, min(NCB, (x + 1) * cbs)) of the tile, one after the other through one
-// cp.async ring: the flat sequence of (column block, k tile) steps keeps GEMM_STAGES - 1 k tiles in flight
-// across a block's end, so the next block's loads overlap this block's epilogue (and no prologue but the first).
 template <int MODE>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long lda, const T* __restrict__ W,
-                                             int K, int I, int kk, int ny, int H, int cbs,
-                                             const int* __restrict__ tiles, const int* __restrict__ pair_list,
-                                             const float* __restrict__ pair_w, T* __restrict__ act,
-                                             float* __restrict__ y) {
+                                             int K, int I, int kk, int ny, int H, const int* __restrict__ tiles,
+                                             const int* __restrict__ pair_list, const float* __restrict__ pair_w,
+                                             T* __restrict__ act, float* __restrict__ y) {
   __shared__ long long s_src[GEMM_BM];  // element offset of each tile row's A row in A (-1: past the rows)
   __shared__ int s_pair[GEMM_BM];
   pdl_enter();
@@ -413,7 +366,8 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long 
   const int4 tl = *(const int4*)(tiles + 4 + 4 * (size_t)tile);
   const int e = tl.x, start = tl.y, rows = tl.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
+  const int wm = warp >> 1, wn = warp & 1;
+  const int g = lane >> 2, t4 = lane & 3;  // mma fragments: row g (+8), columns 2 t4, 2 t4 + 1
   for (int r = tid; r < GEMM_BM; r += GEMM_THREADS) {
     const int p = r < rows ? pair_list[start + r] : -1;
     s_pair[r] = p;
@@ -421,35 +375,33 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long 
   }
   __syncthreads();
 
-  // Column block cb: gate_up act columns [cb*128, +128), down y columns [cb*256, +256); `total` columns exist.
-  constexpr int COLS = MODE == MODE_GATE_UP ? GU_COLS : GEMM_BN;
-  const int total = MODE == MODE_GATE_UP ? I : H;
-  const int ncb = (total + COLS - 1) / COLS;
-  const int cb_first = blockIdx.x * cbs, n_cb = min(ncb, cb_first + cbs) - cb_first;
-  const int KT = K / BK, n_it = n_cb * KT;
-  // B: this thread's 16-byte chunk (tid & 7) of staged rows (tid >> 3) + 32 i, i < 8 (gate_up: i < 4 gate rows
-  // c0 + row, i >= 4 up rows I + c0 + row - 128); a row past the matrix (column >= total) is not loaded.
+  // B: this thread's 16-byte chunk (tid & 7) of rows (tid >> 3) + 16 i, i < 8, of the stage's B tile.
   const int ch = tid & 7, r0 = tid >> 3;
-  const T* We = W + (size_t)e * (MODE == MODE_GATE_UP ? 2 * I : H) * K + (size_t)r0 * K + ch * 8;
-  const long long up_jump = MODE == MODE_GATE_UP ? (long long)(I - GU_COLS) * K : 0;  // < 0 when I = 64
+  const T* Wb;
+  size_t up_jump = 0;  // gate_up: extra rows from staged row 64 on (the up rows)
+  if (MODE == MODE_GATE_UP) {
+    Wb = W + (size_t)e * 2 * I * K + (size_t)(blockIdx.x * 64 + r0) * K + ch * 8;
+    up_jump = (size_t)(I - 64) * K;
+  } else {
+    Wb = W + (size_t)e * H * K + (size_t)(blockIdx.x * BN + r0) * K + ch * 8;
+  }
   const u32 sbase = smem_u32(smem);
+  const int KT = K / BK;
 
-  auto load_stage = [&](int stage, int it) {  // step it: column block cb_first + it / KT, k tile it % KT
+  auto load_stage = [&](int stage, int kt) {
     const u32 sA = sbase + stage * STAGE_BYTES, sB = sA + A_BYTES;
-    const int cq = it / KT, k0 = (it - cq * KT) * BK, c0 = (cb_first + cq) * COLS;
+    const int k0 = kt * BK;
 #pragma unroll
-    for (int i = 0; i < GEMM_BM / 32; ++i) {
-      const int row = r0 + 32 * i;
+    for (int i = 0; i < GEMM_BM / 16; ++i) {
+      const int row = r0 + 16 * i;
       const long long src = s_src[row];
-      if (src >= 0) cp_async16(sA + row * ROWB + swz(row, ch) * 16, A + src + k0 + ch * 8);
+      cp_async16(sA + row * ROWB + swz(row, ch) * 16, A + (src < 0 ? 0 : src) + k0 + ch * 8, src < 0 ? 0 : 16);
     }
-    const T* Wb = We + (size_t)c0 * K + k0;
 #pragma unroll
-    for (int i = 0; i < GEMM_BN / 32; ++i) {
-      const int row = r0 + 32 * i;
-      const int col = c0 + (MODE == MODE_GATE_UP ? (row & (GU_COLS - 1)) : row);
-      const T* src = Wb + (size_t)(32 * i) * K + (MODE == MODE_GATE_UP && i >= 4 ? up_jump : 0);
-      if (col < total) cp_async16(sB + row * ROWB + swz(row, ch) * 16, src);
+    for (int i = 0; i < BN / 16; ++i) {
+      const int row = r0 + 16 * i;
+      const T* src = Wb + (size_t)(16 * i) * K + (i >= 4 ? up_jump : 0) + k0;
+      cp_async16(sB + row * ROWB + swz(row, ch) * 16, src, 16);
     }
   };
 
@@ -462,57 +414,67 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long 
       for (int r = 0; r < 4; ++r) acc[mt][nt][r] = 0.f;
 
   const int mrows = rows - wm * 64;  // the tile's rows from this warp's first row on (warp-uniform)
-  const int wcol = MODE == MODE_GATE_UP ? wn * 32 : wn * 64;  // the warp's first column in a block
 
 #pragma unroll 1
   for (int s = 0; s < GEMM_STAGES - 1; ++s) {
-    if (s < n_it) load_stage(s, s);
+    if (s < KT) load_stage(s, s);
     cp_commit();
   }
-  int q = 0, kt = 0;  // the step's column block (from cb_first) and k tile
 #pragma unroll 1
-  for (int it = 0; it < n_it; ++it) {
-    cp_wait<GEMM_STAGES - 2>();  // step it's tiles have landed (this thread's copies) ...
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_wait<GEMM_STAGES - 2>();  // k tile kt has landed (this thread's copies) ...
     __syncthreads();             // ... everyone's, and every warp is done with the stage refilled below
-    const int nk = it + GEMM_STAGES - 1;
-    if (nk < n_it) load_stage(nk % GEMM_STAGES, nk);
+    const int nk = kt + GEMM_STAGES - 1;
+    if (nk < KT) load_stage(nk % GEMM_STAGES, nk);
     cp_commit();  // one group per iteration (possibly empty) keeps the wait count uniform
-    const u32 sA = sbase + (it % GEMM_STAGES) * STAGE_BYTES, sB = sA + A_BYTES;
-    const int c0 = (cb_first + q) * COLS;
-    const int mrun = c0 + wcol < total ? mrows : 0;  // no rows, or no columns (a partial last block): idle
-    if (mrun >= 64)
-      mma_stage<MODE, true>(acc, sA, sB, wm, wn, mrun, lane);
-    else if (mrun > 0)
-      mma_stage<MODE, false>(acc, sA, sB, wm, wn, mrun, lane);
-    if (++kt == KT) {  // the block's last k tile: store it, start the next block from zero
-      if (mrun > 0) epilogue<MODE>(acc, rows, wm, wn, lane, c0, I, kk, ny, H, s_pair, pair_w, act, y);
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[mt][nt][r] = 0.f;
-      kt = 0;
-      ++q;
-    }
+    const u32 sA = sbase + (kt % GEMM_STAGES) * STAGE_BYTES, sB = sA + A_BYTES;
+    if (mrows >= 64)
+      mma_stage<MODE, true>(acc, sA, sB, wm, wn, mrows, lane);
+    else if (mrows > 0)
+      mma_stage<MODE, false>(acc, sA, sB, wm, wn, mrows, lane);
   }
   cp_wait<0>();
+
+  // Epilogue: thread holds rows wm*64 + mt*16 + g (+8) and columns 2 t4, 2 t4 + 1 of each n-tile.
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = wm * 64 + mt * 16 + g + hi * 8;
+      if (r >= rows) continue;
+      const int p = s_pair[r];
+      if (MODE == MODE_GATE_UP) {
+        T* dst = act + (size_t)p * I + blockIdx.x * 64 + wn * 32 + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const float v0 = siluf_(acc[mt][nt][2 * hi]) * acc[mt][nt + 4][2 * hi];
+          const float v1 = siluf_(acc[mt][nt][2 * hi + 1]) * acc[mt][nt + 4][2 * hi + 1];
+          *(u32*)(dst + nt * 8) = pack2(v0, v1);
+        }
+      } else {
+        const int t = p / kk, slot = p - t * kk;
+        const float w = pair_w[p];
+        float* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * BN + wn * 64 + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *(float2*)(dst + nt * 8) = make_float2(w * acc[mt][nt][2 * hi], w * acc[mt][nt][2 * hi + 1]);
+      }
+    }
+  }
 }
 
-// grid (ceil(ceil(I / 128) / cbs), max_tiles), block 256, dynamic smem GEMM_SMEM. h [n, ldh] T;
-// w_gu [E_all, 2I, H]; act [pairs, I]. cbs: column blocks of 128 act columns per CTA.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+// grid (I / 64, max_tiles), block 128, dynamic smem GEMM_SMEM. h [n, ldh] T; w_gu [E_all, 2I, H]; act [pairs, I].
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gemm_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
-                     int cbs, const int* __restrict__ tiles, const int* __restrict__ pair_list,
-                     T* __restrict__ act) {
-  grouped_gemm<MODE_GATE_UP>(h, ldh, w_gu, H, I, kk, 0, H, cbs, tiles, pair_list, nullptr, act, nullptr);
+                     const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
+  grouped_gemm<MODE_GATE_UP>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
 }
 
-// grid (ceil(ceil(H / 256) / cbs), max_tiles), block 256, dynamic smem GEMM_SMEM. act [pairs, I] T;
-// w_d [E_all, H, I]; y [n, ny, H] float32 (ny >= kk). cbs: column blocks of 256 y columns per CTA.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+// grid (H / 128, max_tiles), block 128, dynamic smem GEMM_SMEM. act [pairs, I] T; w_d [E_all, H, I];
+// y [n, ny, H] float32 (ny >= kk).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gemm_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
-                  int I, int kk, int ny, int cbs, const int* __restrict__ tiles, const int* __restrict__ pair_list,
+                  int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
                   float* __restrict__ y) {
-  grouped_gemm<MODE_DOWN>(act, I, w_d, I, I, kk, ny, H, cbs, tiles, pair_list, pair_w, nullptr, y);
+  grouped_gemm<MODE_DOWN>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
 }
