@@ -3,7 +3,10 @@ the tensor-core path (``cuda/moe_prefill.py``: device routing + tile list, group
 CUDA-core kernels it replaces in prefill (``fused.cu``: one-CTA ``moe_route``, ``moe_gate_up``, ``moe_down``),
 and against a dense bf16 cuBLASLt GEMM measured in the same run ([8192 x 2048] @ [2048 x 8192]).
 
-    python3 -m benchmarks.gpu_moe_prefill --out benchmarks/results/gpu_moe_prefill_h200.md
+    python3 -m benchmarks.gpu_moe_prefill --out benchmarks/results/gpu_moe_prefill_h200.md --impl mma,wgmma,wgmma128
+
+``--impl``: the grouped-GEMM builds to time (``MoEPrefill(impl=...)``: mma.sync, wgmma 128 x 256, wgmma 128 x 128),
+one table row per (tokens, build); the CUDA-core baseline is timed once per token count.
 
 Random bf16 weights generated on the device (one copy: 1.5 GB, every step reads all 256 experts, far past the
 L2), random bf16 h and float32 router logits. Times: CUDA events around back-to-back calls queued behind a spin
@@ -46,6 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results/gpu_moe_prefill_h200.md")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--impl", default="mma,wgmma", help="comma-separated MoEPrefill impls to compare")
     args = ap.parse_args()
     import torch
 
@@ -59,7 +63,8 @@ def main() -> int:
     torch.cuda.init()
     dev = CudaDevice(0)
     fused = load_module("fused.cu", ("-DDT=2",), dev.arch)
-    moe = MoEPrefill(dev, "bfloat16")
+    impls = [x for x in args.impl.split(",") if x]
+    moes = {impl: MoEPrefill(dev, "bfloat16", impl=impl) for impl in impls}
     blas = Blas(dev)
     log(f"device {dev.limits.name}")
 
@@ -97,14 +102,6 @@ def main() -> int:
         bufs = MoEBuffers(b["pw"].ptr, b["pe"].ptr, b["pl"].ptr, b["off"].ptr, b["active"].ptr, b["tiles"].ptr,
                           b["cta"].ptr, b["act"].ptr, b["y"].ptr, (b["tiles"].size - 4) // 4)
 
-        def new_all() -> None:
-            moe.launch(n, lg.ptr, ld, mw, h.ptr, H, K, True, ny, bufs)
-
-        def new_route() -> None:
-            moe.route(n, lg.ptr, ld, E, K, True, bufs)
-
-        def new_gemms() -> None:
-            moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs)
 
         tg = max(1, min(8, SMEM_DEFAULT // (H * 2)))
         tg_d = max(1, min(8, SMEM_DEFAULT // (INTER * 2)))
@@ -130,29 +127,41 @@ def main() -> int:
                  ("i32", K), ("i32", ny), ("i32", E), ("ptr", b["off"].ptr), ("ptr", b["pl"].ptr),
                  ("ptr", b["active"].ptr), ("ptr", b["y"].ptr), ("i32", tg_d)], pdl=True)
 
-        t_new = timed(dev, new_all)
-        t_route = timed(dev, new_route)
-        new_route()
-        t_gemm = timed(dev, new_gemms)
         t_old = timed(dev, old_all, reps=5)
         t_old_route = timed(dev, old_route, reps=5)
         flops = 2.0 * P * (2 * INTER * H + INTER * H)
-        r = {"n": n, "pairs": P, "new": t_new, "route": t_route, "gemms": t_gemm, "old": t_old,
-             "old_route": t_old_route, "tflops": flops / t_new / 1e12, "gemm_tflops": flops / t_gemm / 1e12,
-             "old_tflops": flops / t_old / 1e12}
-        log(r)
-        rows.append(r)
+        for impl, moe in moes.items():
+
+            def new_all() -> None:
+                moe.launch(n, lg.ptr, ld, mw, h.ptr, H, K, True, ny, bufs)
+
+            def new_route() -> None:
+                moe.route(n, lg.ptr, ld, E, K, True, bufs)
+
+            def new_gemms() -> None:
+                moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs)
+
+            t_new = timed(dev, new_all)
+            t_route = timed(dev, new_route)
+            new_route()
+            t_gemm = timed(dev, new_gemms)
+            r = {"n": n, "pairs": P, "impl": f"{impl} ({moe.gemm_impl(H, INTER)})", "new": t_new, "route": t_route,
+                 "gemms": t_gemm, "old": t_old, "old_route": t_old_route, "tflops": flops / t_new / 1e12,
+                 "gemm_tflops": flops / t_gemm / 1e12, "old_tflops": flops / t_old / 1e12}
+            log(r)
+            rows.append(r)
 
     lines = [f"# Prefill MoE, tensor cores vs CUDA cores ({dev.limits.name}, "
              f"{datetime.date.today().isoformat()})", "",
              f"Qwen3.5-35B-A3B routed experts: H {H}, {E} experts of I {INTER}, top-{K}, random bf16 weights; "
              f"`python3 -m benchmarks.gpu_moe_prefill`. Dense reference: cuBLASLt bf16 [{M} x {H}] @ [{H} x {N}] "
              f"= {t_dense * 1e6:.0f} us, **{dense / 1e12:.0f} TFLOP/s**. Rate = 2 * pairs * 3 * I * H / time.", "",
-             "| tokens | pairs | tensor cores: all (us) | routing (us) | 2 GEMMs (us) | TFLOP/s all | TFLOP/s GEMMs "
+             "| tokens | pairs | GEMM build | tensor cores: all (us) | routing (us) | 2 GEMMs (us) | TFLOP/s all "
+             "| TFLOP/s GEMMs "
              "| share of dense | CUDA cores: all (us) | moe_route (us) | TFLOP/s | speed-up |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['n']} | {r['pairs']} | {r['new'] * 1e6:.0f} | {r['route'] * 1e6:.1f} | "
+        lines.append(f"| {r['n']} | {r['pairs']} | {r['impl']} | {r['new'] * 1e6:.0f} | {r['route'] * 1e6:.1f} | "
                      f"{r['gemms'] * 1e6:.0f} | {r['tflops']:.0f} | {r['gemm_tflops']:.0f} | "
                      f"{r['tflops'] * 1e12 / dense:.0%} | {r['old'] * 1e6:.0f} | {r['old_route'] * 1e6:.0f} | "
                      f"{r['old_tflops']:.1f} | {r['old'] / r['new']:.1f}x |")

@@ -18,21 +18,62 @@ the bound :func:`max_tiles` and their CTAs past the device's tile count exit at 
 depends on its own pair only and the k order is fixed, so a token's result has the same bits whatever else
 shares the step (batch invariance of a prompt).
 
+Two builds of the grouped GEMMs (``impl``): ``"mma"`` (``moe_gemm.cu``: mma.sync m16n8k16, 4 warps, 128 x 128
+tiles, any sm_80+ GPU) and ``"wgmma"`` (``ops/cuda/moe_wgmma.cu``: Hopper warpgroup MMA, compiled for sm_90a and
+loaded on compute capability 9.0 only; two warpgroups, 128 x 256 tiles, :data:`WGMMA_VARIANTS` also has a
+128 x 128 build at two CTAs per SM, ``"wgmma128"``). ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else
+``"mma"``; a shape the wgmma tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is
+``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
+
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
 the tiles do not divide (:func:`supported`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from .driver import CudaDevice
-from .kernels import load_module
+from .kernels import Module, load_module
 from .weights import MoEWeights
 
+log = logging.getLogger(__name__)
+
 SOURCE = "moe_gemm.cu"
+WGMMA_SOURCE = "moe_wgmma.cu"
+WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: cubins run on compute capability 9.0 only
+# What "auto" runs on a compute capability 9.0 GPU: set to "mma" to make the mma.sync build the default again.
+AUTO_IMPL = "wgmma"
+IMPLS = ("auto", "mma", "wgmma", "wgmma128")
+
+
+@dataclass(frozen=True)
+class WgmmaVariant:
+    """One build of ``moe_wgmma.cu``: ``bn`` weight rows per CTA (gate_up: bn / 2 act columns), ring depth,
+    wgmma groups left in flight per k tile, dynamic shared memory (the stages + 1 KB of alignment)."""
+
+    bn: int
+    stages: int
+    inflight: int
+
+    @property
+    def smem(self) -> int:
+        return self.stages * (GEMM_BM + self.bn) * 64 * 2 + 1024
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return (f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_INFLIGHT={self.inflight}")
+
+    def takes(self, hidden: int, inter: int) -> bool:
+        """Whether these tiles divide the shape: H % bn (down's columns), I % (bn / 2) (gate_up's), K % 64."""
+        return hidden % self.bn == 0 and inter % (self.bn // 2) == 0 and hidden % 64 == 0 and inter % 64 == 0
+
+
+WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0)}
+WGMMA_THREADS = 256
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
 GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
@@ -105,13 +146,45 @@ class MoEBuffers:
 class MoEPrefill:
     """The tensor-core MoE kernels for one bundle dtype on one device (see the module docstring)."""
 
-    def __init__(self, device: CudaDevice, dtype: str) -> None:
+    def __init__(self, device: CudaDevice, dtype: str, impl: str = "auto") -> None:
+        """``impl``: ``"auto"`` (:data:`AUTO_IMPL` on compute capability 9.0 if its module compiled and
+        loaded, else ``"mma"``), ``"mma"``, ``"wgmma"`` or ``"wgmma128"`` (ValueError off compute capability
+        9.0; a compile error propagates). :attr:`impl` is the resolved choice."""
         if dtype not in DT_CODES:
             raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
         self.device, self.dtype = device, dtype
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[dtype]}",), device.arch)
         for name in ("moe_gemm_gate_up", "moe_gemm_down"):  # 96 KB: past the default 48 KB
             self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
+        self.wgmma_module: Module | None = None
+        self.variant: WgmmaVariant | None = None
+        want = AUTO_IMPL if impl == "auto" else impl
+        if want != "mma":
+            on_hopper = tuple(device.compute_capability) == (9, 0)
+            if impl != "auto" and not on_hopper:
+                raise ValueError(f"impl {impl!r} needs compute capability 9.0, not {device.compute_capability}")
+            if on_hopper:
+                try:
+                    self._load_wgmma(WGMMA_VARIANTS[want])
+                except Exception:
+                    if impl != "auto":
+                        raise
+                    log.exception("the wgmma MoE GEMMs did not build; the mma.sync ones run")
+                    self.wgmma_module, self.variant = None, None
+        self.impl = "mma" if self.variant is None else want
+
+    def _load_wgmma(self, v: WgmmaVariant) -> None:
+        self.wgmma_module = load_module(WGMMA_SOURCE, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
+        for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
+            self.wgmma_module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
+        self.variant = v
+
+    def gemm_impl(self, hidden: int, inter: int) -> str:
+        """The build :meth:`experts` runs for this shape: :attr:`impl`, or ``"mma"`` where the wgmma tiles do not
+        divide it."""
+        return self.impl if self.variant is not None and self.variant.takes(hidden, inter) else "mma"
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list, smem: int = 0) -> None:
         self.module.kernel(name).launch(self.device, grid, (block, 1, 1), smem, args, pdl=True)
@@ -143,6 +216,17 @@ class MoEPrefill:
         if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
             raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
         tiles = max_tiles(n * kk, e_all)
+        v = self.variant
+        if v is not None and self.wgmma_module is not None and v.takes(hidden, inter):
+            k_gu, k_d = self.wgmma_module.kernel("moe_wgmma_gate_up"), self.wgmma_module.kernel("moe_wgmma_down")
+            k_gu.launch(self.device, (inter // (v.bn // 2), tiles, 1), (WGMMA_THREADS, 1, 1), v.smem,
+                        [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
+                         ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], pdl=True)
+            k_d.launch(self.device, (hidden // v.bn, tiles, 1), (WGMMA_THREADS, 1, 1), v.smem,
+                       [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
+                        ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
+                       pdl=True)
+            return
         self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
                      [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
                       ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)

@@ -75,7 +75,7 @@ def reference_moe(h: np.ndarray, top: np.ndarray, w: np.ndarray, gu: np.ndarray,
 class Setup:
     """Weights (random on the device, host copies), buffers for up to n_max tokens, the kernels."""
 
-    def __init__(self, dev, dtype: str, shape: str, n_max: int = 4096) -> None:
+    def __init__(self, dev, dtype: str, shape: str, n_max: int = 4096, impl: str = "mma") -> None:
         from hybrid_runtime.cuda.backend import fill_random
         from hybrid_runtime.cuda.kernels import load_module
         from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
@@ -107,7 +107,8 @@ class Setup:
         self.bufs = MoEBuffers(b["pw"].ptr, b["pe"].ptr, b["pl"].ptr, b["off"].ptr, b["active"].ptr,
                                b["tiles"].ptr, b["cta"].ptr, b["act"].ptr, b["y"].ptr,
                                (b["tiles"].size - 4) // 4)
-        self.moe = MoEPrefill(dev, dtype)
+        self.moe = MoEPrefill(dev, dtype, impl=impl)
+        assert self.moe.impl == impl and self.moe.gemm_impl(H, inter) == impl  # the build under test runs
 
     def run(self, n: int, h_bits: np.ndarray, logits: np.ndarray) -> dict[str, np.ndarray]:
         dev, b = self.dev, self.b
@@ -137,11 +138,21 @@ def logits_for(rng: np.random.Generator, n: int, E: int, ld: int, case: str) -> 
     return lg
 
 
+IMPLS = ["mma", "wgmma", "wgmma128"]
+
+
+def impl_or_skip(dev, impl: str) -> None:
+    if impl != "mma" and tuple(dev.compute_capability) != (9, 0):
+        pytest.skip(f"{impl} runs on compute capability 9.0 only")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
-def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str) -> None:
+def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str, impl: str) -> None:
     from hybrid_runtime.cuda.moe_prefill import tile_list
 
-    s = Setup(dev, dtype, shape)
+    impl_or_skip(dev, impl)
+    s = Setup(dev, dtype, shape, impl=impl)
     E, k, H = s.E, s.k, s.H
     rng = np.random.default_rng(E + H)
     for n, case in CASES:
@@ -184,12 +195,31 @@ def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str) 
         assert np.isnan(got["act"][P:]).all() and not np.isnan(got["act"][:P]).any(), label
 
 
-def test_a_rows_result_does_not_depend_on_the_other_tokens(dev) -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> None:
     """Batch invariance: the first 7 tokens alone and inside a 1000-token step give the same bits."""
-    s = Setup(dev, "bfloat16", "small", n_max=1000)
+    impl_or_skip(dev, impl)
+    s = Setup(dev, "bfloat16", "small", n_max=1000, impl=impl)
     rng = np.random.default_rng(5)
     hb = host_bits(rng.standard_normal((1000, s.H)).astype(np.float32), "bfloat16")
     lg = logits_for(rng, 1000, s.E, s.ld, "spread")
     big = s.run(1000, hb, lg)
     small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
     assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
+
+
+def test_wgmma_and_mma_agree_closely(dev) -> None:
+    """The two builds on the same step: the same routing bits; products within float32 accumulation-order noise
+    (bf16 act may round differently in a few elements)."""
+    impl_or_skip(dev, "wgmma")
+    rng = np.random.default_rng(9)
+    hb = host_bits(rng.standard_normal((300, 256)).astype(np.float32), "bfloat16")
+    runs = {}
+    for impl in ("mma", "wgmma"):
+        s = Setup(dev, "bfloat16", "small", n_max=300, impl=impl)
+        lg = logits_for(np.random.default_rng(3), 300, s.E, s.ld, "spread")
+        runs[impl] = s.run(300, hb, lg)
+    a, b = runs["mma"], runs["wgmma"]
+    assert np.array_equal(a["pl"], b["pl"]) and np.array_equal(a["pw"].view(np.uint32), b["pw"].view(np.uint32))
+    ya, yb = a["y"][:300, :4].astype(np.float64), b["y"][:300, :4].astype(np.float64)
+    assert np.linalg.norm(ya - yb) / np.linalg.norm(ya) < 2e-3

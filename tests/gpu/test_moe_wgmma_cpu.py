@@ -1,0 +1,216 @@
+"""The wgmma build of the prefill MoE's grouped GEMMs (``ops/cuda/moe_wgmma.cu``) on any machine: NVRTC compiles
+both variants and dtypes for sm_90a without spills or serialised wgmma, the stage layout the cp.async copies
+write is the canonical K-major 128B-swizzle layout the matrix descriptors declare (per the PTX ISA), the ring's
+schedule never overwrites a stage an MMA may still read, and a lane-level model of one CTA (copies -> shared
+memory -> descriptor reads -> accumulator fragments -> epilogues, ``moe_wgmma_model.py``) == numpy."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from moe_wgmma_model import (
+    ROWB,
+    accumulator_position,
+    canonical_k_major_address,
+    cu_defines,
+    ring_schedule,
+    wg_desc,
+    wg_off,
+    wgmma_cta_model,
+)
+from test_cuda_compile import check_log, nvrtc_or_skip
+
+from hybrid_runtime.cuda.moe_prefill import (
+    AUTO_IMPL,
+    GEMM_BM,
+    IMPLS,
+    WGMMA_ARCH,
+    WGMMA_VARIANTS,
+    MoEPrefill,
+)
+
+VARIANTS = sorted(WGMMA_VARIANTS)
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("dt", [1, 2])
+def test_moe_wgmma_compiles_for_sm90a_without_spills(impl: str, dt: int) -> None:
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    v = WGMMA_VARIANTS[impl]
+    log = compile_log(source("moe_wgmma.cu"), "moe_wgmma.cu", (f"-DDT={dt}", *v.options), WGMMA_ARCH)
+    check_log(log)
+    for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
+        assert f"'{name}'" in log, log
+    assert "wgmma.mma_async instructions are serialized" not in log, log  # C7518: no async MMA then
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
+    static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
+    ctas = 1 if v.bn == 256 else 2  # __launch_bounds__(256, WG_MINB)
+    assert max(regs) * 256 * ctas <= 65536, log
+    assert ctas * (static + v.smem + 1024) <= 228 * 1024 and static + v.smem <= 227 * 1024, log
+
+
+def test_variant_constants_match_the_source() -> None:
+    d = cu_defines()
+    assert d["WG_BM"] == GEMM_BM and d["WG_BK"] == 64 and d["WG_THREADS"] == 256
+    assert (d["WG_BN"], d["WG_STAGES"], d["WG_INFLIGHT"]) == (256, 4, 1)  # the defaults == "wgmma"
+    w = WGMMA_VARIANTS["wgmma"]
+    assert (w.bn, w.stages, w.inflight) == (256, 4, 1) and w.smem == 4 * (128 + 256) * 128 + 1024
+    assert WGMMA_VARIANTS["wgmma128"].smem == 3 * (128 + 128) * 128 + 1024
+    assert d["WG_SBO"] == 1024 and d["WG_SWIZZLE_128B"] == 1 and d["WG_LBO"] == 16
+    assert w.takes(2048, 512) and w.takes(256, 128) and not w.takes(128, 128) and not w.takes(2048, 64)
+    assert WGMMA_VARIANTS["wgmma128"].takes(128, 128) and not WGMMA_VARIANTS["wgmma128"].takes(64, 128)
+    assert AUTO_IMPL in IMPLS and AUTO_IMPL != "auto"
+    with pytest.raises(ValueError, match="impl"):
+        MoEPrefill(None, "bfloat16", impl="tcgen05")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bn", [256, 128])
+def test_descriptor_layout_is_what_the_copies_write(bn: int) -> None:
+    """Every element (row, k) of every k16 step of every stage: the byte the descriptor makes wgmma read ==
+    the byte the cp.async copy of chunk k / 8 of that row wrote (A of each warpgroup: 64 rows; B: bn rows)."""
+    d = cu_defines()
+    stages, stage_bytes, a_bytes = 4, (128 + bn) * ROWB, 128 * ROWB
+    for sbase in (0x0000, 0x1400 & ~1023, 0x2C00):
+        for stage in range(stages):
+            sA = sbase + stage * stage_bytes
+            tiles = [(sA + wg * 64 * ROWB, 64) for wg in range(2)] + [(sA + a_bytes, bn)]
+            for base, nrows in tiles:
+                assert base % 1024 == 0
+                rows = np.arange(nrows)[:, None]
+                for s in range(4):
+                    kk = 16 * s + np.arange(16)[None, :]
+                    wrote = base + np.vectorize(wg_off)(rows, kk // 8) + 2 * (kk % 8)
+                    reads = canonical_k_major_address(wg_desc(base, d) + 2 * s, rows, kk - 16 * s)
+                    assert np.array_equal(reads, wrote), (sbase, stage, base, s)
+                # and the map is one-to-one onto the tile's bytes (even addresses)
+                allk = np.arange(64)[None, :]
+                wrote = base + np.vectorize(wg_off)(rows, allk // 8) + 2 * (allk % 8)
+                assert np.array_equal(np.sort(wrote.ravel()), base + 2 * np.arange(nrows * 64))
+
+
+def test_accumulator_fragment_covers_d_once() -> None:
+    for n in (128, 256):
+        seen = np.zeros((64, n), int)
+        for t in range(128):
+            for i in range(n // 2):
+                seen[accumulator_position(t, i)] += 1
+        assert (seen == 1).all()
+    assert accumulator_position(0, 0) == (0, 0) and accumulator_position(37, 6) == (16 + 1 + 8, 8 + 2 + 0)
+
+
+@pytest.mark.parametrize("stages,inflight", [(4, 1), (3, 0)])
+@pytest.mark.parametrize("kt_count", [1, 2, 3, 4, 5, 8, 32])
+def test_ring_never_overwrites_a_stage_in_use(stages: int, inflight: int, kt_count: int) -> None:
+    """A copy into a stage (iteration j, after the barrier) comes after every MMA on that stage has completed in
+    an iteration < j (each thread waited, then the barrier); an MMA of tile kt reads the stage after tile kt
+    landed, and no other tile was copied there in between."""
+    ev = ring_schedule(kt_count, stages, inflight)
+    for i, (what, kt, st, it) in enumerate(ev):
+        if what == "copy":
+            for what2, kt2, st2, _ in ev[:i]:
+                if what2 == "mma" and st2 == st:
+                    done = [x for x in ev[:i] if x[0] == "done" and x[1] == kt2]
+                    assert done and done[0][3] < it, (kt, kt2, ev)
+        if what == "mma":
+            land = [j for j, x in enumerate(ev[:i]) if x[0] == "land" and x[1] == kt]
+            assert land, (kt, ev)
+            copy = max(j for j, x in enumerate(ev[:i]) if x[0] == "copy" and x[2] == st)
+            assert ev[copy][1] == kt, (kt, ev)
+    assert sorted(x[1] for x in ev if x[0] == "mma") == list(range(kt_count))
+    # the loop guarantees all but the last `inflight` tiles' MMAs; the kernel's wgmma.wait_group 0 the rest
+    assert sorted(x[1] for x in ev if x[0] == "done") == list(range(kt_count - inflight))
+
+
+@pytest.mark.parametrize("bn", [256, 128])
+@pytest.mark.parametrize("rows", [1, 64, 100, 128])
+def test_wgmma_cta_model_matches_numpy(bn: int, rows: int) -> None:
+    """One CTA of each GEMM (gate_up K = 256: 4 k tiles; down K = 128) == numpy on the same gathered rows."""
+    rng = np.random.default_rng(rows + bn)
+    H, I, kk, ny, E, n = 256, 128, 4, 5, 3, 64
+    e, ldh, start = 2, 256 + 64, 5
+    h = rng.standard_normal((n, ldh))
+    gu = rng.standard_normal((E, 2 * I, H))
+    dn = rng.standard_normal((E, H, I))
+    pairs = rng.permutation(n * kk)[:rows]
+    pair_list = np.concatenate([rng.integers(0, n * kk, start), pairs, rng.integers(0, n * kk, 3)])
+    pair_w = rng.random(n * kk)
+    stages = WGMMA_VARIANTS["wgmma" if bn == 256 else "wgmma128"].stages
+    act = np.full(n * kk * I, np.nan)
+    for bx in range(I // (bn // 2)):
+        wgmma_cta_model("gate_up", h.ravel(), ldh, gu.ravel(), H, I, H, kk, ny, (e, start, rows), pair_list, None,
+                        bx, act, bn=bn, stages=stages)
+    act = act.reshape(n * kk, I)
+    x = h[pairs // kk, :H] @ gu[e].T
+    np.testing.assert_allclose(act[pairs], x[:, :I] / (1 + np.exp(-x[:, :I])) * x[:, I:], rtol=1e-10, atol=1e-10)
+    assert np.isnan(act[np.setdiff1d(np.arange(n * kk), pairs)]).all()
+    a_in = rng.standard_normal((n * kk, I))
+    y = np.full(n * ny * H, np.nan)
+    for bx in range(H // bn):
+        wgmma_cta_model("down", a_in.ravel(), I, dn.ravel(), I, I, H, kk, ny, (e, start, rows), pair_list, pair_w,
+                        bx, y, bn=bn, stages=stages)
+    y = y.reshape(n, ny, H)
+    np.testing.assert_allclose(y[pairs // kk, pairs % kk], pair_w[pairs, None] * (a_in[pairs] @ dn[e].T),
+                               rtol=1e-10, atol=1e-10)
+    written = np.zeros((n, ny), bool)
+    written[pairs // kk, pairs % kk] = True
+    assert np.isnan(y[~written]).all()
+
+
+class _FakeKernel:
+    def set_max_dynamic_smem(self, device: object, nbytes: int) -> int:
+        return nbytes
+
+
+class _FakeModule:
+    def kernel(self, name: str) -> _FakeKernel:
+        return _FakeKernel()
+
+
+class _FakeDevice:
+    def __init__(self, cc: tuple[int, int]) -> None:
+        self.compute_capability, self.arch = cc, f"sm_{cc[0]}{cc[1]}"
+
+
+def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto -> AUTO_IMPL on compute capability 9.0 only, mma elsewhere or when the wgmma module fails to
+    build; an explicit wgmma off 9.0 is an error; AUTO_IMPL = "mma" switches the default back."""
+    import hybrid_runtime.cuda.moe_prefill as mp
+
+    loads: list[tuple[str, str]] = []
+
+    def fake_load(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
+        loads.append((src, arch))
+        return _FakeModule()
+
+    monkeypatch.setattr(mp, "load_module", fake_load)
+    dev = _FakeDevice((9, 0))
+    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
+    assert m.impl == mp.AUTO_IMPL == "wgmma" and ("moe_wgmma.cu", "sm_90a") in loads
+    assert m.gemm_impl(2048, 512) == "wgmma" and m.gemm_impl(128, 128) == "mma"  # H % 256: the mma tiles
+    assert ("moe_gemm.cu", "sm_90") in loads  # routing + the fallback: the same build as before
+    assert mp.MoEPrefill(dev, "bfloat16", impl="wgmma128").gemm_impl(128, 128) == "wgmma128"  # type: ignore[arg-type]
+    assert mp.MoEPrefill(dev, "bfloat16", impl="mma").impl == "mma"  # type: ignore[arg-type]
+    loads.clear()
+    assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
+    assert ("moe_wgmma.cu", "sm_90a") not in loads
+    assert mp.MoEPrefill(_FakeDevice((10, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"9\.0"):
+        mp.MoEPrefill(_FakeDevice((8, 9)), "bfloat16", impl="wgmma")  # type: ignore[arg-type]
+
+    def failing_load(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
+        if src == "moe_wgmma.cu":
+            raise RuntimeError("no wgmma today")
+        return _FakeModule()
+
+    monkeypatch.setattr(mp, "load_module", failing_load)
+    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
+    assert m.impl == "mma" and m.gemm_impl(2048, 512) == "mma"
+    with pytest.raises(RuntimeError, match="no wgmma"):
+        mp.MoEPrefill(dev, "bfloat16", impl="wgmma")  # type: ignore[arg-type]
+    monkeypatch.setattr(mp, "load_module", fake_load)
+    monkeypatch.setattr(mp, "AUTO_IMPL", "mma")
+    assert mp.MoEPrefill(dev, "bfloat16").impl == "mma"  # type: ignore[arg-type]
