@@ -12,7 +12,7 @@ CUDA is a transliteration of what this test verifies:
 * ``state pass`` (``gdn_chunk_state``, one CTA per (32 value columns, value head, sequence), sequential over
   chunks): V = U - W S; o = sq * (q_raw S) + Aqk V; S = e^{G_last} S + k_raw^T (sk * V).
 
-The tf32 build (``-DTC=1``) runs the same decomposition with the operands of every product except the
+The tf32 builds (``-DTC=1``, ``-DTC=2``) run the same decomposition with the operands of every product except the
 forward substitution rounded to tf32 (``cvt.rna``); ``rnd=tf32`` applies that rounding here, which bounds
 the error the GPU tests allow that build.
 """
@@ -257,7 +257,7 @@ def test_blockwise_inverse_equals_forward_substitution(lens: list[int]) -> None:
     """The -DTC=2 prep (T = (I + A)^-1 blockwise, then u = T diag(beta) v, w = T diag(beta e^G) k) writes the
     forward substitution's workspace in exact arithmetic, partial chunks included."""
     nk, nv, dk, dv = 2, 4, 16, 12
-    x, g, beta, starts, states = case(lens, nk, nv, dk, dv, seed=sum(lens) + 1)
+    x, g, beta, starts, _states = case(lens, nk, nv, dk, dv, seed=sum(lens) + 1)
     a, b = prep(x, g, beta, starts, nk, nv, dk, dv), prep(x, g, beta, starts, nk, nv, dk, dv, inverse=True)
     for key in a:
         assert np.abs(a[key] - b[key]).max() < 1e-12 * max(1.0, np.abs(a[key]).max()), key
