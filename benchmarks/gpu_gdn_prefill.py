@@ -1,5 +1,6 @@
 """Gated DeltaNet prefill delta rule on the GPU: the chunked WY/UT path (gdn_chunk_prep + gdn_chunk_state) in
-both builds (precision "fp32": float32 SIMT; "tf32": tensor cores) against the token scan (gdn_prefill), one
+its builds (precision "fp32": float32 SIMT; "tf32": tensor cores, (I + A)^-1 prep; "tf32_v1": the previous
+tensor-core build, for comparison; prep and state pass also timed apart) against the token scan (gdn_prefill), one
 layer of the Qwen3.5-35B-A3B shape.
 
     python3 -m benchmarks.gpu_gdn_prefill --out benchmarks/results/gdn_prefill_h200.md
@@ -23,7 +24,8 @@ from benchmarks.gpu_common import log, time_calls, write_report
 
 NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096)]  # (sequences, tokens each)
-MODES = ("scan", "chunked", "tf32")  # the scan, the chunked fp32 build, the chunked tf32 build
+# the scan, the chunked fp32 build, the chunked tf32 build (inverse-form prep), the previous tf32 build
+MODES = ("scan", "chunked", "tf32", "tf32_v1")
 
 
 def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, wa: Any, ws: Any, S: int,
@@ -62,6 +64,23 @@ def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, 
         return lambda i: gdn.delta_prefill_chunked(rec, starts, slots, S, T, ga.ptr, ba.ptr, x.ptr, o[mode].ptr,
                                                    ws, N)
 
+    def one_kernel(mode: str, name: str):
+        """Only gdn_chunk_prep or only gdn_chunk_state of a chunked build (the workspace holds the last prep's
+        output, so the state pass reads real data)."""
+        gdn = gdns[mode]
+        ws_w, ws_u, ws_a, ws_s = gdn.workspace_views(ws.ptr, N)
+        k = gdn.chunk_module.kernel(name)
+        if name == "gdn_chunk_prep":
+            args = [("ptr", x.ptr), ("ptr", ga.ptr), ("ptr", ba.ptr), ("ptr", starts), ("ptr", ws_w), ("ptr", ws_u),
+                    ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", NK), ("i32", NV)]
+            grid, smem = (-(-T // 64), NV, S), gdn.chunk_smem[0]
+        else:
+            args = [("ptr", x.ptr), ("ptr", starts), ("ptr", slots), ("ptr", rec.ptr), ("i64", gdn.rec_row),
+                    ("ptr", ws_w), ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("ptr", o[mode].ptr), ("i32", S),
+                    ("i32", NK), ("i32", NV)]
+            grid, smem = (-(-DV // 32), NV, S), gdn.chunk_smem[1]
+        return lambda i: k.launch(dev, grid, (256, 1, 1), smem, args, pdl=True)
+
     # sanity: both paths from the same state agree
     r0 = torch.as_tensor(rec, device="cuda").clone()
     c0 = torch.as_tensor(conv, device="cuda").clone()
@@ -78,9 +97,16 @@ def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, 
     t = {(kind, m): time_calls(torch, (full if kind == "full" else delta)(m), host_us_per_call=host_us,
                                max_calls=50)
          for kind in ("full", "delta") for m in MODES}
+    for m in ("tf32", "tf32_v1"):  # the two kernels apart (each build's state pass after its own prep)
+        delta(m)(0)
+        t["prep", m] = time_calls(torch, one_kernel(m, "gdn_chunk_prep"), host_us_per_call=host_us, max_calls=50)
+        t["state", m] = time_calls(torch, one_kernel(m, "gdn_chunk_state"), host_us_per_call=host_us, max_calls=50)
     log(f"S={S} T={T}: delta scan {t['delta', 'scan'] * 1e3:.3f} ms, chunked {t['delta', 'chunked'] * 1e3:.3f} ms,"
-        f" tf32 {t['delta', 'tf32'] * 1e3:.3f} ms (o, state diff vs scan: fp32 {errs['chunked'][0]:.1e}, "
-        f"{errs['chunked'][1]:.1e}; tf32 {errs['tf32'][0]:.1e}, {errs['tf32'][1]:.1e})")
+        f" tf32 {t['delta', 'tf32'] * 1e3:.3f} ms (prep {t['prep', 'tf32'] * 1e3:.3f} + state "
+        f"{t['state', 'tf32'] * 1e3:.3f}), tf32_v1 {t['delta', 'tf32_v1'] * 1e3:.3f} ms (prep "
+        f"{t['prep', 'tf32_v1'] * 1e3:.3f} + state {t['state', 'tf32_v1'] * 1e3:.3f}) (o, state diff vs scan: fp32 "
+        f"{errs['chunked'][0]:.1e}, {errs['chunked'][1]:.1e}; tf32 {errs['tf32'][0]:.1e}, {errs['tf32'][1]:.1e}; "
+        f"tf32_v1 {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e})")
     return S, T, t, errs
 
 
@@ -107,8 +133,9 @@ def main() -> int:
     conv, rec = cache.conv[0], cache.recurrent[0]
     gdn = CudaGdn(dev, layout, NK, "float32")
     gdn_tf32 = CudaGdn(dev, layout, NK, "float32", precision="tf32")
-    assert gdn_tf32.precision == "tf32"
-    gdns = {"scan": gdn, "chunked": gdn, "tf32": gdn_tf32}
+    gdn_v1 = CudaGdn(dev, layout, NK, "float32", precision="tf32_v1")
+    assert gdn_tf32.precision == "tf32" and gdn_v1.precision == "tf32_v1"
+    gdns = {"scan": gdn, "chunked": gdn, "tf32": gdn_tf32, "tf32_v1": gdn_v1}
     w = torch.randn(C, KW, device="cuda") * 0.5
     wa = DeviceArray.from_torch(w)
     n_max = max(s * t for s, t in CASES)
@@ -124,13 +151,15 @@ def main() -> int:
         f"Layer: {NK} key heads, {NV} value heads, dk = dv = {DK}, conv K = {KW}, float32 activations and "
         "state (the CUDA backend's GDN). Delta = the delta rule alone on a computed conv output (scan: "
         "`gdn_prefill`; chunked: `gdn_chunk_prep` + `gdn_chunk_state`, fp32 = `precision=\"fp32\"` build, tf32 = "
-        "`precision=\"tf32\"`); full = `prefill_launch` (conv + window + delta rule). Median of 3 queue-filled "
+        "`precision=\"tf32\"` ((I + A)^-1 prep), tf32_v1 = the previous tensor-core build); full = "
+        "`prefill_launch` (conv + window + delta rule). Median of 3 queue-filled "
         "runs (CUDA events).",
         "",
         "| sequences x tokens | scan delta ms | chunked fp32 delta ms | chunked tf32 delta ms | tf32 vs fp32 | "
         "tf32 Mtok/s | scan full ms | fp32 full ms | tf32 full ms | fp32 vs scan (o, state) | "
-        "tf32 vs scan (o, state) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "tf32 vs scan (o, state) | tf32 prep / state ms | tf32_v1 delta ms | tf32_v1 prep / state ms | "
+        "tf32_v1 full ms | tf32_v1 vs scan (o, state) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for S, T, t, errs in rows:
         sd, cd, td = t["delta", "scan"], t["delta", "chunked"], t["delta", "tf32"]
@@ -138,7 +167,10 @@ def main() -> int:
         (eo, es), (to, ts) = errs["chunked"], errs["tf32"]
         lines.append(f"| {S} x {T} | {sd * 1e3:.3f} | {cd * 1e3:.3f} | {td * 1e3:.3f} | {cd / td:.2f}x | "
                      f"{S * T / td / 1e6:.2f} | {sf * 1e3:.3f} | {cf * 1e3:.3f} | {tf * 1e3:.3f} | "
-                     f"{eo:.1e}, {es:.1e} | {to:.1e}, {ts:.1e} |")
+                     f"{eo:.1e}, {es:.1e} | {to:.1e}, {ts:.1e} | {t['prep', 'tf32'] * 1e3:.3f} / "
+                     f"{t['state', 'tf32'] * 1e3:.3f} | {t['delta', 'tf32_v1'] * 1e3:.3f} | "
+                     f"{t['prep', 'tf32_v1'] * 1e3:.3f} / {t['state', 'tf32_v1'] * 1e3:.3f} | "
+                     f"{t['full', 'tf32_v1'] * 1e3:.3f} | {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e} |")
     write_report(args.out, lines)
     return 0
 

@@ -16,8 +16,10 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
     ``"fp32"`` (default) is float32 SIMT, so float32 bundles keep their CPU parity (the CPU twin is the
     same float32 chunked form); ``"tf32"`` runs the products (K K^T, Q K^T, W S, Q S, Aqk V, K^T V) on
     tensor cores, mma.sync m16n8k8 tf32 with float32 accumulation and a float32 state, ~1e-3 relative to
-    float64: for bf16 / fp16 bundles. The forward substitution stays float32 SIMT in both. The build is
-    fixed per object (never chosen per step), so batch invariance holds within either.
+    float64: for bf16 / fp16 bundles; its prep inverts I + A blockwise (float32 SIMT, 16 x 16 diagonal
+    blocks, then off-diagonal blocks) and forms u, w as two tensor-core products with T (the fp32 build and
+    ``"tf32_v1"`` run a float32 SIMT forward substitution instead). The build is fixed per object (never
+    chosen per step), so batch invariance holds within each.
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -54,13 +56,22 @@ CHUNK = 64  # tokens per chunk of the chunked delta rule (CH in gdn_chunk.cu)
 CHUNK_THREADS = 256  # NT in gdn_chunk.cu
 CHUNK_COLS = 32  # value columns per gdn_chunk_state CTA (BV in gdn_chunk.cu)
 PREFILL_MODES = ("chunked", "scan")
-PRECISIONS = ("fp32", "tf32")  # builds of gdn_chunk.cu: -DTC=0 (float32 SIMT) / -DTC=1 (tf32 tensor cores)
+# builds of gdn_chunk.cu: "fp32" -DTC=0 (float32 SIMT), "tf32" -DTC=2 (tensor cores, (I + A)^-1 prep),
+# "tf32_v1" -DTC=1 (the first tensor-core build: SIMT forward substitution; kept for benchmark comparison)
+PRECISIONS = ("fp32", "tf32", "tf32_v1")
+TC_BUILD = {"fp32": 0, "tf32": 2, "tf32_v1": 1}
 
 
-def chunk_prep_smem(dk: int, precision: str = "fp32") -> int:
-    """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM): q, k ``[64][dk+1]`` (tf32: ``[64][dk+4]``), A
-    ``[64][64]``, G ``[64]`` float64 and four ``[64]`` float32 rows. 83,968 bytes at dk = 128 (tf32: 85,504)."""
-    dkp = dk + (4 if precision == "tf32" else 1)
+def chunk_prep_smem(dk: int, precision: str = "fp32", dv: int | None = None) -> int:
+    """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM). fp32 / tf32_v1: q, k ``[64][dk+1]`` (tf32_v1:
+    ``[64][dk+4]``), A ``[64][64]``, G ``[64]`` float64 and four ``[64]`` float32 rows: 83,968 bytes at dk = 128
+    (tf32_v1: 85,504). tf32: q-then-v ``[64][max(dk+4, dvp+8)]`` (dvp = dv rounded up to 8), k ``[64][dk+4]``,
+    A and T ``[64][68]``, the same rows: 104,960 bytes at dk = dv = 128 (two CTAs per SM). ``dv`` defaults
+    to dk."""
+    if precision == "tf32":
+        dvp = -(-(dk if dv is None else dv) // 8) * 8
+        return 4 * (CHUNK * max(dk + 4, dvp + 8) + CHUNK * (dk + 4) + 2 * CHUNK * (CHUNK + 4) + 6 * CHUNK)
+    dkp = dk + (4 if precision == "tf32_v1" else 1)
     return 4 * (2 * CHUNK * dkp + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
 
 
@@ -69,7 +80,7 @@ def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
     ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``: 157,696 bytes at dk = 128. tf32 (rows padded
     for conflict-free mma fragments): S ``[dk][40]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``,
     U, V, sk*V ``[64][40]``, scales: 173,056 bytes at dk = 128."""
-    if precision == "tf32":
+    if precision in ("tf32", "tf32_v1"):  # one layout for both tensor-core builds
         vst = CHUNK_COLS + 8
         return 4 * (dk * vst + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 3 * CHUNK * vst
                     + 2 * CHUNK * 4)
@@ -81,9 +92,10 @@ class CudaGdn:
     calls will receive (its conv shape ``(K-1, C)`` and recurrent shape ``(nv, dk, dv)`` must agree).
 
     ``precision`` picks the chunked prefill's build: ``"fp32"`` (float32 SIMT, within float32 rounding of
-    the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: bf16 / fp16 bundles). tf32
-    needs dk % 16 == 0 and its shared memory on the device; otherwise the fp32 build is used, and
-    ``self.precision`` says which one runs. Decode and the scan do not depend on it."""
+    the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: bf16 / fp16 bundles);
+    ``"tf32_v1"`` is the previous tensor-core build (SIMT forward substitution), kept so that benchmarks
+    can compare. The tf32 builds need dk % 16 == 0 and their shared memory on the device; otherwise the
+    fp32 build is used, and ``self.precision`` says which one runs. Decode and the scan do not depend on it."""
 
     def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16",
                  prefill_mode: str = "chunked", precision: str = "fp32") -> None:
@@ -106,14 +118,15 @@ class CudaGdn:
                                            f"-DKW={self.K}"), device.arch)
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
         optin = device.limits.max_shared_mem_optin
-        if precision == "tf32" and (dk % 16 or max(chunk_prep_smem(dk, "tf32"), chunk_state_smem(dk, "tf32")) > optin):
+        if precision != "fp32" and (dk % 16 or max(chunk_prep_smem(dk, precision, dv),
+                                                   chunk_state_smem(dk, precision)) > optin):
             precision = "fp32"
         self.precision = precision
-        self.chunk_smem = (chunk_prep_smem(dk, precision), chunk_state_smem(dk, precision))
+        self.chunk_smem = (chunk_prep_smem(dk, precision, dv), chunk_state_smem(dk, precision))
         self.chunk_module = None
         if dk % 4 == 0 and max(self.chunk_smem) <= optin:
             self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                           f"-DDV={dv}", f"-DTC={int(precision == 'tf32')}"),
+                                                           f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}"),
                                             device.arch)
             for name, nbytes in zip(("gdn_chunk_prep", "gdn_chunk_state"), self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)

@@ -17,7 +17,14 @@ from test_cuda_compile import check_log, nvrtc_or_skip
                                   ("-DDT=2", "-DDK=128", "-DDV=128", "-DTC=1"),
                                   ("-DDT=1", "-DDK=16", "-DDV=12", "-DTC=1"),
                                   ("-DDT=0", "-DDK=64", "-DDV=32", "-DTC=1"),
-                                  ("-DDT=0", "-DDK=192", "-DDV=64", "-DTC=1")])
+                                  ("-DDT=0", "-DDK=192", "-DDV=64", "-DTC=1"),
+                                  # the inverse-form tf32 build (precision="tf32")
+                                  ("-DDT=0", "-DDK=128", "-DDV=128", "-DTC=2"),
+                                  ("-DDT=2", "-DDK=128", "-DDV=128", "-DTC=2"),
+                                  ("-DDT=1", "-DDK=16", "-DDV=12", "-DTC=2"),
+                                  ("-DDT=0", "-DDK=64", "-DDV=32", "-DTC=2"),
+                                  ("-DDT=0", "-DDK=16", "-DDV=48", "-DTC=2"),
+                                  ("-DDT=0", "-DDK=192", "-DDV=64", "-DTC=2")])
 def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import compile_log, source
@@ -27,7 +34,11 @@ def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     check_log(log)
     ptx = _ptx(source("gdn_chunk.cu"), opts)
     tc = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cvt.rna.tf32.f32" in ptx
-    assert tc == ("-DTC=1" in opts)  # the tf32 build issues tf32 mma; the fp32 build none
+    assert tc == ("-DTC=1" in opts or "-DTC=2" in opts)  # the tf32 builds issue tf32 mma; the fp32 build none
+    assert ("ldmatrix" in ptx) == ("-DTC=2" in opts)
+    if "-DTC=2" in opts and "-DDK=128" in opts:  # two prep CTAs per SM: <= 128 registers
+        regs = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", log, re.S))
+        assert int(regs["gdn_chunk_prep"]) <= 128, log
 
 
 def _ptx(src: str, opts: tuple[str, ...]) -> str:
@@ -53,31 +64,40 @@ def test_tf32_build_refuses_head_dims_off_16() -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import compile_log, source
 
-    with pytest.raises(Exception, match="DK % 16"):
-        compile_log(source("gdn_chunk.cu"), "gdn_chunk.cu", ("-DDK=20", "-DDV=12", "-DTC=1"), "sm_90")
+    for tc in (1, 2):
+        with pytest.raises(Exception, match="DK % 16"):
+            compile_log(source("gdn_chunk.cu"), "gdn_chunk.cu", ("-DDK=20", "-DDV=12", f"-DTC={tc}"), "sm_90")
 
 
-@pytest.mark.parametrize("tc", [0, 1])
+@pytest.mark.parametrize("tc", [0, 1, 2])
 @pytest.mark.parametrize("dk", [16, 20, 64, 128, 192])
 def test_host_shared_memory_matches_the_kernel_macros(dk: int, tc: int) -> None:
     from hybrid_runtime.cuda.gdn import chunk_prep_smem, chunk_state_smem
     from hybrid_runtime.cuda.kernels import source
 
     src = source("gdn_chunk.cu")
-    env: dict[str, int] = {"CH": 64, "BV": 32, "DK": dk, "TC": tc}
+    dv = {20: 12, 192: 64}.get(dk, dk)
+    env: dict[str, int] = {"CH": 64, "BV": 32, "DK": dk, "DV": dv, "TC": tc}
 
     def macro(name: str) -> int:
         expr = re.search(rf"#define {name} (.*?)(?://|$)", src, re.M).group(1)  # type: ignore[union-attr]
-        return int(eval(expr, {}, env))  # our own source; names limited to env
+        return int(eval(expr.replace("/", "//"), {}, env))  # our own source; names limited to env; C division
 
-    for name in ("DKP", "WST", "KST", "AST", "VST"):
+    for name in ("DKP", "WST", "KST", "AST", "VST", "DVP", "PKS", "PVS", "PAS"):
         env[name] = macro(name)
-    precision = "tf32" if tc else "fp32"
-    assert chunk_prep_smem(dk, precision) == 4 * macro("PREP_FLOATS")
+    env["PQV"] = max(env["PKS"], env["PVS"])  # (PKS > PVS ? PKS : PVS)
+    if tc == 2:  # the second PREP_FLOATS definition (inside #if TC == 2) comes first in the source
+        prep = re.search(r"#if TC == 2\n.*?#define PREP_FLOATS (.*?)\n#else\n#define PREP_FLOATS (.*?)\n", src, re.S)
+        prep_floats = int(eval(prep.group(1).replace("/", "//"), {}, env))  # type: ignore[union-attr]
+    else:
+        prep = re.search(r"#else\n#define PREP_FLOATS (.*?)\n#endif", src)
+        prep_floats = int(eval(prep.group(1), {}, env))  # type: ignore[union-attr]
+    precision = {0: "fp32", 1: "tf32_v1", 2: "tf32"}[tc]
+    assert chunk_prep_smem(dk, precision, dv) == 4 * prep_floats
     assert chunk_state_smem(dk, precision) == 4 * macro("STATE_FLOATS_TC" if tc else "STATE_FLOATS")
-    if dk == 128:  # all fit the H200's 227 KB
-        want = (85_504, 173_056) if tc else (83_968, 157_696)
-        assert (chunk_prep_smem(dk, precision), chunk_state_smem(dk, precision)) == want
+    if dk == 128:  # all fit the H200's 227 KB; the tf32 prep fits twice per SM
+        want = {0: (83_968, 157_696), 1: (85_504, 173_056), 2: (104_960, 173_056)}[tc]
+        assert (chunk_prep_smem(dk, precision, dv), chunk_state_smem(dk, precision)) == want
 
 
 def test_workspace_bytes_formula() -> None:

@@ -12,7 +12,7 @@ CUDA is a transliteration of what this test verifies:
 * ``state pass`` (``gdn_chunk_state``, one CTA per (32 value columns, value head, sequence), sequential over
   chunks): V = U - W S; o = sq * (q_raw S) + Aqk V; S = e^{G_last} S + k_raw^T (sk * V).
 
-The tf32 build (``-DTC=1``) runs the same decomposition with the operands of every product except the
+The tf32 builds (``-DTC=1``, ``-DTC=2``) run the same decomposition with the operands of every product except the
 forward substitution rounded to tf32 (``cvt.rna``); ``rnd=tf32`` applies that rounding here, which bounds
 the error the GPU tests allow that build.
 """
@@ -52,11 +52,37 @@ def norms(x: np.ndarray, nk: int, dk: int) -> tuple[np.ndarray, np.ndarray]:
     return rq, rk
 
 
+def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
+    """(I + A)^-1 for a strictly lower 64 x 64 A, blockwise as gdn_chunk_prep's tf32 build (-DTC=2) computes
+    it (float32 SIMT there): the four 16 x 16 diagonal blocks by forward substitution on the identity (one
+    column per thread), then the off-diagonal blocks by distance d = i - j = 1, 2, 3 from the block
+    recurrence T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj (P = the sum first, one barrier, then T_ii P)."""
+    B = 16
+    T = np.zeros((CH, CH))
+    for b in range(4):  # level 0: X = column c of T_bb; X_r = delta_rc - sum_{m<r} A_rm X_m
+        Ab = A[B * b:B * (b + 1), B * b:B * (b + 1)]
+        for c in range(B):
+            X = np.zeros(B)
+            for r in range(B):
+                X[r] = float(r == c) - Ab[r, :r] @ X[:r]
+            T[B * b:B * (b + 1), B * b + c] = X
+    for d in range(1, 4):
+        P = {i: sum(A[B * i:B * (i + 1), B * k:B * (k + 1)] @ T[B * k:B * (k + 1), B * (i - d):B * (i - d + 1)]
+                    for k in range(i - d, i)) for i in range(d, 4)}
+        for i in range(d, 4):
+            T[B * i:B * (i + 1), B * (i - d):B * (i - d + 1)] = -T[B * i:B * (i + 1), B * i:B * (i + 1)] @ P[i]
+    return T
+
+
 def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk: int, nv: int, dk: int,
-         dv: int, rnd: Round = exact) -> dict[str, np.ndarray]:
+         dv: int, rnd: Round = exact, inverse: bool = False) -> dict[str, np.ndarray]:
     """The workspace gdn_chunk_prep writes: w ``[N, nv, dk]``, u ``[N, nv, dv]``, aqk ``[N, nv, 64]`` (row i of
     its chunk's Aqk), sc ``[N, nv, 4]`` = (sq, sk, e^{G_last}, 0). Rows are token rows of the packed batch.
-    ``rnd`` rounds the operands of K K^T and Q K^T (the tensor-core products of the tf32 build)."""
+    ``rnd`` rounds the operands of K K^T and Q K^T (the tensor-core products of the tf32 builds).
+    ``inverse`` is the -DTC=2 build (precision "tf32"): instead of the forward substitution,
+    T = (I + A)^-1 (:func:`unit_lower_inverse`), then u = rnd(T diag(beta)) rnd(v) and
+    w = rnd(rnd(T diag(beta e^G)) rnd(k)) on tensor cores (w is stored rounded: it is only ever a tf32
+    operand; so is Aqk)."""
     N = x.shape[0]
     w, u = np.zeros((N, nv, dk)), np.zeros((N, nv, dv))
     aqk, sc = np.zeros((N, nv, CH)), np.zeros((N, nv, 4))
@@ -83,12 +109,18 @@ def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk:
                 eG = np.exp(G)
                 vraw = np.zeros((CH, dv))
                 vraw[:n] = x[t0:t0 + n, 2 * nk * dk + h * dv:2 * nk * dk + (h + 1) * dv]
-                # thread `col` of the CTA: one column of X = [beta v | beta e^G k], forward substitution
-                X = np.concatenate([bt[:, None] * vraw, (bt * eG)[:, None] * ks], axis=1)
-                for i in range(1, CH):
-                    X[i] = X[i] - A[i, :i] @ X[:i]
-                u[t0:t0 + n, h], w[t0:t0 + n, h] = X[:n, :dv], X[:n, dv:]
-                aqk[t0:t0 + n, h] = Aqk[:n]
+                if inverse:
+                    Tinv = unit_lower_inverse(A)
+                    u[t0:t0 + n, h] = (rnd(Tinv * bt[None, :]) @ rnd(vraw))[:n]
+                    w[t0:t0 + n, h] = rnd(rnd(Tinv * (bt * eG)[None, :]) @ rnd(ks))[:n]
+                    aqk[t0:t0 + n, h] = rnd(Aqk)[:n]
+                else:
+                    # thread `col` of the CTA: one column of X = [beta v | beta e^G k], forward substitution
+                    X = np.concatenate([bt[:, None] * vraw, (bt * eG)[:, None] * ks], axis=1)
+                    for i in range(1, CH):
+                        X[i] = X[i] - A[i, :i] @ X[:i]
+                    u[t0:t0 + n, h], w[t0:t0 + n, h] = X[:n, :dv], X[:n, dv:]
+                    aqk[t0:t0 + n, h] = Aqk[:n]
                 sc[t0:t0 + n, h, 0] = rq[t0:t0 + n, kh] * eG[:n]
                 sc[t0:t0 + n, h, 1] = rk[t0:t0 + n, kh] * np.exp(G[CH - 1] - G[:n])
                 sc[t0:t0 + n, h, 2] = np.exp(G[CH - 1])
@@ -218,3 +250,32 @@ def test_tf32_operands_stay_near_float64(lens: list[int]) -> None:
     es = np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref)
     print(f"tf32 model: o {eo:.2e}, state {es:.2e}")
     assert 1e-6 < eo < 2e-3 and 1e-6 < es < 2e-3
+
+
+@pytest.mark.parametrize("lens", [[1], [65], [1, 64, 200, 7, 129]])
+def test_blockwise_inverse_equals_forward_substitution(lens: list[int]) -> None:
+    """The -DTC=2 prep (T = (I + A)^-1 blockwise, then u = T diag(beta) v, w = T diag(beta e^G) k) writes the
+    forward substitution's workspace in exact arithmetic, partial chunks included."""
+    nk, nv, dk, dv = 2, 4, 16, 12
+    x, g, beta, starts, _states = case(lens, nk, nv, dk, dv, seed=sum(lens) + 1)
+    a, b = prep(x, g, beta, starts, nk, nv, dk, dv), prep(x, g, beta, starts, nk, nv, dk, dv, inverse=True)
+    for key in a:
+        assert np.abs(a[key] - b[key]).max() < 1e-12 * max(1.0, np.abs(a[key]).max()), key
+    A = np.tril(np.random.default_rng(0).uniform(-1, 1, (CH, CH)), -1)
+    assert np.abs(unit_lower_inverse(A) @ (np.eye(CH) + A) - np.eye(CH)).max() < 1e-8
+
+
+@pytest.mark.parametrize("lens", [[300], [64, 1, 129]])
+def test_tf32_inverse_build_stays_near_float64(lens: list[int]) -> None:
+    """precision "tf32" (-DTC=2): the inverse form with T diag(beta), T diag(beta e^G), v and k rounded to tf32
+    for the u / w products (w and Aqk stored rounded), plus the state pass's tf32 operands. The model gives
+    o ~5e-4, state ~4e-4 at dk = dv = 128 (the forward-substitution build: ~4e-4, ~3e-4)."""
+    nk, nv, dk, dv = 1, 2, 128, 128
+    x, g, beta, starts, states = case(lens, nk, nv, dk, dv, seed=len(lens))
+    o_ref, S_ref = token_reference(x, g, beta, starts, states, nk, nv, dk, dv)
+    ws = prep(x, g, beta, starts, nk, nv, dk, dv, tf32, inverse=True)
+    o, S = state_pass(x, ws, starts, states, nk, nv, dk, dv, tf32)
+    eo = np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref)
+    es = np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref)
+    print(f"tf32 inverse model: o {eo:.2e}, state {es:.2e}")
+    assert 1e-6 < eo < 1e-3 and 1e-6 < es < 1e-3

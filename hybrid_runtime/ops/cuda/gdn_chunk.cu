@@ -5,11 +5,15 @@
 // state_pass); the token recurrence it equals is MODEL_MATH.md "Gated DeltaNet mixer" step 5.
 //
 // Compiled by NVRTC with -DDK=<key head dim, multiple of 4> -DDV=<value head dim, multiple of 4> and
-// -DTC=<0 | 1> (precision): TC=0 is the float32 SIMT form above. TC=1 ("tf32") runs every matrix product of
-// both kernels except the forward substitution on tensor cores (mma.sync m16n8k8 .tf32, operands rounded
-// to tf32 with cvt.rna, float32 accumulation; the state and every accumulator stay float32): ~1e-3
-// relative to float64, for bf16/fp16 bundles; needs DK % 16 == 0. Same grids, workspace and launch
-// arguments in both builds; only the shared-memory sizes differ (PREP_SMEM, STATE_SMEM).
+// -DTC=<0 | 1 | 2> (precision): TC=0 is the float32 SIMT form above. TC=1 ("tf32_v1") runs every matrix
+// product of both kernels except the forward substitution on tensor cores (mma.sync m16n8k8 .tf32, operands
+// rounded to tf32 with cvt.rna, float32 accumulation; the state and every accumulator stay float32): ~1e-3
+// relative to float64, for bf16/fp16 bundles; needs DK % 16 == 0. TC=2 ("tf32", the default tensor-core
+// build) replaces the forward substitution by T = (I + A)^-1 (float32 SIMT, blockwise) and u = T diag(beta) v,
+// w = T diag(beta e^G) k on tensor cores, stores w and Aqk tf32-rounded (their only use is as tf32 operands),
+// and computes Q S with W S in step a of the state pass (shared S fragments, Q in W's cp.async stage).
+// Same grids, workspace and launch arguments in all builds; only the shared-memory sizes differ
+// (PREP_SMEM, STATE_SMEM; TC=1 and TC=2 share STATE_SMEM).
 // Inputs: x float32 [N, C] post-conv channels (q | k | v, C = 2*NK*DK + NV*DV), g / beta float32 [N, NV],
 // seq_start int32 [S+1], slots int32 [S] (distinct), state rec float32 [rows, NV, DK, DV] (row stride rec_row
 // elements), o [N, NV*DV] (activation dtype DT, as gdn.cu). Chunks of CH = 64 tokens aligned to each
@@ -40,7 +44,7 @@ typedef unsigned int u32;
 #define TC 0
 #endif
 #if TC && (DK % 16)
-#error "the tf32 build (TC=1) needs DK % 16 == 0"
+#error "the tf32 builds (TC=1, TC=2) need DK % 16 == 0"
 #endif
 
 #if DT == 0
@@ -101,14 +105,316 @@ __device__ __forceinline__ void mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait2() { asm volatile("cp.async.wait_group 2;\n" ::); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ float rnd_tf32(float v) { return __uint_as_float(tf32(v)); }
+// ldmatrix .x4 of 32-bit data: matrix q (addresses from lanes 8q .. 8q+7, one 16-byte row each) gives lane l
+// the word (row l >> 2, word l & 3) = (g, t4), the tf32 fragment element. The m16n8k8 A fragment of the
+// 16 x 8 tile at p (row-major, stride st floats, 16-byte aligned rows) is {rows 0-7 | 8-15} x {cols 0-3 | 4-7}:
+// lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4) -> a0 (g, t) a1 (g+8, t) a2 (g, t+4)
+// a3 (g+8, t+4). Operands loaded this way must already be tf32-rounded.
+__device__ __forceinline__ void ldsm_a(u32* a, const float* p, int st, int lane) {
+  const float* q = p + ((lane & 7) + 8 * ((lane >> 3) & 1)) * st + 4 * (lane >> 4);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(smem_u32(q))
+               : "memory");
+}
+// B fragments of two n-tiles (n0, n0 + 8) from an [n][k] row-major array (B(k, n) = p[n][k]): b0 (k=t, n=g)
+// and b1 (k=t+4, n=g) of tile 0 in b[0], b[1], of tile 1 in b[2], b[3]; lane l points at row
+// (l & 7) + 8 (l >> 4), column 4 ((l >> 3) & 1).
+__device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane) {
+  const float* q = p + ((lane & 7) + 8 * (lane >> 4)) * st + 4 * ((lane >> 3) & 1);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(smem_u32(q))
+               : "memory");
+}
 
 // ------------------------------------------------------------------------------------------------
 // Kernel 1: one CTA per (chunk c, value head h, sequence s). Shared memory (floats):
 //   qs [64][DKP] normalised q (x 1/sqrt(DK)),  ks [64][DKP] normalised k,  am [64][64] A^T (am[j][i] = A_ij, j < i)
 //   gd [64] doubles: G (cumulative log decay, in float64),  bt [64] beta,  eg [64] e^G,  rq/rk [64]
 // ------------------------------------------------------------------------------------------------
+#if TC == 2
+// tf32 build 2: shared memory (floats) qv [64][PQV] (q rows of stride PKS, later v rows of stride PVS),
+// ks [64][PKS], am [64][PAS], tm [64][PAS], then G (float64), beta, e^G, rq, rk [64].
+#define DVP (((DV + 7) / 8) * 8)  // v columns padded to whole n-tiles (zero-filled)
+#define PKS (DK + 4)              // q / k rows: A fragments and [n][k] B fragments conflict-free (ldmatrix)
+#define PVS (DVP + 8)             // v rows: B fragments (rows t, columns g) conflict-free when DV % 32 == 0
+#define PQV (PKS > PVS ? PKS : PVS)
+#define PAS (CH + 4)              // A, T rows (A fragments by ldmatrix)
+#define PREP_FLOATS (CH * PQV + CH * PKS + 2 * CH * PAS + 2 * CH + 4 * CH)
+#else
 #define PREP_FLOATS (2 * CH * DKP + CH * CH + 2 * CH + 4 * CH)
+#endif
 #define PREP_SMEM (PREP_FLOATS * 4)
+
+#if TC == 2
+// ------------------------------------------------------------------------------------------------
+// Kernel 1, tf32 build 2 (precision "tf32"): the forward substitution replaced by T = (I + A)^-1 (float32
+// SIMT, blockwise: tests/unit/test_gdn_chunk_math.py unit_lower_inverse) and two tensor-core products,
+// u = tf32(T diag(beta)) tf32(v), w = tf32(T diag(beta e^G)) tf32(k) (w stored tf32-rounded, as Aqk: both
+// are only ever tf32 A operands of gdn_chunk_state). q / k / v arrive by cp.async; q, k are normalised and
+// rounded to tf32 in shared memory once. Same grid, arguments and workspace as the other builds.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* __restrict__ x,
+                                                                   const float* __restrict__ gdec,
+                                                                   const float* __restrict__ beta,
+                                                                   const int* __restrict__ seq_start,
+                                                                   float* __restrict__ ws_w, float* __restrict__ ws_u,
+                                                                   float* __restrict__ ws_a, float* __restrict__ ws_s,
+                                                                   int S, int NK, int NV) {
+  extern __shared__ __align__(16) float sm[];
+  const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+  if (s >= S || h >= NV) return;
+  pdl_wait();
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  if (c * CH >= T_len) return;
+  const int t0 = start + c * CH, n = min(CH, T_len - c * CH);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+
+  float* qv = sm;                  // [CH][PQV]
+  float* ks = qv + CH * PQV;       // [CH][PKS]
+  float* am = ks + CH * PKS;       // [CH][PAS] A (row-major), then tf32(T diag(beta e^G))
+  float* tm = am + CH * PAS;       // [CH][PAS] T, then tf32(T diag(beta))
+  double* gd = (double*)(tm + CH * PAS);  // [CH] (float offset even: 8-byte aligned)
+  float* bt = (float*)(gd + CH);   // [CH]
+  float* eg = bt + CH;             // [CH]
+
+  // raw q / k rows (rows >= n zero-filled)
+  for (int e = tid; e < CH * (DK / 4); e += NT) {
+    const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
+    const bool ok = i < n;
+    const float* xr = x + (size_t)(t0 + (ok ? i : 0)) * C + kh * DK + q4;
+    cp16(qv + i * PKS + q4, xr, ok);
+    cp16(ks + i * PKS + q4, xr + NK * DK, ok);
+  }
+  cp_commit();
+  if (warp == 0) {  // G = cumsum(g) in float64 (warp scan; lane owns rows 2 lane, 2 lane + 1), beta, e^G
+    const int i0 = 2 * lane;
+    const size_t gi = (size_t)(t0 + i0) * NV + h;
+    const double ga = i0 < n ? (double)gdec[gi] : 0.0, gb = i0 + 1 < n ? (double)gdec[gi + NV] : 0.0;
+    double incl = ga + gb;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = 0.0;
+    const double G0 = excl + ga, G1 = G0 + gb;
+    gd[i0] = G0;
+    gd[i0 + 1] = G1;
+    bt[i0] = i0 < n ? beta[gi] : 0.f;  // padding: g = 0 (no decay), beta = 0 (no write)
+    bt[i0 + 1] = i0 + 1 < n ? beta[gi + NV] : 0.f;
+    eg[i0] = (float)exp(G0);
+    eg[i0 + 1] = (float)exp(G1);
+  }
+  cp_wait0();
+  __syncthreads();
+  const double Glast = gd[CH - 1];  // = G_{n-1}: padding adds 0
+  // l2 norms; q, k scaled and rounded to tf32 in place; the per-token scales
+  for (int i = warp; i < CH; i += NT / 32) {
+    float sq = 0.f, sk = 0.f;
+    for (int d = lane; d < DK; d += 32) {
+      const float qx = qv[i * PKS + d], kx = ks[i * PKS + d];
+      sq += qx * qx;
+      sk += kx * kx;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float a = 1.f / sqrtf(sq + 1e-6f) / sqrtf((float)DK), b = 1.f / sqrtf(sk + 1e-6f);
+    for (int d = lane; d < DK; d += 32) {
+      qv[i * PKS + d] = rnd_tf32(qv[i * PKS + d] * a);
+      ks[i * PKS + d] = rnd_tf32(ks[i * PKS + d] * b);
+    }
+    if (lane == 0 && i < n) {
+      float4 v;
+      v.x = a * eg[i];
+      v.y = b * (float)exp(Glast - gd[i]);
+      v.z = (float)exp(Glast);
+      v.w = 0.f;
+      *(float4*)(ws_s + ((size_t)(t0 + i) * NV + h) * 4) = v;
+    }
+  }
+  __syncthreads();
+
+  // A and Aqk on tensor cores (as build 1, fragments by ldmatrix): warp w owns rows 16 (w & 3) .. +15 and
+  // columns 32 (w >> 2) .. +31 (4 n-tiles) of both 64 x 64 products; K^T is the B operand (ks is [n][k]).
+  {
+    const int mt = warp & 3, nq = warp >> 2;
+    float kk[4][4], qk[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) kk[a][r] = qk[a][r] = 0.f;
+#pragma unroll 2
+    for (int d = 0; d < DK; d += 8) {
+      u32 ka[4], qa[4], b01[4], b23[4];
+      ldsm_a(ka, ks + 16 * mt * PKS + d, PKS, lane);
+      ldsm_a(qa, qv + 16 * mt * PKS + d, PKS, lane);
+      ldsm_b2(b01, ks + 32 * nq * PKS + d, PKS, lane);
+      ldsm_b2(b23, ks + (32 * nq + 16) * PKS + d, PKS, lane);
+      mma_tf32(kk[0], ka[0], ka[1], ka[2], ka[3], b01[0], b01[1]);
+      mma_tf32(qk[0], qa[0], qa[1], qa[2], qa[3], b01[0], b01[1]);
+      mma_tf32(kk[1], ka[0], ka[1], ka[2], ka[3], b01[2], b01[3]);
+      mma_tf32(qk[1], qa[0], qa[1], qa[2], qa[3], b01[2], b01[3]);
+      mma_tf32(kk[2], ka[0], ka[1], ka[2], ka[3], b23[0], b23[1]);
+      mma_tf32(qk[2], qa[0], qa[1], qa[2], qa[3], b23[0], b23[1]);
+      mma_tf32(kk[3], ka[0], ka[1], ka[2], ka[3], b23[2], b23[3]);
+      mma_tf32(qk[3], qa[0], qa[1], qa[2], qa[3], b23[2], b23[3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mt + g + 8 * hf, j = 32 * nq + 8 * nt + 2 * t4;
+        const double gi = gd[i];
+        const float d0 = j <= i ? expf((float)(gi - gd[j])) : 0.f;  // exponent <= 0: never overflows
+        const float d1 = j + 1 <= i ? expf((float)(gi - gd[j + 1])) : 0.f;
+        am[i * PAS + j] = j < i ? bt[i] * kk[nt][2 * hf] * d0 : 0.f;
+        am[i * PAS + j + 1] = j + 1 < i ? bt[i] * kk[nt][2 * hf + 1] * d1 : 0.f;
+        if (i < n)
+          *(float2*)(ws_a + ((size_t)(t0 + i) * NV + h) * CH + j) =
+              make_float2(rnd_tf32(qk[nt][2 * hf] * d0), rnd_tf32(qk[nt][2 * hf + 1] * d1));
+      }
+  }
+  __syncthreads();  // q reads done (qv free for v), A complete
+
+  // raw v rows into qv (stride PVS; rows >= n and columns DV .. DVP-1 zero), landing during the inverse
+  for (int e = tid; e < CH * (DVP / 4); e += NT) {
+    const int i = e / (DVP / 4), q4 = (e % (DVP / 4)) * 4;
+    const bool ok = i < n && q4 < DV;
+    cp16(qv + i * PVS + q4, ok ? x + (size_t)(t0 + i) * C + 2 * NK * DK + h * DV + q4 : x, ok);
+  }
+  cp_commit();
+
+  // T = (I + A)^-1, level 0: the diagonal 16 x 16 blocks, thread = (block b, column cc), forward
+  // substitution on the identity column: X_r = delta_{r,cc} - sum_{m<r} A_rm X_m (zeros above cc).
+  if (tid < CH) {
+    const int b = tid >> 4, cc = tid & 15;
+    const float* ab = am + 16 * b * PAS + 16 * b;
+    float X[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float acc = r == cc ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) acc -= ab[r * PAS + m] * X[m];
+      X[r] = acc;
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) tm[(16 * b + r) * PAS + 16 * b + cc] = X[r];
+  }
+  __syncthreads();
+  // levels d = 1..3: T_ij = -T_ii P, P = sum_{k=j}^{i-1} A_ik T_kj (j = i - d), thread = element (r, cc) of
+  // every block of the level; P goes to the unused upper block (j, i) of tm.
+  {
+    const int r = tid >> 4, cc = tid & 15;
+#pragma unroll
+    for (int d = 1; d < 4; ++d) {
+#pragma unroll
+      for (int i = d; i < 4; ++i) {
+        const int j = i - d;
+        float p = 0.f;
+#pragma unroll
+        for (int k = j; k < i; ++k) {
+          const float* ar = am + (16 * i + r) * PAS + 16 * k;
+          const float* tc = tm + 16 * k * PAS + 16 * j + cc;
+#pragma unroll
+          for (int m = 0; m < 16; ++m) p += ar[m] * tc[m * PAS];
+        }
+        tm[(16 * j + r) * PAS + 16 * i + cc] = p;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = d; i < 4; ++i) {
+        const int j = i - d;
+        const float* tr = tm + (16 * i + r) * PAS + 16 * i;
+        const float* pc = tm + 16 * j * PAS + 16 * i + cc;
+        float t = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) t += tr[m] * pc[m * PAS];
+        tm[(16 * i + r) * PAS + 16 * j + cc] = -t;
+      }
+      __syncthreads();
+    }
+  }
+  // the two A operands: tm <- tf32(T diag(beta)), am <- tf32(T diag(beta e^G)) (blocks on / below the diagonal)
+  for (int e = tid; e < CH * CH; e += NT) {
+    const int i = e >> 6, j = e & 63;
+    if ((j >> 4) <= (i >> 4)) {
+      const float t = tm[i * PAS + j];
+      tm[i * PAS + j] = rnd_tf32(t * bt[j]);
+      am[i * PAS + j] = rnd_tf32(t * (bt[j] * eg[j]));
+    }
+  }
+  cp_wait0();
+  __syncthreads();  // v landed, both operands complete
+
+  // u = Tu v, w = Tw k: groups of 4 n-tiles (32 columns) of [u | w], all 64 rows (4 m-tiles, k-blocks <= m-tile:
+  // T is block lower triangular) per warp.
+  constexpr int NTU = DVP / 8, NTW = DK / 8, NGU = (NTU + 3) / 4, NGW = (NTW + 3) / 4;
+  for (int grp = warp; grp < NGU + NGW; grp += NT / 32) {
+    const bool isw = grp >= NGU;
+    const int nt0 = isw ? 4 * (grp - NGU) : 4 * grp, ntn = isw ? NTW : NTU;
+    const float* Am = isw ? am : tm;
+    const float* Bm = isw ? ks : qv;
+    const int bst = isw ? PKS : PVS;
+    float acc[4][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mt][q][r] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+      for (int k8 = 0; k8 < 16; k8 += 8) {
+        const int kk = 16 * kb + k8;
+        u32 b0[4], b1[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          b0[q] = b1[q] = 0u;
+          if (nt0 + q < ntn) {
+            const float* br = Bm + (kk + t4) * bst + 8 * (nt0 + q) + g;
+            b0[q] = tf32(br[0]);
+            b1[q] = tf32(br[4 * bst]);
+          }
+        }
+#pragma unroll
+        for (int mt = kb; mt < 4; ++mt) {
+          u32 a[4];
+          ldsm_a(a, Am + 16 * mt * PAS + kk, PAS, lane);
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            if (nt0 + q < ntn) mma_tf32(acc[mt][q], a[0], a[1], a[2], a[3], b0[q], b1[q]);
+        }
+      }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g + 8 * hf, col = 8 * (nt0 + q) + 2 * t4;
+          if (i < n && nt0 + q < ntn) {
+            if (isw)
+              *(float2*)(ws_w + ((size_t)(t0 + i) * NV + h) * DK + col) =
+                  make_float2(rnd_tf32(acc[mt][q][2 * hf]), rnd_tf32(acc[mt][q][2 * hf + 1]));
+            else if (col < DV)
+              *(float2*)(ws_u + ((size_t)(t0 + i) * NV + h) * DV + col) =
+                  make_float2(acc[mt][q][2 * hf], acc[mt][q][2 * hf + 1]);
+          }
+        }
+  }
+}
+#else  // TC != 2
 
 extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __restrict__ x,
                                                                 const float* __restrict__ gdec,
@@ -302,6 +608,8 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
     }
   }
 }
+
+#endif  // TC != 2
 
 // ------------------------------------------------------------------------------------------------
 // Kernel 2: one CTA per (32 value columns, value head h, sequence s), sequential over the sequence's
@@ -597,12 +905,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
         const bool ok = i < n;
         cp16(scm + ((cc & 1) * CH + i) * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
       }
+#if TC == 2  // Q S moved into step a: Q travels with W
+      for (int e = tid; e < CH * (DK / 4); e += NT) {
+        const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
+        const bool ok = i < n;
+        cp16(qm + i * WST + q4, ok ? x + (size_t)(t0 + i) * C + kh * DK + q4 : x, ok);
+      }
+#endif
     }
     cp_commit();  // always a group (possibly empty): the wait_group 2 count stays exact
   };
   auto issue_qa = [&](int cc) {
     if (cc < nc) {
       const int t0 = start + cc * CH, n = min(CH, T_len - cc * CH);
+#if TC == 2
+      // Aqk: only the 16-column blocks on / below each row's diagonal block (all that step b reads)
+      for (int e = tid; e < CH * (CH / 4); e += NT) {
+        const int i = e / (CH / 4), q4 = (e % (CH / 4)) * 4;
+        const bool ok = i < n;
+        if (q4 < 16 * ((i >> 4) + 1))
+          cp16(am + i * AST + q4, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q4 : ws_a, ok);
+      }
+#else
       for (int e = tid; e < CH * (DK / 4); e += NT) {
         const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
         const bool ok = i < n;
@@ -613,6 +937,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
         const bool ok = i < n;
         cp16(am + i * AST + q4, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q4 : ws_a, ok);
       }
+#endif
     }
     cp_commit();
   };
@@ -651,15 +976,39 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
     const int t0 = start + c * CH, n = min(CH, T_len - c * CH);
     const float* sc = scm + (c & 1) * CH * 4;
 
-    // ---- step a: V = U - W S, Vk = sk V
+    // ---- step a: V = U - W S, Vk = sk V (build 2: and Q S, sharing the S fragments)
     cp_wait2();
     __syncthreads();  // {W, U, sc} of chunk c landed for every thread; ss holds the state of chunk c
+#if TC == 2
+    float accq[2][4];
+#endif
     {
       float acc[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+#if TC == 2
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) accq[nt][r] = 0.f;
+#pragma unroll 4
+      for (int kk = 0; kk < DK; kk += 8) {
+        u32 wa[4], qa[4];
+        ldsm_a(wa, wm + 16 * mt * WST + kk, WST, lane);  // W: stored tf32-rounded by the prep
+        ldsm_a(qa, qm + 16 * mt * WST + kk, WST, lane);  // Q: raw x
+#pragma unroll
+        for (int r = 0; r < 4; ++r) qa[r] = tf32(__uint_as_float(qa[r]));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* br = ss + (kk + t4) * VST + 16 * nh + 8 * nt + g;
+          const u32 b0 = tf32(br[0]), b1 = tf32(br[4 * VST]);
+          mma_tf32(acc[nt], wa[0], wa[1], wa[2], wa[3], b0, b1);
+          mma_tf32(accq[nt], qa[0], qa[1], qa[2], qa[3], b0, b1);
+        }
+      }
+#else
 #pragma unroll 4
       for (int kk = 0; kk < DK; kk += 8) {
         const float* ar = wm + (16 * mt + g) * WST + kk + t4;
@@ -670,6 +1019,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
           mma_tf32(acc[nt], a0, a1, a2, a3, tf32(br[0]), tf32(br[4 * VST]));
         }
       }
+#endif
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -685,7 +1035,33 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
 
     // ---- step b: o = sq (Q S) + Aqk V
     cp_wait2();
-    __syncthreads();  // {Q, Aqk} of chunk c landed
+    __syncthreads();  // {Q, Aqk} of chunk c landed (build 2: {Aqk})
+#if TC == 2
+    {
+      float acv[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acv[nt][r] = 0.f;
+      for (int kk = 0; kk < 16 * (mt + 1); kk += 8) {  // Aqk[i][j] = 0 for j > i
+        u32 a[4];
+        ldsm_a(a, am + 16 * mt * AST + kk, AST, lane);  // stored tf32-rounded by the prep
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* br = vm + (kk + t4) * VST + 16 * nh + 8 * nt + g;
+          mma_tf32(acv[nt], a[0], a[1], a[2], a[3], tf32(br[0]), tf32(br[4 * VST]));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 16 * mt + g + 8 * (r >> 1), col = col0 + 16 * nh + 8 * nt + 2 * t4 + (r & 1);
+          if (i < n && col < DV)
+            store_act(out + (size_t)(t0 + i) * NV * DV + (size_t)h * DV + col, sc[i * 4] * accq[nt][r] + acv[nt][r]);
+        }
+    }
+#else
     {
       float acc[2][4], acv[2][4];
 #pragma unroll
@@ -720,6 +1096,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
             store_act(out + (size_t)(t0 + i) * NV * DV + (size_t)h * DV + col, sc[i * 4] * acc[nt][r] + acv[nt][r]);
         }
     }
+#endif
     __syncthreads();  // qm, am free (and ss reads of this chunk done)
     issue_qa(c + 1);
 
