@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,9 +43,23 @@ class LaunchRejected(RuntimeError):
         self.reasons = tuple(reasons)
 
 
-def source(name: str) -> str:
-    """Text of ``hybrid_runtime/ops/cuda/<name>``."""
-    return resources.files("hybrid_runtime.ops").joinpath("cuda", name).read_text(encoding="utf-8")
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
+
+
+def source(name: str, _seen: frozenset[str] = frozenset()) -> str:
+    """Text of ``hybrid_runtime/ops/cuda/<name>``, with each ``#include "<file>"`` of a file beside it replaced
+    by that file's text (once per file, recursively), so NVRTC gets one self-contained source and the compile
+    cache key covers the headers too."""
+    text = resources.files("hybrid_runtime.ops").joinpath("cuda", name).read_text(encoding="utf-8")
+    seen = _seen | {name}
+
+    def expand(m: re.Match[str]) -> str:
+        inc = m.group(1)
+        if inc in seen:
+            return f"// {inc}: included above"
+        return f"// ---- {inc}\n{source(inc, seen)}\n// ---- end of {inc}"
+
+    return _INCLUDE.sub(expand, text)
 
 
 # ---------------------------------------------------------------------------------------- NVRTC

@@ -294,6 +294,8 @@ extern "C" __global__ void swiglu(const float* __restrict__ gu, long long stride
 // E_all = E + fold_shared <= 1024. Within an expert the pairs' order may vary run to run; every output
 // element is computed from one pair alone, so results do not.
 // ================================================================================================
+#include "moe_route.cuh"
+
 #define ROUTE_THREADS 1024
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* __restrict__ logits, int ld, int n, int E, int k, int renorm, int fold_shared,
@@ -305,54 +307,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kk = k + fold_shared, E_all = E + fold_shared;
   for (int t = warp; t < n; t += ROUTE_THREADS / 32) {
-    const float* lg = logits + (size_t)t * ld;
-    float mx = -3.0e38f;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, lg[e]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float se = 0.f;
-    for (int e = lane; e < E; e += 32) se += expf(lg[e] - mx);
-    se = warp_sum(se);
-    float wsum = 0.f, my_w = 0.f;
-    int prev = -1, my_e = 0;
-    float prev_v = 3.0e38f;
-    for (int j = 0; j < k; ++j) {
-      // the largest logit strictly after (prev_v, prev) in (value desc, id asc) order
-      float bv = -3.0e38f;
-      int be = 0x7fffffff;
-      for (int e = lane; e < E; e += 32) {
-        const float v = lg[e];
-        const bool after = v < prev_v || (v == prev_v && e > prev);
-        if (after && (v > bv || (v == bv && e < be))) {
-          bv = v;
-          be = e;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-        if (ov > bv || (ov == bv && oe < be)) {
-          bv = ov;
-          be = oe;
-        }
-      }
-      if (be < 0 || be >= E) be = j;  // NaN logits: any valid expert (the output is NaN anyway), never a bad index
-      const float pw = expf(bv - mx) / se;
-      if (lane == j) {  // lane j keeps round j's choice (k <= 32)
-        my_e = be;
-        my_w = pw;
-      }
-      wsum += pw;
-      prev = be;
-      prev_v = bv;
-    }
-    if (lane < k) {
-      pair_e[t * kk + lane] = my_e;
-      pair_w[t * kk + lane] = renorm ? my_w / wsum : my_w;
-    } else if (lane == k && fold_shared) {
-      pair_e[t * kk + k] = E;
-      pair_w[t * kk + k] = sigmoidf_(lg[E]);
+    int e;
+    float w;
+    route_token(logits + (size_t)t * ld, E, k, renorm, fold_shared, lane, e, w);
+    if (e >= 0) {
+      pair_e[t * kk + lane] = e;
+      pair_w[t * kk + lane] = w;
     }
   }
   for (int e = tid; e < E_all + 1; e += ROUTE_THREADS) cnt[e] = 0;
