@@ -3,9 +3,10 @@ the tensor-core path (``cuda/moe_prefill.py``: device routing + tile list, group
 CUDA-core kernels it replaces in prefill (``fused.cu``: one-CTA ``moe_route``, ``moe_gate_up``, ``moe_down``),
 and against a dense bf16 cuBLASLt GEMM measured in the same run ([8192 x 2048] @ [2048 x 8192]).
 
-    python3 -m benchmarks.gpu_moe_prefill --out benchmarks/results/gpu_moe_prefill_h200.md --impl mma,wgmma,wgmma128
+    python3 -m benchmarks.gpu_moe_prefill --impl mma,wgmma,wgmma128,wgmma_ws
 
-``--impl``: the grouped-GEMM builds to time (``MoEPrefill(impl=...)``: mma.sync, wgmma 128 x 256, wgmma 128 x 128),
+``--impl``: the grouped-GEMM builds to time (``MoEPrefill(impl=...)``: mma.sync, wgmma 128 x 256, wgmma 128 x 128,
+the warp-specialised persistent wgmma 128 x 256),
 one table row per (tokens, build); the CUDA-core baseline is timed once per token count.
 
 Random bf16 weights generated on the device (one copy: 1.5 GB, every step reads all 256 experts, far past the

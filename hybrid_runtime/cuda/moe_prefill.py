@@ -21,9 +21,12 @@ shares the step (batch invariance of a prompt).
 Two builds of the grouped GEMMs (``impl``): ``"mma"`` (``moe_gemm.cu``: mma.sync m16n8k16, 4 warps, 128 x 128
 tiles, any sm_80+ GPU) and ``"wgmma"`` (``ops/cuda/moe_wgmma.cu``: Hopper warpgroup MMA, compiled for sm_90a and
 loaded on compute capability 9.0 only; two warpgroups, 128 x 256 tiles, :data:`WGMMA_VARIANTS` also has a
-128 x 128 build at two CTAs per SM, ``"wgmma128"``). ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else
-``"mma"``; a shape the wgmma tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is
-``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
+128 x 128 build at two CTAs per SM, ``"wgmma128"``; ``"wgmma_ws"`` is ``ops/cuda/moe_wgmma_ws.cu``: the 128 x 256
+tiles on a persistent grid of one CTA per SM, warp-specialised - a cp.async producer warpgroup and two wgmma
+consumer warpgroups synchronised by mbarriers, the epilogue of one work item under the next item's copies).
+``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``; a shape the wgmma tiles do not divide runs
+``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is ``moe_gemm.cu``'s in every case, and the mma kernels are the
+same build whatever ``impl`` is.
 
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
 the tiles do not divide (:func:`supported`).
@@ -47,17 +50,24 @@ WGMMA_SOURCE = "moe_wgmma.cu"
 WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: cubins run on compute capability 9.0 only
 # What "auto" runs on a compute capability 9.0 GPU: set to "mma" to make the mma.sync build the default again.
 AUTO_IMPL = "wgmma"
-IMPLS = ("auto", "mma", "wgmma", "wgmma128")
+WGMMA_WS_SOURCE = "moe_wgmma_ws.cu"
+IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws")
 
 
 @dataclass(frozen=True)
 class WgmmaVariant:
-    """One build of ``moe_wgmma.cu``: ``bn`` weight rows per CTA (gate_up: bn / 2 act columns), ring depth,
-    wgmma groups left in flight per k tile, dynamic shared memory (the stages + 1 KB of alignment)."""
+    """One build of ``moe_wgmma.cu`` (or, ``persistent``, of ``moe_wgmma_ws.cu``): ``bn`` weight rows per CTA
+    (gate_up: bn / 2 act columns), ring depth, wgmma groups left in flight per k tile, dynamic shared memory (the
+    stages + 1 KB of alignment); ``threads`` per CTA; ``lag``: stages a producer thread of the warp-specialised
+    build keeps in flight before it signals the oldest one."""
 
     bn: int
     stages: int
     inflight: int
+    source: str = WGMMA_SOURCE
+    threads: int = 256
+    persistent: bool = False
+    lag: int = 0
 
     @property
     def smem(self) -> int:
@@ -65,15 +75,26 @@ class WgmmaVariant:
 
     @property
     def options(self) -> tuple[str, ...]:
+        if self.persistent:
+            return (f"-DWS_STAGES={self.stages}", f"-DWS_LAG={self.lag}")
         return (f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_INFLIGHT={self.inflight}")
+
+    def grid(self, nx: int, tiles: int, sm_count: int) -> tuple[int, int, int]:
+        """Launch grid of one GEMM of ``nx`` column blocks over (at most) ``tiles`` tiles: ``(nx, tiles, 1)``, or
+        for the persistent build ``(min(sm_count, nx * tiles), 1, 1)`` (its CTAs loop over the work items
+        ``tile * nx + x`` below the device's tile count x nx)."""
+        if self.persistent:
+            return (max(1, min(sm_count, nx * tiles)), 1, 1)
+        return (nx, tiles, 1)
 
     def takes(self, hidden: int, inter: int) -> bool:
         """Whether these tiles divide the shape: H % bn (down's columns), I % (bn / 2) (gate_up's), K % 64."""
         return hidden % self.bn == 0 and inter % (self.bn // 2) == 0 and hidden % 64 == 0 and inter % 64 == 0
 
 
-WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0)}
-WGMMA_THREADS = 256
+WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0),
+                  "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 2)}
+WGMMA_THREADS = 256  # block of the non-persistent builds (WgmmaVariant.threads)
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
 GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
@@ -148,8 +169,8 @@ class MoEPrefill:
 
     def __init__(self, device: CudaDevice, dtype: str, impl: str = "auto") -> None:
         """``impl``: ``"auto"`` (:data:`AUTO_IMPL` on compute capability 9.0 if its module compiled and
-        loaded, else ``"mma"``), ``"mma"``, ``"wgmma"`` or ``"wgmma128"`` (ValueError off compute capability
-        9.0; a compile error propagates). :attr:`impl` is the resolved choice."""
+        loaded, else ``"mma"``), ``"mma"``, ``"wgmma"``, ``"wgmma128"`` or ``"wgmma_ws"`` (ValueError off compute
+        capability 9.0; a compile error propagates). :attr:`impl` is the resolved choice."""
         if dtype not in DT_CODES:
             raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
         if impl not in IMPLS:
@@ -176,7 +197,7 @@ class MoEPrefill:
         self.impl = "mma" if self.variant is None else want
 
     def _load_wgmma(self, v: WgmmaVariant) -> None:
-        self.wgmma_module = load_module(WGMMA_SOURCE, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
+        self.wgmma_module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
         for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
             self.wgmma_module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
         self.variant = v
@@ -219,10 +240,11 @@ class MoEPrefill:
         v = self.variant
         if v is not None and self.wgmma_module is not None and v.takes(hidden, inter):
             k_gu, k_d = self.wgmma_module.kernel("moe_wgmma_gate_up"), self.wgmma_module.kernel("moe_wgmma_down")
-            k_gu.launch(self.device, (inter // (v.bn // 2), tiles, 1), (WGMMA_THREADS, 1, 1), v.smem,
+            sms = self.device.limits.sm_count
+            k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
                         [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
                          ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], pdl=True)
-            k_d.launch(self.device, (hidden // v.bn, tiles, 1), (WGMMA_THREADS, 1, 1), v.smem,
+            k_d.launch(self.device, v.grid(hidden // v.bn, tiles, sms), (v.threads, 1, 1), v.smem,
                        [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
                         ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
                        pdl=True)

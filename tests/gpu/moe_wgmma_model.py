@@ -8,6 +8,7 @@ it, so a slip there shows up here as a wrong product on a CPU."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -176,3 +177,215 @@ def ring_schedule(kt_count: int, stages: int, inflight: int) -> list[tuple[str, 
             if not any(x[0] == "done" and x[1] == t for x in ev):
                 ev.append(("done", t, t % stages, kt))
     return ev
+
+
+# ------------------------------------------------------------------------ moe_wgmma_ws.cu (impl "wgmma_ws")
+
+
+def ws_defines() -> dict[str, int]:
+    """The integer ``#define``s of moe_wgmma_ws.cu (defaults of the -D options included)."""
+    out = {}
+    for name, val in re.findall(r"^\s*#define (WS_\w+) \(?(\d+)", source("moe_wgmma_ws.cu"), re.M):
+        out.setdefault(name, int(val))
+    return out
+
+
+def ws_items(n_tiles: int, nx: int, grid: int) -> list[list[tuple[int, int]]]:
+    """Per CTA b of the persistent grid, its work items (tile, x) in order: items b, b + grid, ... < n_tiles * nx,
+    item = tile * nx + x (moe_wgmma_ws.cu's loops, producer and consumers alike)."""
+    out = []
+    for b in range(grid):
+        out.append([(item // nx, item - (item // nx) * nx) for item in range(b, n_tiles * nx, grid)])
+    return out
+
+
+def ws_load_stage(smem: np.ndarray, mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: int, H: int,
+                  kk: int, tile: tuple[int, int, int], pair_list: np.ndarray, x: int, sA: int, kt: int) -> None:
+    """The producer warpgroup's copies of one stage (k tile kt of work item (tile, x)) into ``smem`` (an element
+    array indexed by byte address / 2): moe_wgmma_ws.cu's producer loop, thread by thread."""
+    d = ws_defines()
+    BM, BN, BK, PR = d["WS_BM"], d["WS_BN"], d["WS_BK"], d["WS_PROD_ROWS"]
+    sB = sA + BM * ROWB
+    e, start, rows = tile
+    k0 = kt * BK
+    for ptid in range(d["WS_PRODUCERS"]):
+        ch, r0 = ptid & 7, ptid >> 3
+        for i in range(BM // PR):
+            row = r0 + PR * i
+            p = int(pair_list[start + row]) if row < rows else -1
+            dst = (sA + wg_off(row, ch)) // 2
+            if p < 0:
+                smem[dst:dst + 8] = 0.0
+            else:
+                src = ((p // kk) * lda if mode == "gate_up" else p * lda) + ch * 8 + k0
+                smem[dst:dst + 8] = A[src:src + 8]
+        if mode == "gate_up":
+            wb = e * 2 * I * K + (x * (BN // 2) + r0) * K + ch * 8
+            up_jump = (I - BN // 2) * K
+        else:
+            wb = e * H * K + (x * BN + r0) * K + ch * 8
+            up_jump = 0
+        for i in range(BN // PR):
+            row = r0 + PR * i
+            src = wb + PR * i * K + (up_jump if i >= BN // (2 * PR) else 0) + k0
+            dst = (sB + wg_off(row, ch)) // 2
+            smem[dst:dst + 8] = W[src:src + 8]
+
+
+def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: int, H: int, kk: int, ny: int,
+                 tile_list: list[tuple[int, int, int]], pair_list: np.ndarray, pair_w: np.ndarray | None,
+                 items: list[tuple[int, int]], out: np.ndarray, sbase: int = 0x1400) -> None:
+    """One persistent CTA of moe_wgmma_ws.cu running ``items`` (tile index, x) in order: the producer's copies
+    (:func:`ws_load_stage`) into stage g % S of the ring, the consumers' descriptor reads (each warpgroup its 64
+    rows, the k16 steps), the accumulator fragment and the epilogue (pair ids from pair_list)."""
+    d = ws_defines()
+    BM, BN, BK, S = d["WS_BM"], d["WS_BN"], d["WS_BK"], d["WS_STAGES"]
+    wd = {"WG_LBO": d["WS_LBO"], "WG_SBO": d["WS_SBO"], "WG_SWIZZLE_128B": d["WS_SWIZZLE_128B"]}
+    assert sbase % 1024 == 0
+    stage_bytes = (BM + BN) * ROWB
+    smem = np.full((sbase + S * stage_bytes) // 2, np.nan)
+    g = 0
+    nj = BN // 8
+    for ti, x in items:
+        _, start, rows = tile_list[ti]
+        acc = np.zeros((2, 64, BN))
+        for kt in range(K // BK):
+            sA = sbase + (g % S) * stage_bytes
+            ws_load_stage(smem, mode, A, lda, W, K, I, H, kk, tile_list[ti], pair_list, x, sA, kt)
+            for wg in range(2):
+                da, db = wg_desc(sA + wg * 64 * ROWB, wd), wg_desc(sA + BM * ROWB, wd)
+                for s in range(BK // 16):
+                    k16 = np.arange(16)[None, :]
+                    a = smem[canonical_k_major_address(da + 2 * s, np.arange(64)[:, None], k16) // 2]
+                    b = smem[canonical_k_major_address(db + 2 * s, np.arange(BN)[:, None], k16) // 2]
+                    acc[wg] += a @ b.T
+            g += 1
+        for tid in range(d["WS_CONSUMERS"]):
+            wg, lt = tid >> 7, tid & 127
+            regs = [acc[wg][accumulator_position(lt, i)] for i in range(BN // 2)]
+            wq, lane = (tid >> 5) & 3, tid & 31
+            g8, t4 = lane >> 2, lane & 3
+            for hi in range(2):
+                r = wg * 64 + wq * 16 + g8 + hi * 8
+                if r >= rows:
+                    continue
+                p = int(pair_list[start + r])
+                if mode == "gate_up":
+                    dst = p * I + x * (BN // 2) + 2 * t4
+                    for j in range(nj // 2):
+                        for b in range(2):
+                            v, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
+                            out[dst + j * 8 + b] = v / (1 + np.exp(-v)) * u
+                else:
+                    t, slot = p // kk, p % kk
+                    assert pair_w is not None
+                    dst = (t * ny + slot) * H + x * BN + 2 * t4
+                    for j in range(nj):
+                        for b in range(2):
+                            out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
+
+
+class _MBarrier:
+    """An mbarrier: ``count`` arrivals complete the current phase; ``phase`` = phases completed so far.
+    try_wait.parity(P) succeeds iff the phase of parity P most recently due has completed, i.e. the current
+    (incomplete) phase's parity is not P."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self, want_phase: int) -> None:
+        assert self.phase == want_phase, ("arrival for phase", want_phase, "while in phase", self.phase)
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def ready(self, parity: int) -> bool:
+        return (self.phase & 1) != parity
+
+
+def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, consumers: int = 2,
+                    seed: int = 0) -> int:
+    """Random interleavings of moe_wgmma_ws.cu's producer and consumer threads over one CTA's work items (k
+    tiles per item ``kts``), transcribed statement by statement: mbarrier waits and arrivals (phase parity),
+    cp.async groups that land at any time (cp.async.wait_group LAG blocks until all but the newest LAG have),
+    MMAs that may read a stage until the wgmma.wait_group that guarantees them. Asserts: an MMA reads a stage
+    only after every producer thread's copies of exactly that k tile landed; a copy never overwrites a stage an
+    MMA may still read; every arrival is for the barrier's current phase; no deadlock (some thread can always
+    move or some copy land). Returns the number of steps taken."""
+    rng = np.random.default_rng(seed)
+    S = stages
+    full = [_MBarrier(producers) for _ in range(S)]
+    empty = [_MBarrier(consumers) for _ in range(S)]
+    seq = [(it, kt) for it, n in enumerate(kts) for kt in range(n)]  # global stage counter g -> (item, k tile)
+    content: list[dict[int, tuple[int, int] | None]] = [{} for _ in range(S)]  # stage -> producer -> landed tile
+    reading: list[set[tuple[int, int]]] = [set() for _ in range(S)]  # (consumer, g) whose MMAs may read it
+    groups: dict[int, list[tuple[int, tuple[int, int]]]] = {pt: [] for pt in range(producers)}  # pending cp.async
+
+    def producer(pt: int) -> Iterator[bool]:  # yields False while blocked
+        for g, tile in enumerate(seq):
+            stage, rnd = g % S, g // S
+            while not empty[stage].ready((rnd & 1) ^ 1):
+                yield False
+            assert not reading[stage], ("copy over a stage in use", g, reading[stage])
+            content[stage][pt] = None
+            groups[pt].append((stage, tile))
+            yield True
+            while len(groups[pt]) > lag:  # cp.async.wait_group LAG
+                yield False
+            if g >= lag:
+                full[(g - lag) % S].arrive((g - lag) // S)
+            yield True
+        g = len(seq)
+        while groups[pt]:  # cp.async.wait_group 0
+            yield False
+        for j in range(max(0, g - lag), g):
+            full[j % S].arrive(j // S)
+
+    def consumer(c: int) -> Iterator[bool]:
+        g = 0
+        for it, n in enumerate(kts):
+            for kt in range(n):
+                stage = g % S
+                while not full[stage].ready((g // S) & 1):
+                    yield False
+                for pt in range(producers):
+                    assert content[stage].get(pt) == (it, kt), ("MMA before its copies landed", g, content[stage])
+                reading[stage].add((c, g))
+                yield True
+                if kt > 0:  # wgmma.wait_group 1: the MMAs of g - 1 have completed
+                    reading[(g - 1) % S].discard((c, g - 1))
+                    empty[(g - 1) % S].arrive((g - 1) // S)
+                g += 1
+                yield True
+            if n:  # wait_group 0, then the epilogue
+                reading[(g - 1) % S].discard((c, g - 1))
+                empty[(g - 1) % S].arrive((g - 1) // S)
+            yield True
+
+    gens: dict[tuple[str, int], Iterator[bool]] = {("p", i): producer(i) for i in range(producers)}
+    gens |= {("c", i): consumer(i) for i in range(consumers)}
+    steps, stuck = 0, 0
+    while gens:
+        steps += 1
+        keys = sorted(gens)
+        lands = [pt for pt in range(producers) if groups[pt]]
+        pick = int(rng.integers(len(keys) + len(lands)))
+        if pick >= len(keys):  # the oldest pending group of one producer thread lands
+            pt = lands[pick - len(keys)]
+            stage, tile = groups[pt].pop(0)
+            content[stage][pt] = tile
+            stuck = 0
+            continue
+        who = keys[pick]
+        try:
+            moved = next(gens[who])
+        except StopIteration:
+            del gens[who]
+            stuck = 0
+            continue
+        stuck = 0 if moved else stuck + 1
+        assert stuck < 10_000 or any(groups.values()), ("deadlock", steps)
+    assert not any(groups.values())
+    return steps

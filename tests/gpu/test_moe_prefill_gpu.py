@@ -138,7 +138,7 @@ def logits_for(rng: np.random.Generator, n: int, E: int, ld: int, case: str) -> 
     return lg
 
 
-IMPLS = ["mma", "wgmma", "wgmma128"]
+IMPLS = ["mma", "wgmma", "wgmma128", "wgmma_ws"]
 
 
 def impl_or_skip(dev, impl: str) -> None:
@@ -208,18 +208,19 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> No
     assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
 
 
-def test_wgmma_and_mma_agree_closely(dev) -> None:
+@pytest.mark.parametrize("other", ["wgmma", "wgmma_ws"])
+def test_wgmma_and_mma_agree_closely(dev, other: str) -> None:
     """The two builds on the same step: the same routing bits; products within float32 accumulation-order noise
     (bf16 act may round differently in a few elements)."""
-    impl_or_skip(dev, "wgmma")
+    impl_or_skip(dev, other)
     rng = np.random.default_rng(9)
     hb = host_bits(rng.standard_normal((300, 256)).astype(np.float32), "bfloat16")
     runs = {}
-    for impl in ("mma", "wgmma"):
+    for impl in ("mma", other):
         s = Setup(dev, "bfloat16", "small", n_max=300, impl=impl)
         lg = logits_for(np.random.default_rng(3), 300, s.E, s.ld, "spread")
         runs[impl] = s.run(300, hb, lg)
-    a, b = runs["mma"], runs["wgmma"]
+    a, b = runs["mma"], runs[other]
     assert np.array_equal(a["pl"], b["pl"]) and np.array_equal(a["pw"].view(np.uint32), b["pw"].view(np.uint32))
     ya, yb = a["y"][:300, :4].astype(np.float64), b["y"][:300, :4].astype(np.float64)
     assert np.linalg.norm(ya - yb) / np.linalg.norm(ya) < 2e-3

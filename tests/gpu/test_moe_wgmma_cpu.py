@@ -19,6 +19,10 @@ from moe_wgmma_model import (
     wg_desc,
     wg_off,
     wgmma_cta_model,
+    ws_cta_model,
+    ws_defines,
+    ws_items,
+    ws_protocol_sim,
 )
 from test_cuda_compile import check_log, nvrtc_or_skip
 
@@ -41,15 +45,15 @@ def test_moe_wgmma_compiles_for_sm90a_without_spills(impl: str, dt: int) -> None
     from hybrid_runtime.cuda.kernels import compile_log, source
 
     v = WGMMA_VARIANTS[impl]
-    log = compile_log(source("moe_wgmma.cu"), "moe_wgmma.cu", (f"-DDT={dt}", *v.options), WGMMA_ARCH)
+    log = compile_log(source(v.source), v.source, (f"-DDT={dt}", *v.options), WGMMA_ARCH)
     check_log(log)
     for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
         assert f"'{name}'" in log, log
     assert "wgmma.mma_async instructions are serialized" not in log, log  # C7518: no async MMA then
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
     static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
-    ctas = 1 if v.bn == 256 else 2  # __launch_bounds__(256, WG_MINB)
-    assert max(regs) * 256 * ctas <= 65536, log
+    ctas = 1 if v.bn == 256 else 2  # __launch_bounds__(threads, WG_MINB or 1)
+    assert max(regs) * v.threads * ctas <= 65536, log
     assert ctas * (static + v.smem + 1024) <= 228 * 1024 and static + v.smem <= 227 * 1024, log
 
 
@@ -64,6 +68,15 @@ def test_variant_constants_match_the_source() -> None:
     assert w.takes(2048, 512) and w.takes(256, 128) and not w.takes(128, 128) and not w.takes(2048, 64)
     assert WGMMA_VARIANTS["wgmma128"].takes(128, 128) and not WGMMA_VARIANTS["wgmma128"].takes(64, 128)
     assert AUTO_IMPL in IMPLS and AUTO_IMPL != "auto"
+    ws, dws = WGMMA_VARIANTS["wgmma_ws"], ws_defines()
+    assert (ws.bn, ws.stages, ws.lag, ws.threads, ws.persistent) == (dws["WS_BN"], dws["WS_STAGES"], dws["WS_LAG"],
+                                                                      dws["WS_THREADS"], True)
+    assert ws.source == "moe_wgmma_ws.cu" and ws.smem == dws["WS_STAGES"] * (128 + 256) * 128 + 1024 == w.smem
+    assert dws["WS_BM"] == GEMM_BM and dws["WS_BK"] == 64 and dws["WS_CONSUMERS"] + dws["WS_PRODUCERS"] == 384
+    assert (dws["WS_SBO"], dws["WS_LBO"], dws["WS_SWIZZLE_128B"]) == (d["WG_SBO"], d["WG_LBO"], d["WG_SWIZZLE_128B"])
+    assert dws["WS_PRODUCERS"] == dws["WS_PROD_ROWS"] * 8 and 1 <= ws.lag <= ws.stages - 2
+    assert ws.options == ("-DWS_STAGES=4", "-DWS_LAG=2") and ws.takes(2048, 512) and not ws.takes(128, 128)
+    assert ws.grid(4, 1000, 132) == (132, 1, 1) and ws.grid(8, 3, 132) == (24, 1, 1) and w.grid(4, 9, 132) == (4, 9, 1)
     with pytest.raises(ValueError, match="impl"):
         MoEPrefill(None, "bfloat16", impl="tcgen05")  # type: ignore[arg-type]
 
@@ -195,6 +208,10 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mp.MoEPrefill(dev, "bfloat16", impl="wgmma128").gemm_impl(128, 128) == "wgmma128"  # type: ignore[arg-type]
     assert mp.MoEPrefill(dev, "bfloat16", impl="mma").impl == "mma"  # type: ignore[arg-type]
     loads.clear()
+    ws = mp.MoEPrefill(dev, "bfloat16", impl="wgmma_ws")  # type: ignore[arg-type]
+    assert ws.impl == ws.gemm_impl(2048, 512) == "wgmma_ws" and ws.gemm_impl(128, 128) == "mma"
+    assert ("moe_wgmma_ws.cu", "sm_90a") in loads
+    loads.clear()
     assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
     assert ("moe_wgmma.cu", "sm_90a") not in loads
     assert mp.MoEPrefill(_FakeDevice((10, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
@@ -214,3 +231,66 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mp, "load_module", fake_load)
     monkeypatch.setattr(mp, "AUTO_IMPL", "mma")
     assert mp.MoEPrefill(dev, "bfloat16").impl == "mma"  # type: ignore[arg-type]
+
+
+def test_ws_persistent_items_cover_every_tile_and_column_block_once() -> None:
+    for n_tiles, nx, grid in [(1, 4, 4), (3, 8, 132), (770, 4, 132), (770, 8, 132), (5, 4, 7), (0, 4, 3)]:
+        seen = [it for cta in ws_items(n_tiles, nx, grid) for it in cta]
+        assert sorted(seen) == [(t, x) for t in range(n_tiles) for x in range(nx)]
+
+
+@pytest.mark.parametrize("kts", [[1], [2], [8, 8, 8], [32, 32], [1, 1, 1, 1, 1], [3, 5, 2], [8] * 6])
+@pytest.mark.parametrize("seed", range(6))
+def test_ws_protocol_is_safe_and_deadlock_free(kts: list[int], seed: int) -> None:
+    """The mbarrier ring of the warp-specialised build under random interleavings (and random landing of the
+    cp.async groups): data ready before every MMA, no stage overwritten under an MMA, arrivals in phase, no
+    deadlock - for the build's (stages, lag) and the tighter legal lags."""
+    ws = WGMMA_VARIANTS["wgmma_ws"]
+    for stages, lag in {(ws.stages, ws.lag), (4, 1), (3, 1)}:
+        assert ws_protocol_sim(kts, stages, lag, seed=seed) > 0
+
+
+def test_ws_protocol_sim_catches_a_deadlock() -> None:
+    """lag = stages - 1 breaks the ring (the consumers wait for a stage the producer signals only after one it
+    cannot start): the simulation must say so, or it proves nothing."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        ws_protocol_sim([8, 8], 4, 3, seed=0)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 100, 128])
+def test_ws_cta_model_matches_numpy(rows: int) -> None:
+    """Persistent CTAs of each GEMM of the warp-specialised build (gate_up K = 256, down K = 128; two tiles of
+    one expert and one of another, several CTAs over the work items) == numpy on the same gathered rows."""
+    rng = np.random.default_rng(rows + 7)
+    H, I, kk, ny, E, n = 512, 256, 4, 5, 3, 96
+    ldh = H + 64
+    h = rng.standard_normal((n, ldh))
+    gu = rng.standard_normal((E, 2 * I, H))
+    dn = rng.standard_normal((E, H, I))
+    perm = rng.permutation(n * kk)
+    r2 = min(rows, 128)
+    pairs_t = [perm[:128], perm[128:128 + r2], perm[256:256 + rows]]  # tiles: (2, 128 rows), (2, r2), (0, rows)
+    pair_list = np.concatenate([rng.integers(0, n * kk, 3), *pairs_t, rng.integers(0, n * kk, 3)])
+    tl = [(2, 3, 128), (2, 3 + 128, r2), (0, 3 + 128 + r2, rows)]
+    pair_w = rng.random(n * kk)
+    act = np.full(n * kk * I, np.nan)
+    for items in ws_items(len(tl), I // 128, 5):
+        ws_cta_model("gate_up", h.ravel(), ldh, gu.ravel(), H, I, H, kk, ny, tl, pair_list, None, items, act)
+    act = act.reshape(n * kk, I)
+    for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
+        x = h[pairs // kk, :H] @ gu[e].T
+        np.testing.assert_allclose(act[pairs], x[:, :I] / (1 + np.exp(-x[:, :I])) * x[:, I:], rtol=1e-10,
+                                   atol=1e-10)
+    done = np.concatenate(pairs_t)
+    assert np.isnan(act[np.setdiff1d(np.arange(n * kk), done)]).all()
+    a_in = rng.standard_normal((n * kk, I))
+    y = np.full(n * ny * H, np.nan)
+    for items in ws_items(len(tl), H // 256, 3):
+        ws_cta_model("down", a_in.ravel(), I, dn.ravel(), I, I, H, kk, ny, tl, pair_list, pair_w, items, y)
+    y = y.reshape(n, ny, H)
+    for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
+        np.testing.assert_allclose(y[pairs // kk, pairs % kk], pair_w[pairs, None] * (a_in[pairs] @ dn[e].T),
+                                   rtol=1e-10, atol=1e-10)
+    written = np.zeros((n, ny), bool)
+    written[done // kk, done % kk] = True
+    assert np.isnan(y[~written]).all()
