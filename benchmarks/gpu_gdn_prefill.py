@@ -1,6 +1,7 @@
 """Gated DeltaNet prefill delta rule on the GPU: the chunked WY/UT path (gdn_chunk_prep + gdn_chunk_state) in
-its builds (precision "fp32": float32 SIMT; "tf32": tensor cores, (I + A)^-1 prep; "tf32_v1": the previous
-tensor-core build, for comparison; prep and state pass also timed apart) against the token scan (gdn_prefill), one
+its builds (precision "fp32": float32 SIMT; "tf32": tensor cores, (I + A)^-1 prep, 64-column state CTAs;
+"tf32_v2": the same with 32-column state CTAs; "tf32_v1": the first tensor-core build; the last two for
+comparison; prep and state pass also timed apart) against the token scan (gdn_prefill), one
 layer of the Qwen3.5-35B-A3B shape.
 
     python3 -m benchmarks.gpu_gdn_prefill --out benchmarks/results/gdn_prefill_h200.md
@@ -24,8 +25,10 @@ from benchmarks.gpu_common import log, time_calls, write_report
 
 NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096)]  # (sequences, tokens each)
-# the scan, the chunked fp32 build, the chunked tf32 build (inverse-form prep), the previous tf32 build
-MODES = ("scan", "chunked", "tf32", "tf32_v1")
+# the scan, the chunked fp32 build, the chunked tf32 build (inverse-form prep, 64-column state CTAs), the
+# previous tf32 builds (32-column state CTAs; SIMT forward substitution)
+MODES = ("scan", "chunked", "tf32", "tf32_v2", "tf32_v1")
+TC_MODES = ("tf32", "tf32_v2", "tf32_v1")
 
 
 def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, wa: Any, ws: Any, S: int,
@@ -78,7 +81,7 @@ def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, 
             args = [("ptr", x.ptr), ("ptr", starts), ("ptr", slots), ("ptr", rec.ptr), ("i64", gdn.rec_row),
                     ("ptr", ws_w), ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("ptr", o[mode].ptr), ("i32", S),
                     ("i32", NK), ("i32", NV)]
-            grid, smem = (-(-DV // 32), NV, S), gdn.chunk_smem[1]
+            grid, smem = (-(-DV // gdn.chunk_cols), NV, S), gdn.chunk_smem[1]
         return lambda i: k.launch(dev, grid, (256, 1, 1), smem, args, pdl=True)
 
     # sanity: both paths from the same state agree
@@ -91,22 +94,23 @@ def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, 
         full(m)(0)
         torch.cuda.synchronize()
         outs[m] = (torch.as_tensor(o[m], device="cuda").clone(), torch.as_tensor(rec, device="cuda")[:S].clone())
-    errs = {m: (float((outs[m][0] - outs["scan"][0]).norm() / outs["scan"][0].norm()),
-                float((outs[m][1] - outs["scan"][1]).norm() / outs["scan"][1].norm())) for m in MODES[1:]}
+    errs: dict[str, Any] = {m: (float((outs[m][0] - outs["scan"][0]).norm() / outs["scan"][0].norm()),
+                                float((outs[m][1] - outs["scan"][1]).norm() / outs["scan"][1].norm()))
+                            for m in MODES[1:]}
+    errs["tf32_vs_v2"] = float((outs["tf32"][0] - outs["tf32_v2"][0]).norm() / outs["tf32_v2"][0].norm())
     host_us = 60.0
     t = {(kind, m): time_calls(torch, (full if kind == "full" else delta)(m), host_us_per_call=host_us,
                                max_calls=50)
          for kind in ("full", "delta") for m in MODES}
-    for m in ("tf32", "tf32_v1"):  # the two kernels apart (each build's state pass after its own prep)
+    for m in TC_MODES:  # the two kernels apart (each build's state pass after its own prep)
         delta(m)(0)
         t["prep", m] = time_calls(torch, one_kernel(m, "gdn_chunk_prep"), host_us_per_call=host_us, max_calls=50)
         t["state", m] = time_calls(torch, one_kernel(m, "gdn_chunk_state"), host_us_per_call=host_us, max_calls=50)
-    log(f"S={S} T={T}: delta scan {t['delta', 'scan'] * 1e3:.3f} ms, chunked {t['delta', 'chunked'] * 1e3:.3f} ms,"
-        f" tf32 {t['delta', 'tf32'] * 1e3:.3f} ms (prep {t['prep', 'tf32'] * 1e3:.3f} + state "
-        f"{t['state', 'tf32'] * 1e3:.3f}), tf32_v1 {t['delta', 'tf32_v1'] * 1e3:.3f} ms (prep "
-        f"{t['prep', 'tf32_v1'] * 1e3:.3f} + state {t['state', 'tf32_v1'] * 1e3:.3f}) (o, state diff vs scan: fp32 "
-        f"{errs['chunked'][0]:.1e}, {errs['chunked'][1]:.1e}; tf32 {errs['tf32'][0]:.1e}, {errs['tf32'][1]:.1e}; "
-        f"tf32_v1 {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e})")
+    tc = "; ".join(f"{m} {t['delta', m] * 1e3:.3f} ms (prep {t['prep', m] * 1e3:.3f} + state "
+                   f"{t['state', m] * 1e3:.3f}, full {t['full', m] * 1e3:.3f})" for m in TC_MODES)
+    diffs = "; ".join(f"{m} {errs[m][0]:.1e}, {errs[m][1]:.1e}" for m in MODES[1:])
+    log(f"S={S} T={T}: delta scan {t['delta', 'scan'] * 1e3:.3f} ms, chunked {t['delta', 'chunked'] * 1e3:.3f} ms; "
+        f"{tc} (o, state diff vs scan: {diffs}; tf32 vs tf32_v2 o {errs['tf32_vs_v2']:.1e})")
     return S, T, t, errs
 
 
@@ -132,10 +136,10 @@ def main() -> int:
     torch.as_tensor(cache.recurrent[0], device="cuda").normal_().mul_(0.02)
     conv, rec = cache.conv[0], cache.recurrent[0]
     gdn = CudaGdn(dev, layout, NK, "float32")
-    gdn_tf32 = CudaGdn(dev, layout, NK, "float32", precision="tf32")
-    gdn_v1 = CudaGdn(dev, layout, NK, "float32", precision="tf32_v1")
-    assert gdn_tf32.precision == "tf32" and gdn_v1.precision == "tf32_v1"
-    gdns = {"scan": gdn, "chunked": gdn, "tf32": gdn_tf32, "tf32_v1": gdn_v1}
+    gdns = {"scan": gdn, "chunked": gdn}
+    for m in TC_MODES:
+        gdns[m] = CudaGdn(dev, layout, NK, "float32", precision=m)
+        assert gdns[m].precision == m
     w = torch.randn(C, KW, device="cuda") * 0.5
     wa = DeviceArray.from_torch(w)
     n_max = max(s * t for s, t in CASES)
@@ -151,15 +155,17 @@ def main() -> int:
         f"Layer: {NK} key heads, {NV} value heads, dk = dv = {DK}, conv K = {KW}, float32 activations and "
         "state (the CUDA backend's GDN). Delta = the delta rule alone on a computed conv output (scan: "
         "`gdn_prefill`; chunked: `gdn_chunk_prep` + `gdn_chunk_state`, fp32 = `precision=\"fp32\"` build, tf32 = "
-        "`precision=\"tf32\"` ((I + A)^-1 prep), tf32_v1 = the previous tensor-core build); full = "
+        "`precision=\"tf32\"` ((I + A)^-1 prep, 64-column state CTAs), tf32_v2 = the same with 32-column state CTAs, "
+        "tf32_v1 = the first tensor-core build); full = "
         "`prefill_launch` (conv + window + delta rule). Median of 3 queue-filled "
         "runs (CUDA events).",
         "",
         "| sequences x tokens | scan delta ms | chunked fp32 delta ms | chunked tf32 delta ms | tf32 vs fp32 | "
         "tf32 Mtok/s | scan full ms | fp32 full ms | tf32 full ms | fp32 vs scan (o, state) | "
-        "tf32 vs scan (o, state) | tf32 prep / state ms | tf32_v1 delta ms | tf32_v1 prep / state ms | "
+        "tf32 vs scan (o, state) | tf32 prep / state ms | tf32_v2 delta ms | tf32_v2 prep / state ms | "
+        "tf32_v2 full ms | tf32 vs tf32_v2 (o) | tf32_v1 delta ms | tf32_v1 prep / state ms | "
         "tf32_v1 full ms | tf32_v1 vs scan (o, state) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for S, T, t, errs in rows:
         sd, cd, td = t["delta", "scan"], t["delta", "chunked"], t["delta", "tf32"]
@@ -168,7 +174,10 @@ def main() -> int:
         lines.append(f"| {S} x {T} | {sd * 1e3:.3f} | {cd * 1e3:.3f} | {td * 1e3:.3f} | {cd / td:.2f}x | "
                      f"{S * T / td / 1e6:.2f} | {sf * 1e3:.3f} | {cf * 1e3:.3f} | {tf * 1e3:.3f} | "
                      f"{eo:.1e}, {es:.1e} | {to:.1e}, {ts:.1e} | {t['prep', 'tf32'] * 1e3:.3f} / "
-                     f"{t['state', 'tf32'] * 1e3:.3f} | {t['delta', 'tf32_v1'] * 1e3:.3f} | "
+                     f"{t['state', 'tf32'] * 1e3:.3f} | {t['delta', 'tf32_v2'] * 1e3:.3f} | "
+                     f"{t['prep', 'tf32_v2'] * 1e3:.3f} / {t['state', 'tf32_v2'] * 1e3:.3f} | "
+                     f"{t['full', 'tf32_v2'] * 1e3:.3f} | {errs['tf32_vs_v2']:.1e} | "
+                     f"{t['delta', 'tf32_v1'] * 1e3:.3f} | "
                      f"{t['prep', 'tf32_v1'] * 1e3:.3f} / {t['state', 'tf32_v1'] * 1e3:.3f} | "
                      f"{t['full', 'tf32_v1'] * 1e3:.3f} | {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e} |")
     write_report(args.out, lines)

@@ -11,15 +11,17 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
   - ``"chunked"`` (``gdn_chunk.cu``, the default whenever a workspace is given): the WY / UT-transform
     form on 64-token chunks aligned to each sequence's token 0. ``gdn_chunk_prep`` does the intra-chunk
     work of every chunk of every sequence in parallel (grid ``(ceil(max_len/64), nv, S)``), then
-    ``gdn_chunk_state`` carries the state from chunk to chunk (grid ``(ceil(dv/32), nv, S)``, one
-    sequential step of small matmuls per chunk) and writes o. Two builds (``precision``):
+    ``gdn_chunk_state`` carries the state from chunk to chunk (grid ``(ceil(dv/cols), nv, S)``, cols 32 or 64, one
+    sequential step of small matmuls per chunk) and writes o. Builds (``precision``):
     ``"fp32"`` (default) is float32 SIMT, so float32 bundles keep their CPU parity (the CPU twin is the
     same float32 chunked form); ``"tf32"`` runs the products (K K^T, Q K^T, W S, Q S, Aqk V, K^T V) on
     tensor cores, mma.sync m16n8k8 tf32 with float32 accumulation and a float32 state, ~1e-3 relative to
     float64: for bf16 / fp16 bundles; its prep inverts I + A blockwise (float32 SIMT, 16 x 16 diagonal
     blocks, then off-diagonal blocks) and forms u, w as two tensor-core products with T (the fp32 build and
-    ``"tf32_v1"`` run a float32 SIMT forward substitution instead). The build is fixed per object (never
-    chosen per step), so batch invariance holds within each.
+    ``"tf32_v1"`` run a float32 SIMT forward substitution instead), and its state pass runs 64 value columns
+    per CTA (grid ``(ceil(dv/64), nv, S)``: half the W / Q / K reloads of the 32-column CTAs of
+    ``"tf32_v2"``, the same numerics). The build is fixed per object (never chosen per step), so batch
+    invariance holds within each.
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -54,21 +56,28 @@ CONV_THREADS = 128
 PREFILL_TOK_TILE = 64  # tokens per CTA of the prefill conv
 CHUNK = 64  # tokens per chunk of the chunked delta rule (CH in gdn_chunk.cu)
 CHUNK_THREADS = 256  # NT in gdn_chunk.cu
-CHUNK_COLS = 32  # value columns per gdn_chunk_state CTA (BV in gdn_chunk.cu)
+CHUNK_COLS = 32  # value columns per gdn_chunk_state CTA (BV in gdn_chunk.cu; "tf32": CHUNK_COLS_WIDE)
+CHUNK_COLS_WIDE = 64  # value columns per gdn_chunk_state CTA of the "tf32" build (BW in gdn_chunk.cu)
 PREFILL_MODES = ("chunked", "scan")
-# builds of gdn_chunk.cu: "fp32" -DTC=0 (float32 SIMT), "tf32" -DTC=2 (tensor cores, (I + A)^-1 prep),
-# "tf32_v1" -DTC=1 (the first tensor-core build: SIMT forward substitution; kept for benchmark comparison)
-PRECISIONS = ("fp32", "tf32", "tf32_v1")
-TC_BUILD = {"fp32": 0, "tf32": 2, "tf32_v1": 1}
+# builds of gdn_chunk.cu: "fp32" -DTC=0 (float32 SIMT), "tf32" -DTC=3 (tensor cores, (I + A)^-1 prep, 64-column
+# state CTAs), "tf32_v2" -DTC=2 (the same with 32-column state CTAs), "tf32_v1" -DTC=1 (the first tensor-core
+# build: SIMT forward substitution); v2 and v1 are kept for benchmark comparison
+PRECISIONS = ("fp32", "tf32", "tf32_v2", "tf32_v1")
+TC_BUILD = {"fp32": 0, "tf32": 3, "tf32_v2": 2, "tf32_v1": 1}
+
+
+def chunk_cols(precision: str) -> int:
+    """Value columns per gdn_chunk_state CTA of a build: 64 for ``"tf32"``, else 32."""
+    return CHUNK_COLS_WIDE if precision == "tf32" else CHUNK_COLS
 
 
 def chunk_prep_smem(dk: int, precision: str = "fp32", dv: int | None = None) -> int:
     """Dynamic shared memory of gdn_chunk_prep (PREP_SMEM). fp32 / tf32_v1: q, k ``[64][dk+1]`` (tf32_v1:
     ``[64][dk+4]``), A ``[64][64]``, G ``[64]`` float64 and four ``[64]`` float32 rows: 83,968 bytes at dk = 128
     (tf32_v1: 85,504). tf32: q-then-v ``[64][max(dk+4, dvp+8)]`` (dvp = dv rounded up to 8), k ``[64][dk+4]``,
-    A and T ``[64][68]``, the same rows: 104,960 bytes at dk = dv = 128 (two CTAs per SM). ``dv`` defaults
-    to dk."""
-    if precision == "tf32":
+    A and T ``[64][68]``, the same rows: 104,960 bytes at dk = dv = 128 (two CTAs per SM); tf32_v2 the same.
+    ``dv`` defaults to dk."""
+    if precision in ("tf32", "tf32_v2"):
         dvp = -(-(dk if dv is None else dv) // 8) * 8
         return 4 * (CHUNK * max(dk + 4, dvp + 8) + CHUNK * (dk + 4) + 2 * CHUNK * (CHUNK + 4) + 6 * CHUNK)
     dkp = dk + (4 if precision == "tf32_v1" else 1)
@@ -79,8 +88,14 @@ def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
     """Dynamic shared memory of gdn_chunk_state (STATE_SMEM). fp32: S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
     ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``: 157,696 bytes at dk = 128. tf32 (rows padded
     for conflict-free mma fragments): S ``[dk][40]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``,
-    U, V, sk*V ``[64][40]``, scales: 173,056 bytes at dk = 128."""
-    if precision in ("tf32", "tf32_v1"):  # one layout for both tensor-core builds
+    U, V, sk*V ``[64][40]``, scales: 173,056 bytes at dk = 128 (tf32_v2 and tf32_v1). tf32 (64 columns): S^T
+    ``[64][dk+4]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``, U ``[64][72]``, V^T, (sk*V)^T
+    ``[64][68]``, scales: 208,896 bytes at dk = 128 (dk = 192 does not fit 227 KB: that shape runs tf32_v2)."""
+    if precision == "tf32":
+        bw = CHUNK_COLS_WIDE
+        return 4 * (bw * (dk + 4) + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4)
+                    + CHUNK * (bw + 8) + 2 * bw * (CHUNK + 4) + 2 * CHUNK * 4)
+    if precision in ("tf32_v2", "tf32_v1"):  # one layout for both 32-column tensor-core builds
         vst = CHUNK_COLS + 8
         return 4 * (dk * vst + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 3 * CHUNK * vst
                     + 2 * CHUNK * 4)
@@ -93,9 +108,11 @@ class CudaGdn:
 
     ``precision`` picks the chunked prefill's build: ``"fp32"`` (float32 SIMT, within float32 rounding of
     the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: bf16 / fp16 bundles);
-    ``"tf32_v1"`` is the previous tensor-core build (SIMT forward substitution), kept so that benchmarks
-    can compare. The tf32 builds need dk % 16 == 0 and their shared memory on the device; otherwise the
-    fp32 build is used, and ``self.precision`` says which one runs. Decode and the scan do not depend on it."""
+    ``"tf32_v2"`` (the same numerics, 32-column state CTAs) and ``"tf32_v1"`` (SIMT forward substitution)
+    are the previous tensor-core builds, kept so that benchmarks can compare. The tf32 builds need
+    dk % 16 == 0 and their shared memory on the device; ``"tf32"`` that does not fit runs ``"tf32_v2"``
+    (dk = 192), otherwise the fp32 build is used, and ``self.precision`` says which one runs (the state
+    grid follows it). Decode and the scan do not depend on it."""
 
     def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16",
                  prefill_mode: str = "chunked", precision: str = "fp32") -> None:
@@ -118,10 +135,16 @@ class CudaGdn:
                                            f"-DKW={self.K}"), device.arch)
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
         optin = device.limits.max_shared_mem_optin
-        if precision != "fp32" and (dk % 16 or max(chunk_prep_smem(dk, precision, dv),
-                                                   chunk_state_smem(dk, precision)) > optin):
+
+        def fits(p: str) -> bool:
+            return dk % 16 == 0 and max(chunk_prep_smem(dk, p, dv), chunk_state_smem(dk, p)) <= optin
+
+        if precision == "tf32" and not fits(precision):
+            precision = "tf32_v2"
+        if precision != "fp32" and not fits(precision):
             precision = "fp32"
         self.precision = precision
+        self.chunk_cols = chunk_cols(precision)
         self.chunk_smem = (chunk_prep_smem(dk, precision, dv), chunk_state_smem(dk, precision))
         self.chunk_module = None
         if dk % 4 == 0 and max(self.chunk_smem) <= optin:
@@ -301,7 +324,7 @@ class CudaGdn:
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),
              ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
         m.kernel("gdn_chunk_state").launch(
-            d, (-(-self.dv // CHUNK_COLS), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
+            d, (-(-self.dv // self.chunk_cols), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
             [("ptr", x_ptr), ("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row),
              ("ptr", ws_w), ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("ptr", o_ptr), ("i32", S),
              ("i32", self.nk), ("i32", self.nv)], pdl=True)

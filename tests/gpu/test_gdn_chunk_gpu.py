@@ -1,9 +1,10 @@
 """Chunked GDN prefill (ops/cuda/gdn_chunk.cu) on the GPU: against the token-scan kernel (gdn_prefill) and
 against the float64 token recurrence, outputs and final states, from non-zero initial states, with GQA
-(nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch; both builds
-(precision "fp32": float32 SIMT, "tf32": tensor cores with the (I + A)^-1 prep, and "tf32_v1": the first
-tensor-core build, forward substitution), and the batch invariance of each (a prompt alone == in a batch,
-whole == cut at a multiple of 64, bit for bit)."""
+(nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch; the builds
+(precision "fp32": float32 SIMT, "tf32": tensor cores with the (I + A)^-1 prep and 64-column state CTAs,
+"tf32_v2": the same with 32-column state CTAs, and "tf32_v1": the first tensor-core build, forward
+substitution), "tf32" against "tf32_v2" (same numerics), and the batch invariance of each (a prompt alone ==
+in a batch, whole == cut at a multiple of 64, bit for bit)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ def reference64(conv0: np.ndarray, rec0: np.ndarray, u: np.ndarray, g: np.ndarra
     return np.concatenate(outs), np.stack(states)
 
 
-def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, precision: str = "fp32") -> None:
-    """Scan and chunked (``precision`` build) from the same states; the chunked vs the scan and, with
-    ``ref64``, both vs the float64 recurrence (per sequence too)."""
+def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, precision: str = "fp32",
+             runs: str | None = None) -> None:
+    """Scan and chunked (``precision`` build; ``runs``: the build it falls back to, default itself) from the
+    same states; the chunked vs the scan and, with ``ref64``, both vs the float64 recurrence (per sequence
+    too)."""
     from hybrid_runtime.cuda.gdn import CudaGdn
     from hybrid_runtime.cuda.state import DeviceStateCache
     from hybrid_runtime.state_cache import StateLayout
@@ -70,7 +73,7 @@ def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, pre
     conv_np[chunk_slots], rec_np[chunk_slots] = conv0, rec0
     cache.upload_layer(0, conv_np, rec_np)
     gdn = CudaGdn(dev, layout, sh.nk, "float32", precision=precision)
-    assert gdn.chunk_module is not None and gdn.precision == precision
+    assert gdn.chunk_module is not None and gdn.precision == (runs or precision)
     tol = TF32_TOL if precision != "fp32" else TOL
     N = sum(lens)
     u = rng.standard_normal((N, sh.C)).astype(np.float32)
@@ -144,11 +147,14 @@ def test_tf32_varlen_batch(dev) -> None:
 
 
 @pytest.mark.parametrize("dims", [(2, 4, 64, 32), (1, 2, 16, 12), (2, 4, 16, 48), (1, 2, 192, 64)])
-def test_tf32_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
-    """dv not a multiple of 32 (masked columns), dk = 16 / 64 (idle warps in step c), dk = 192 (two state
-    tiles per warp; 227 KB of shared memory)."""
+@pytest.mark.parametrize("precision", ["tf32", "tf32_v2"])
+def test_tf32_other_head_dims(dev, dims: tuple[int, int, int, int], precision: str) -> None:
+    """dv not a multiple of 32 / 64 (masked columns), dk = 16 / 64 (idle warps in step c), dk = 192 (two state
+    tiles per warp; 227 KB of shared memory: "tf32" needs 274 KB there and runs "tf32_v2")."""
     nk, nv, dk, dv = dims
-    run_both(dev, Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4), [1, 100, 64, 257], seed=dk + dv, precision="tf32")
+    runs = "tf32_v2" if dk == 192 else precision
+    run_both(dev, Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4), [1, 100, 64, 257], seed=dk + dv, precision=precision,
+             runs=runs)
 
 
 def test_tf32_qwen35_batch_8x4096_against_scan(dev) -> None:
@@ -156,9 +162,48 @@ def test_tf32_qwen35_batch_8x4096_against_scan(dev) -> None:
 
 
 @pytest.mark.parametrize("lens", [[1000], [65, 1, 700, 64, 129, 3, 2000]])
-def test_tf32_v1_still_right(dev, lens: list[int]) -> None:
-    """The previous tensor-core build (kept for benchmark comparison) stays correct."""
-    run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), lens, seed=len(lens), precision="tf32_v1")
+@pytest.mark.parametrize("precision", ["tf32_v2", "tf32_v1"])
+def test_tf32_previous_builds_still_right(dev, lens: list[int], precision: str) -> None:
+    """The previous tensor-core builds (kept for benchmark comparison) stay correct."""
+    run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), lens, seed=len(lens), precision=precision)
+
+
+@pytest.mark.parametrize("dims", [(4, 8, 128, 128), (2, 4, 64, 32), (1, 2, 16, 12), (2, 4, 16, 48)])
+def test_tf32_matches_tf32_v2(dev, dims: tuple[int, int, int, int]) -> None:
+    """"tf32" (64-column state CTAs) rounds the same operands the same way as "tf32_v2" (32 columns) and keeps
+    every accumulator's k order: outputs and states agree to float32 rounding (a fragment or column mistake
+    would be O(1)); printed: whether they are bit-identical."""
+    from hybrid_runtime.cuda.gdn import CudaGdn
+    from hybrid_runtime.cuda.state import DeviceStateCache
+    from hybrid_runtime.state_cache import StateLayout
+
+    nk, nv, dk, dv = dims
+    sh = Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4)
+    lens = [65, 1, 700, 64, 129, 3, 1000]
+    S, N = len(lens), sum(lens)
+    rng = np.random.default_rng(dk + dv + 1)
+    layout = StateLayout(2 * S, (sh.K - 1, sh.C), (sh.nv, sh.dk, sh.dv))
+    cache = DeviceStateCache(dev, layout, layers=[0])
+    conv_np, rec_np = layout.allocate()
+    conv_np[:2 * S] = np.tile(rng.standard_normal((S, sh.K - 1, sh.C)).astype(np.float32), (2, 1, 1))
+    rec_np[:2 * S] = np.tile((0.1 * rng.standard_normal((S, sh.nv, sh.dk, sh.dv))).astype(np.float32), (2, 1, 1, 1))
+    cache.upload_layer(0, conv_np, rec_np)
+    u = dev.upload(rng.standard_normal((N, sh.C)).astype(np.float32))
+    g = dev.upload((-np.abs(rng.standard_normal((N, sh.nv))) * 0.5).astype(np.float32))
+    beta = dev.upload((1 / (1 + np.exp(-rng.standard_normal((N, sh.nv))))).astype(np.float32))
+    w = dev.upload((0.5 * rng.standard_normal((sh.C, sh.K))).astype(np.float32))
+    conv, rec = cache.conv[0], cache.recurrent[0]
+    outs = {}
+    for p, slots in (("tf32", list(range(S))), ("tf32_v2", list(range(S, 2 * S)))):
+        gdn = CudaGdn(dev, layout, sh.nk, "float32", precision=p)
+        assert gdn.precision == p and gdn.chunk_cols == (64 if p == "tf32" else 32)
+        outs[p] = dev.download(gdn.prefill(conv, rec, slots, lens, u, g, beta, w, mode="chunked"))
+    _, rec_d = cache.download_layer(0)
+    print(f"{dims}: o {rel(outs['tf32'], outs['tf32_v2']):.1e} (identical: "
+          f"{np.array_equal(outs['tf32'], outs['tf32_v2'])}), state {rel(rec_d[:S], rec_d[S:2 * S]):.1e}")
+    assert np.isfinite(outs["tf32"]).all()
+    assert rel(outs["tf32"], outs["tf32_v2"]) < 1e-5
+    assert rel(rec_d[:S], rec_d[S:2 * S]) < 1e-5
 
 
 def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
@@ -170,7 +215,7 @@ def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
     assert gdn.precision == "fp32" and gdn.chunk_module is not None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "tf32_v1"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "tf32_v2", "tf32_v1"])
 def test_batch_and_cut_invariance(dev, precision: str) -> None:
     """The chunked path gives a prompt the same bits alone, in a packed batch with others, and cut at a
     multiple of 64 tokens (state and conv window through the slot): outputs and final state."""

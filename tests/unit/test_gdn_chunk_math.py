@@ -9,10 +9,11 @@ CUDA is a transliteration of what this test verifies:
   A = strictly-lower(beta_i (k_i.k_j) e^{G_i-G_j}), Aqk = lower(q_i.k_j e^{G_i-G_j}), forward substitution
   (I + A) X = [beta v | beta e^G k] -> u = X[:, :dv], w = X[:, dv:], per-token scales
   sq_i = rq_i e^{G_i}, sk_i = rk_i e^{G_last - G_i} and e^{G_last}.
-* ``state pass`` (``gdn_chunk_state``, one CTA per (32 value columns, value head, sequence), sequential over
-  chunks): V = U - W S; o = sq * (q_raw S) + Aqk V; S = e^{G_last} S + k_raw^T (sk * V).
+* ``state pass`` (``gdn_chunk_state``, one CTA per (32 value columns (``-DTC=3``: 64), value head, sequence),
+  sequential over chunks): V = U - W S; o = sq * (q_raw S) + Aqk V; S = e^{G_last} S + k_raw^T (sk * V).
 
-The tf32 builds (``-DTC=1``, ``-DTC=2``) run the same decomposition with the operands of every product except the
+The tf32 builds (``-DTC=1``, ``-DTC=2``, ``-DTC=3``; 3 is 2's numerics in wider state CTAs, so the same model)
+run the same decomposition with the operands of every product except the
 forward substitution rounded to tf32 (``cvt.rna``); ``rnd=tf32`` applies that rounding here, which bounds
 the error the GPU tests allow that build.
 """

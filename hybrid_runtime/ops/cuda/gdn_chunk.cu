@@ -5,15 +5,19 @@
 // state_pass); the token recurrence it equals is MODEL_MATH.md "Gated DeltaNet mixer" step 5.
 //
 // Compiled by NVRTC with -DDK=<key head dim, multiple of 4> -DDV=<value head dim, multiple of 4> and
-// -DTC=<0 | 1 | 2> (precision): TC=0 is the float32 SIMT form above. TC=1 ("tf32_v1") runs every matrix
+// -DTC=<0 | 1 | 2 | 3> (precision): TC=0 is the float32 SIMT form above. TC=1 ("tf32_v1") runs every matrix
 // product of both kernels except the forward substitution on tensor cores (mma.sync m16n8k8 .tf32, operands
 // rounded to tf32 with cvt.rna, float32 accumulation; the state and every accumulator stay float32): ~1e-3
-// relative to float64, for bf16/fp16 bundles; needs DK % 16 == 0. TC=2 ("tf32", the default tensor-core
-// build) replaces the forward substitution by T = (I + A)^-1 (float32 SIMT, blockwise) and u = T diag(beta) v,
+// relative to float64, for bf16/fp16 bundles; needs DK % 16 == 0. TC=2 ("tf32_v2") replaces the forward
+// substitution by T = (I + A)^-1 (float32 SIMT, blockwise) and u = T diag(beta) v,
 // w = T diag(beta e^G) k on tensor cores, stores w and Aqk tf32-rounded (their only use is as tf32 operands),
 // and computes Q S with W S in step a of the state pass (shared S fragments, Q in W's cp.async stage).
-// Same grids, workspace and launch arguments in all builds; only the shared-memory sizes differ
-// (PREP_SMEM, STATE_SMEM; TC=1 and TC=2 share STATE_SMEM).
+// TC=3 ("tf32", the default tensor-core build) is TC=2's prep and numerics with a state pass of 64 value
+// columns per CTA (grid (ceil(DV/64), NV, S)): half the W / Q / K reloads, ldmatrix B fragments, 3 barriers
+// per chunk (gdn_chunk_state, TC == 3, below).
+// Same workspace and launch arguments in all builds; the state grid's x (ceil(DV/32), TC=3: ceil(DV/64)) and
+// the shared-memory sizes differ (PREP_SMEM, STATE_SMEM; TC=1 and TC=2 share STATE_SMEM, TC=2 and TC=3
+// PREP_SMEM).
 // Inputs: x float32 [N, C] post-conv channels (q | k | v, C = 2*NK*DK + NV*DV), g / beta float32 [N, NV],
 // seq_start int32 [S+1], slots int32 [S] (distinct), state rec float32 [rows, NV, DK, DV] (row stride rec_row
 // elements), o [N, NV*DV] (activation dtype DT, as gdn.cu). Chunks of CH = 64 tokens aligned to each
@@ -25,7 +29,7 @@
 //   sc  [N, NV, 4]   (rq e^{G_i}, rk e^{G_last-G_i}, e^{G_last}, 0)
 //
 // Kernel 1 gdn_chunk_prep:  grid (max_chunks, NV, S), 256 threads, dynamic smem PREP_SMEM bytes.
-// Kernel 2 gdn_chunk_state: grid (ceil(DV/32), NV, S), 256 threads, dynamic smem STATE_SMEM bytes.
+// Kernel 2 gdn_chunk_state: grid (ceil(DV/32), NV, S) (TC=3: ceil(DV/64)), 256 threads, dynamic smem STATE_SMEM.
 // Both wait on griddepcontrol.wait before touching global memory (programmatic dependent launch).
 
 typedef unsigned short u16;
@@ -44,7 +48,7 @@ typedef unsigned int u32;
 #define TC 0
 #endif
 #if TC && (DK % 16)
-#error "the tf32 builds (TC=1, TC=2) need DK % 16 == 0"
+#error "the tf32 builds (TC=1, 2, 3) need DK % 16 == 0"
 #endif
 
 #if DT == 0
@@ -135,8 +139,8 @@ __device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane
 //   qs [64][DKP] normalised q (x 1/sqrt(DK)),  ks [64][DKP] normalised k,  am [64][64] A^T (am[j][i] = A_ij, j < i)
 //   gd [64] doubles: G (cumulative log decay, in float64),  bt [64] beta,  eg [64] e^G,  rq/rk [64]
 // ------------------------------------------------------------------------------------------------
-#if TC == 2
-// tf32 build 2: shared memory (floats) qv [64][PQV] (q rows of stride PKS, later v rows of stride PVS),
+#if TC >= 2
+// tf32 builds 2 and 3: shared memory (floats) qv [64][PQV] (q rows of stride PKS, later v rows of stride PVS),
 // ks [64][PKS], am [64][PAS], tm [64][PAS], then G (float64), beta, e^G, rq, rk [64].
 #define DVP (((DV + 7) / 8) * 8)  // v columns padded to whole n-tiles (zero-filled)
 #define PKS (DK + 4)              // q / k rows: A fragments and [n][k] B fragments conflict-free (ldmatrix)
@@ -149,10 +153,11 @@ __device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane
 #endif
 #define PREP_SMEM (PREP_FLOATS * 4)
 
-#if TC == 2
+#if TC >= 2
 // ------------------------------------------------------------------------------------------------
-// Kernel 1, tf32 build 2 (precision "tf32"): the forward substitution replaced by T = (I + A)^-1 (float32
-// SIMT, blockwise: tests/unit/test_gdn_chunk_math.py unit_lower_inverse) and two tensor-core products,
+// Kernel 1, tf32 builds 2 and 3 (precisions "tf32_v2", "tf32"): the forward substitution replaced by
+// T = (I + A)^-1 (float32 SIMT, blockwise: tests/unit/test_gdn_chunk_math.py unit_lower_inverse) and two
+// tensor-core products,
 // u = tf32(T diag(beta)) tf32(v), w = tf32(T diag(beta e^G)) tf32(k) (w stored tf32-rounded, as Aqk: both
 // are only ever tf32 A operands of gdn_chunk_state). q / k / v arrive by cp.async; q, k are normalised and
 // rounded to tf32 in shared memory once. Same grid, arguments and workspace as the other builds.
@@ -414,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
         }
   }
 }
-#else  // TC != 2
+#else  // TC < 2
 
 extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __restrict__ x,
                                                                 const float* __restrict__ gdec,
@@ -609,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
   }
 }
 
-#endif  // TC != 2
+#endif  // TC < 2
 
 // ------------------------------------------------------------------------------------------------
 // Kernel 2: one CTA per (32 value columns, value head h, sequence s), sequential over the sequence's
@@ -628,7 +633,16 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
 #define AST (CH + 4)  // Aqk rows (A operand)
 #define VST (BV + 8)  // S, U, V, sk V rows (B operand: rows t, columns g)
 #define STATE_FLOATS_TC (DK * VST + 2 * CH * WST + CH * KST + CH * AST + 3 * CH * VST + 2 * CH * 4)
-#if TC
+// TC=3 build: 64 value columns per CTA, S^T / V^T / (sk V)^T stored tf32-rounded as [n][k] (ldmatrix B fragments).
+#define BW 64         // value columns per state CTA of build 3
+#define SST (DK + 4)  // S^T rows [BW][SST] (B operand [n][k] by ldmatrix: SST % 32 == 4 when DK % 32 == 0)
+#define UST (BW + 8)  // U rows [CH][UST] (read in the C fragment layout)
+#define VTS (CH + 4)  // V^T, (sk V)^T rows [BW][VTS] (B operands [n][k] by ldmatrix)
+#define STATE_FLOATS_TC3 (BW * SST + 2 * CH * WST + CH * KST + CH * AST + CH * UST + 2 * BW * VTS + 2 * CH * 4)
+#define MTC ((DK / 16 + 7) / 8)  // 16-row state tiles per warp in step c (tensor-core builds)
+#if TC == 3
+#define STATE_SMEM (STATE_FLOATS_TC3 * 4)
+#elif TC
 #define STATE_SMEM (STATE_FLOATS_TC * 4)
 #else
 #define STATE_SMEM (STATE_FLOATS * 4)
@@ -838,7 +852,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
   }
 }
 
-#else  // TC
+#elif TC < 3
 // ------------------------------------------------------------------------------------------------
 // Kernel 2, tf32 tensor cores: the same CTA, stages and schedule as the SIMT kernel above (one CTA per
 // (32 value columns, value head, sequence), sequential over chunks, three cp.async groups in flight),
@@ -852,8 +866,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
 // Shared memory (floats): ss [DK][VST], wm/qm [64][WST], km [64][KST], am [64][AST], um/vm/vk [64][VST],
 // sc [2][64][4].
 // ------------------------------------------------------------------------------------------------
-#define MTC ((DK / 16 + 7) / 8)  // 16-row state tiles per warp in step c
-
 extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float* __restrict__ x,
                                                                  const int* __restrict__ seq_start,
                                                                  const int* __restrict__ slots,
@@ -1154,6 +1166,275 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
     if (tile < DK / 16) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
+          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
+        }
+    }
+  }
+}
+#else  // TC == 3
+// ------------------------------------------------------------------------------------------------
+// Kernel 2, tf32 build 3 (precision "tf32"): the numerics of build 2 (same operands rounded the same way, same
+// k order in every accumulator chain) in a CTA of BW = 64 value columns (grid (ceil(DV/64), NV, S)): W, Q and
+// K, which every column CTA of a head loads whole, now serve 64 columns instead of 32, halving the L2 -> SM
+// traffic of the pass (build 2 moves ~115 KB per CTA per chunk: 14.7 MB per step at 128 CTAs, ~2.5 TB/s at
+// the measured 5.9 us per step, at batch 1 and at 8 x 4096 alike), with twice the independent mma per warp
+// (latency hiding). Per chunk, 8 warps:
+//   a: V = U - W S and Q S   warp w: rows 16 (w & 3) .. +15, columns 32 (w >> 2) .. +31 (4 n-tiles), k = DK;
+//      V^T and (sk V)^T are written tf32-rounded as [column][token] rows (ldmatrix B fragments for b and c)
+//   b: o = sq (Q S) + Aqk V   same tile, k < 16 ((w & 3) + 1) (Aqk lower triangular); o stored in pairs
+//   c: S = e^{G_last} S + K^T Vk   warp w: state rows 16 (w + 8 m) .. +15 (m < MTC), all 64 columns (8 n-tiles);
+//      K^T read from K [64][KST] as the A operand (scalar loads: a0 = km[t][g]); S^T then rewritten
+//      tf32-rounded into sT [64][SST] (the B operand of step a, by ldmatrix)
+// Rounding S, V, sk V once when they are written instead of at every fragment read (build 2) gives the same
+// bits. Three cp.async groups stay in flight as in build 2 ({W, U, sc, Q} after step a, {Aqk} after step b,
+// {K} after step c), but each step ends with one wait_group 1 + barrier that both frees the stage it read and
+// publishes the next step's group (3 barriers per chunk instead of 6).
+// Shared memory (floats): sT [64][SST], wm/qm [64][WST], km [64][KST], am [64][AST], um [64][UST],
+// vT/vkT [64][VTS], sc [2][64][4] (STATE_FLOATS_TC3: 208,896 bytes at DK = 128).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void store_act2(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
+__device__ __forceinline__ void store_act2(u16* p, float a, float b) {
+  store_act(p, a);
+  store_act(p + 1, b);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float* __restrict__ x,
+                                                                 const int* __restrict__ seq_start,
+                                                                 const int* __restrict__ slots,
+                                                                 float* __restrict__ rec, long long rec_row,
+                                                                 const float* __restrict__ ws_w,
+                                                                 const float* __restrict__ ws_u,
+                                                                 const float* __restrict__ ws_a,
+                                                                 const float* __restrict__ ws_s,
+                                                                 T* __restrict__ out, int S, int NK, int NV) {
+  extern __shared__ __align__(16) float sm[];
+  const int h = blockIdx.y, s = blockIdx.z;
+  if (s >= S || h >= NV) return;
+  pdl_wait();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3, mt = warp & 3, nh = warp >> 2;
+  const int col0 = blockIdx.x * BW;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  const int nc = (T_len + CH - 1) / CH;
+  float* St = rec + (long long)slots[s] * rec_row + (long long)h * DK * DV;
+
+  float* sT = sm;               // [BW][SST]  tf32(S)^T
+  float* wm = sT + BW * SST;    // [CH][WST]
+  float* qm = wm + CH * WST;    // [CH][WST]
+  float* km = qm + CH * WST;    // [CH][KST]
+  float* am = km + CH * KST;    // [CH][AST]
+  float* um = am + CH * AST;    // [CH][UST]
+  float* vT = um + CH * UST;    // [BW][VTS]  tf32(V)^T
+  float* vkT = vT + BW * VTS;   // [BW][VTS]  tf32(sk V)^T
+  float* scm = vkT + BW * VTS;  // [2][CH][4]
+
+  // Stage issuers (as build 2). Row i of chunk cc is token start + CH*cc + i; rows >= n and columns >= DV are
+  // zero-filled; the pad columns of each row are never read.
+  auto issue_wu = [&](int cc) {
+    if (cc < nc) {
+      const int t0 = start + cc * CH, n = min(CH, T_len - cc * CH);
+      for (int e = tid; e < CH * (DK / 4); e += NT) {
+        const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
+        const bool ok = i < n;
+        cp16(wm + i * WST + q4, ok ? ws_w + ((size_t)(t0 + i) * NV + h) * DK + q4 : ws_w, ok);
+        cp16(qm + i * WST + q4, ok ? x + (size_t)(t0 + i) * C + kh * DK + q4 : x, ok);
+      }
+      for (int e = tid; e < CH * (BW / 4); e += NT) {
+        const int i = e / (BW / 4), q4 = (e % (BW / 4)) * 4;
+        const bool ok = i < n && col0 + q4 < DV;
+        cp16(um + i * UST + q4, ok ? ws_u + ((size_t)(t0 + i) * NV + h) * DV + col0 + q4 : ws_u, ok);
+      }
+      for (int i = tid; i < CH; i += NT) {
+        const bool ok = i < n;
+        cp16(scm + ((cc & 1) * CH + i) * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
+      }
+    }
+    cp_commit();  // always a group (possibly empty): the wait_group counts stay exact
+  };
+  auto issue_qa = [&](int cc) {
+    if (cc < nc) {
+      const int t0 = start + cc * CH, n = min(CH, T_len - cc * CH);
+      // Aqk: only the 16-column blocks on / below each row's diagonal block (all that step b reads)
+      for (int e = tid; e < CH * (CH / 4); e += NT) {
+        const int i = e / (CH / 4), q4 = (e % (CH / 4)) * 4;
+        const bool ok = i < n;
+        if (q4 < 16 * ((i >> 4) + 1))
+          cp16(am + i * AST + q4, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q4 : ws_a, ok);
+      }
+    }
+    cp_commit();
+  };
+  auto issue_k = [&](int cc) {
+    if (cc < nc) {
+      const int t0 = start + cc * CH, n = min(CH, T_len - cc * CH);
+      for (int e = tid; e < CH * (DK / 4); e += NT) {
+        const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
+        const bool ok = i < n;
+        cp16(km + i * KST + q4, ok ? x + (size_t)(t0 + i) * C + NK * DK + kh * DK + q4 : x, ok);
+      }
+    }
+    cp_commit();
+  };
+
+  issue_wu(0);
+  issue_qa(0);
+  issue_k(0);
+
+  // state: st[m][nt][r] = S[16 (warp + 8m) + g + 8 (r >> 1)][col0 + 8 nt + 2 t4 + (r & 1)] (step c's C layout,
+  // the float32 master copy); columns >= DV stay zero, tiles past DK do not exist (warp-uniform).
+  float st[MTC][8][4];
+#pragma unroll
+  for (int m = 0; m < MTC; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int tile = warp + 8 * m, d = 16 * tile + g + 8 * (r >> 1), n = 8 * nt + 2 * t4 + (r & 1);
+        const bool ok = tile < DK / 16;
+        st[m][nt][r] = (ok && col0 + n < DV) ? St[(size_t)d * DV + col0 + n] : 0.f;
+        if (ok) sT[n * SST + d] = rnd_tf32(st[m][nt][r]);
+      }
+  cp_wait2();
+  __syncthreads();  // {W, Q, U, sc} of chunk 0 landed; sT complete
+
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = start + c * CH, n = min(CH, T_len - c * CH);
+    const float* sc = scm + (c & 1) * CH * 4;
+
+    // ---- step a: V = U - W S, Q S (shared S fragments); V^T, (sk V)^T to shared memory
+    float accq[4][4];
+    {
+      float acc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nt][r] = accq[nt][r] = 0.f;
+#pragma unroll 2
+      for (int kk = 0; kk < DK; kk += 8) {
+        u32 wa[4], qa[4], b01[4], b23[4];
+        ldsm_a(wa, wm + 16 * mt * WST + kk, WST, lane);  // W: stored tf32-rounded by the prep
+        ldsm_a(qa, qm + 16 * mt * WST + kk, WST, lane);  // Q: raw x
+#pragma unroll
+        for (int r = 0; r < 4; ++r) qa[r] = tf32(__uint_as_float(qa[r]));
+        ldsm_b2(b01, sT + 32 * nh * SST + kk, SST, lane);         // n-tiles 0, 1
+        ldsm_b2(b23, sT + (32 * nh + 16) * SST + kk, SST, lane);  // n-tiles 2, 3
+        mma_tf32(acc[0], wa[0], wa[1], wa[2], wa[3], b01[0], b01[1]);
+        mma_tf32(accq[0], qa[0], qa[1], qa[2], qa[3], b01[0], b01[1]);
+        mma_tf32(acc[1], wa[0], wa[1], wa[2], wa[3], b01[2], b01[3]);
+        mma_tf32(accq[1], qa[0], qa[1], qa[2], qa[3], b01[2], b01[3]);
+        mma_tf32(acc[2], wa[0], wa[1], wa[2], wa[3], b23[0], b23[1]);
+        mma_tf32(accq[2], qa[0], qa[1], qa[2], qa[3], b23[0], b23[1]);
+        mma_tf32(acc[3], wa[0], wa[1], wa[2], wa[3], b23[2], b23[3]);
+        mma_tf32(accq[3], qa[0], qa[1], qa[2], qa[3], b23[2], b23[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g + 8 * hf, j = 32 * nh + 8 * nt + 2 * t4;
+          const float2 uu = *(const float2*)(um + i * UST + j);
+          const float v0 = uu.x - acc[nt][2 * hf], v1 = uu.y - acc[nt][2 * hf + 1], sk = sc[i * 4 + 1];
+          vT[j * VTS + i] = rnd_tf32(v0);
+          vT[(j + 1) * VTS + i] = rnd_tf32(v1);
+          vkT[j * VTS + i] = rnd_tf32(sk * v0);
+          vkT[(j + 1) * VTS + i] = rnd_tf32(sk * v1);
+        }
+    }
+    cp_wait1();       // pending were {Aqk}(c), {K}(c): {Aqk}(c) landed
+    __syncthreads();  // wm, qm, um free; vT, vkT and Aqk(c) visible
+    issue_wu(c + 1);
+
+    // ---- step b: o = sq (Q S) + Aqk V
+    {
+      float acv[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acv[nt][r] = 0.f;
+      for (int kk = 0; kk < 16 * (mt + 1); kk += 8) {  // Aqk[i][j] = 0 for j > i
+        u32 a[4], b01[4], b23[4];
+        ldsm_a(a, am + 16 * mt * AST + kk, AST, lane);  // stored tf32-rounded by the prep
+        ldsm_b2(b01, vT + 32 * nh * VTS + kk, VTS, lane);
+        ldsm_b2(b23, vT + (32 * nh + 16) * VTS + kk, VTS, lane);
+        mma_tf32(acv[0], a[0], a[1], a[2], a[3], b01[0], b01[1]);
+        mma_tf32(acv[1], a[0], a[1], a[2], a[3], b01[2], b01[3]);
+        mma_tf32(acv[2], a[0], a[1], a[2], a[3], b23[0], b23[1]);
+        mma_tf32(acv[3], a[0], a[1], a[2], a[3], b23[2], b23[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g + 8 * hf, col = col0 + 32 * nh + 8 * nt + 2 * t4;  // even; DV % 4 == 0
+          if (i < n && col < DV) {
+            const float sq = sc[i * 4];
+            store_act2(out + (size_t)(t0 + i) * NV * DV + (size_t)h * DV + col,
+                       sq * accq[nt][2 * hf] + acv[nt][2 * hf], sq * accq[nt][2 * hf + 1] + acv[nt][2 * hf + 1]);
+          }
+        }
+    }
+    cp_wait1();       // pending were {K}(c), {W, Q, U, sc}(c+1): {K}(c) landed
+    __syncthreads();  // am free; K(c) visible
+    issue_qa(c + 1);
+
+    // ---- step c: S = e^{G_last} S + K^T Vk
+    {
+      const float el = sc[2];  // row 0 always exists (n >= 1)
+#pragma unroll
+      for (int m = 0; m < MTC; ++m)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) st[m][nt][r] *= el;
+#pragma unroll 2
+      for (int kk = 0; kk < CH; kk += 8) {
+        u32 b[4][4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ldsm_b2(b[q], vkT + 16 * q * VTS + kk, VTS, lane);  // n-tiles 2q, 2q+1
+#pragma unroll
+        for (int m = 0; m < MTC; ++m) {
+          const int tile = warp + 8 * m;
+          if (tile < DK / 16) {
+            const float* ar = km + (kk + t4) * KST + 16 * tile + g;  // A(d, i) = K[i][d]
+            const u32 a0 = tf32(ar[0]), a1 = tf32(ar[8]), a2 = tf32(ar[4 * KST]), a3 = tf32(ar[4 * KST + 8]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              mma_tf32(st[m][2 * q], a0, a1, a2, a3, b[q][0], b[q][1]);
+              mma_tf32(st[m][2 * q + 1], a0, a1, a2, a3, b[q][2], b[q][3]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MTC; ++m) {
+        const int tile = warp + 8 * m;
+        if (tile < DK / 16) {
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              sT[(8 * nt + 2 * t4 + (r & 1)) * SST + 16 * tile + g + 8 * (r >> 1)] = rnd_tf32(st[m][nt][r]);
+        }
+      }
+    }
+    cp_wait1();       // pending were {W, Q, U, sc}(c+1), {Aqk}(c+1): the first landed
+    __syncthreads();  // km, vkT free; sT (the next chunk's state) and W, Q, U, sc of chunk c+1 visible
+    issue_k(c + 1);
+  }
+  cp_wait0();  // the trailing (empty) groups
+
+#pragma unroll
+  for (int m = 0; m < MTC; ++m) {
+    const int tile = warp + 8 * m;
+    if (tile < DK / 16) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
