@@ -49,7 +49,7 @@ SOURCE = "moe_gemm.cu"
 WGMMA_SOURCE = "moe_wgmma.cu"
 WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: cubins run on compute capability 9.0 only
 # What "auto" runs on a compute capability 9.0 GPU: set to "mma" to make the mma.sync build the default again.
-AUTO_IMPL = "wgmma"
+AUTO_IMPL = "wgmma_ws"
 WGMMA_WS_SOURCE = "moe_wgmma_ws.cu"
 IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws")
 
