@@ -202,8 +202,10 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mp, "load_module", fake_load)
     dev = _FakeDevice((9, 0))
     m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
-    assert m.impl == mp.AUTO_IMPL == "wgmma" and ("moe_wgmma.cu", "sm_90a") in loads
-    assert m.gemm_impl(2048, 512) == "wgmma" and m.gemm_impl(128, 128) == "mma"  # H % 256: the mma tiles
+    assert m.impl == mp.AUTO_IMPL == "wgmma_ws" and ("moe_wgmma_ws.cu", "sm_90a") in loads
+    assert m.gemm_impl(2048, 512) == "wgmma_ws" and m.gemm_impl(128, 128) == "mma"  # H % 256: the mma tiles
+    assert mp.MoEPrefill(dev, "bfloat16", impl="wgmma").gemm_impl(2048, 512) == "wgmma"  # type: ignore[arg-type]
+    assert ("moe_wgmma.cu", "sm_90a") in loads
     assert ("moe_gemm.cu", "sm_90") in loads  # routing + the fallback: the same build as before
     assert mp.MoEPrefill(dev, "bfloat16", impl="wgmma128").gemm_impl(128, 128) == "wgmma128"  # type: ignore[arg-type]
     assert mp.MoEPrefill(dev, "bfloat16", impl="mma").impl == "mma"  # type: ignore[arg-type]
@@ -213,13 +215,13 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ("moe_wgmma_ws.cu", "sm_90a") in loads
     loads.clear()
     assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
-    assert ("moe_wgmma.cu", "sm_90a") not in loads
+    assert not [ld for ld in loads if ld[1] == "sm_90a"]
     assert mp.MoEPrefill(_FakeDevice((10, 0)), "bfloat16").impl == "mma"  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"9\.0"):
         mp.MoEPrefill(_FakeDevice((8, 9)), "bfloat16", impl="wgmma")  # type: ignore[arg-type]
 
     def failing_load(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
-        if src == "moe_wgmma.cu":
+        if src in ("moe_wgmma.cu", "moe_wgmma_ws.cu"):
             raise RuntimeError("no wgmma today")
         return _FakeModule()
 
