@@ -228,9 +228,9 @@ def test_batch_invariance_greedy_on_the_gpu(bf16_bundles: tuple[Path, Path]) -> 
 
 
 def test_seeded_sampling_alone_equals_batched_on_the_gpu(bf16_bundles: tuple[Path, Path]) -> None:
-    """Was an expected failure (15 of 16 identical): a prompt's prefill attention ran as decode-kernel queries
-    planned for the whole step, so its plan depended on what shared the step. The prefill kernel's rows never
-    see each other; passed in every H200 run since (2026-12-01)."""
+    """Was an expected failure (15 of 16 identical), most likely because a prompt's prefill attention ran as
+    decode-kernel queries planned for the whole step, so its plan depended on what shared the step. The prefill
+    kernel's rows never see each other; it passed in every H200 run since (2026-12-01)."""
     _alone_vs_batched(bf16_bundles, "seeded", {"temperature": 0.9, "top_p": 0.9, "seed": 5})
 
 
