@@ -109,11 +109,7 @@ def matmul_rate(torch: Any, n: int = 8192) -> float:
     return 2 * n**3 / sec
 
 
-def chunks(L: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(chunk, L - s)) for s in range(0, L, chunk)]
-
-
-def prompt_steps(be: Any, prompts: list[tuple[int, list[int], list[int]]], chunk: int) -> list[list[Any]]:
+def prompt_steps(prompts: list[tuple[int, list[int], list[int]]], chunk: int) -> list[list[Any]]:
     """Steps that prefill ``prompts`` = (slot, page table, ids), at most ``chunk`` tokens per step, prompts
     packed into steps in order (the scheduler's policy without decode)."""
     from hybrid_runtime.runner import SeqStep
@@ -261,7 +257,7 @@ def main() -> None:
     kinds: dict[str, list[tuple[str, int, float]]] = {}
 
     def case(name: str, prompts: list[tuple[int, list[int], list[int]]]) -> None:
-        steps = prompt_steps(be, prompts, a.chunk)
+        steps = prompt_steps(prompts, a.chunk)
         run_prompts(be, runner, steps)  # warm-up: kernels loaded, GEMMs planned
         times = [run_prompts(be, runner, steps) for _ in range(a.reps)]
         t = statistics.median(times)

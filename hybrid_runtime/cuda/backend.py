@@ -332,7 +332,7 @@ class CudaBackend:
                 "expert_off": ((1, E_all + 1), "int32"), "active": ((1, E_all + 1), "int32"),
                 "moe_act": ((T * self.kk, cfg.moe_intermediate_size), d), "y": ((T, self.ny * H), "float32"),
             })
-            if getattr(self, "moe_prefill", None) is not None:  # the tensor-core prefill MoE's tile list
+            if self.moe_prefill is not None:  # the tensor-core prefill MoE's tile list
                 shapes.update({"moe_tiles": ((1, tile_list_words(T * self.kk, E_all)), "int32"),
                                "moe_cta_counts": ((ROUTE_MAX_CTAS, E_all), "int32")})
         self.arena = _Arena()
