@@ -216,9 +216,13 @@ def main() -> int:
     ap.add_argument("--slice-context", type=int, default=1024)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-full", action="store_true", help="only the 4-layer slice")
+    ap.add_argument("--moe-decode", default="auto",
+                    help="comma-separated CudaBackend moe_decode modes to run the 40-layer rows under (auto, "
+                         "tensor_cores, cuda_cores): graphs are recaptured for each")
     args = ap.parse_args()
     import torch
 
+    from hybrid_runtime.cuda.backend import moe_path
     from hybrid_runtime.cuda.driver import CudaDevice
 
     torch.cuda.init()
@@ -263,26 +267,36 @@ def main() -> int:
         free1 = torch.cuda.mem_get_info()[0]
         log(f"loaded: {load}")
         rows = []
-        for B in args.batches:
-            for ctx in args.contexts:
-                r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts))
-                fl = floor_bytes(cfg, be.w, B, ctx)
-                r.update(fl)
-                r["floor"] = fl["total"] / bw
-                rows.append(r)
-                log(f"B={B} ctx={ctx}: wall {r['wall'] * 1e3:.3f} ms, GPU {r['gpu'] * 1e3:.3f} ms, floor "
-                    f"{r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), {r['nodes']} kernels, "
-                    f"graph {r['graph']}")
+        for mi, mode in enumerate(m for m in args.moe_decode.split(",") if m):
+            if mi:  # the graphs hold the MoE path they were captured with: capture again under this mode
+                for g in be.graphs.values():
+                    g.destroy()
+                be.graphs.clear()
+                be.moe_decode = mode
+                be.capture_graphs(runner._forward, buckets=args.batches)
+            be.moe_decode = mode
+            for B in args.batches:
+                for ctx in args.contexts:
+                    r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mi == 0)
+                    fl = floor_bytes(cfg, be.w, B, ctx)
+                    r.update(fl)
+                    r["floor"] = fl["total"] / bw
+                    r["moe"] = f"{mode}: " + moe_path(False, B, be.moe_prefill is not None, mode)
+                    rows.append(r)
+                    log(f"B={B} ctx={ctx} moe {r['moe']}: wall {r['wall'] * 1e3:.3f} ms, GPU {r['gpu'] * 1e3:.3f} "
+                        f"ms, floor {r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), {r['nodes']} kernels, "
+                        f"graph {r['graph']}")
         lines += [f"## {args.layers} layers (Qwen3.5-35B-A3B text), bf16 weights and KV", "",
                   f"GPU memory in use after load: {(free0 - free1) / 2**30:.1f} GiB (weights "
                   f"{be.w.nbytes / 2**30:.1f} GiB, KV pool {pages} pages of 16 tokens, {maxB} state slots); load "
                   f"{load['weights_s']:.1f} s weights (generated on the device) + {load['backend_s']:.1f} s backend + "
                   f"{load['capture_s']:.1f} s warm-up and capture of {load['graphs']} graphs.", "",
-                  "| batch | context | floor (ms) | GPU replay (ms) | x floor | step as served (ms) | x floor | "
-                  "kernels | graph | floor bytes: weights / experts / KV / state (GB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch | context | decode MoE (mode: path) | floor (ms) | GPU replay (ms) | x floor | "
+                  "step as served (ms) | x floor | kernels | graph | "
+                  "floor bytes: weights / experts / KV / state (GB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['B']} | {r['ctx']} | {r['floor'] * 1e3:.3f} | {r['gpu'] * 1e3:.3f} | "
+            lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['floor'] * 1e3:.3f} | {r['gpu'] * 1e3:.3f} | "
                          f"{r['gpu'] / r['floor']:.2f} | {r['wall'] * 1e3:.3f} | {r['wall'] / r['floor']:.2f} | "
                          f"{r['nodes']} | {r['graph']} | {r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
                          f"{r['kv'] / 1e9:.2f} / {r['state'] / 1e9:.3f} |")

@@ -71,7 +71,29 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 SMEM_DEFAULT = 48 * 1024
 GEMV_MAX_M = 16  # decode GEMMs of at most this many rows run the fused gemv kernel
 FOLD_MAX_TOKENS = 16  # up to this many tokens the shared expert runs inside the routed-expert kernels
+
+
 MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x MOE_RPW (2) rows
+MOE_DECODE_MODES = ("auto", "tensor_cores", "cuda_cores")
+
+
+def moe_path(prefill: bool, n: int, tensor_cores: bool, decode_mode: str = "auto") -> str:
+    """Which routed-expert kernels a step of ``n`` token rows runs: ``"tensor_cores"`` (``cuda/moe_prefill.py``:
+    device routing, a tile list and grouped GEMMs; each touched expert's weights are streamed once per step)
+    or ``"cuda_cores"`` (``fused.cu``'s moe_route / moe_gate_up / moe_down).
+
+    Prefill always takes the tensor cores when they exist (``tensor_cores``: bf16/fp16 and a shape the tiles
+    divide). Decode follows ``decode_mode``: ``"tensor_cores"`` / ``"cuda_cores"`` always, ``"auto"`` the
+    tensor cores for steps of more than :data:`FOLD_MAX_TOKENS` rows only. The boundary is the one the pinned
+    decode GEMMs and the folded shared expert already have, so a row's bits depend on its class, never on the
+    other rows of its step."""
+    if decode_mode not in MOE_DECODE_MODES:
+        raise ValueError(f"moe decode mode {decode_mode!r}: one of {MOE_DECODE_MODES}")
+    if not tensor_cores:
+        return "cuda_cores"
+    if prefill or decode_mode == "tensor_cores":
+        return "tensor_cores"
+    return "tensor_cores" if decode_mode == "auto" and n > FOLD_MAX_TOKENS else "cuda_cores"
 
 
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -169,7 +191,7 @@ class CudaBackend:
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
-                 gpu_memory_fraction: float | None = None) -> None:
+                 gpu_memory_fraction: float | None = None, moe_decode: str = "auto") -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -195,6 +217,8 @@ class CudaBackend:
         # one CTA per row: a decode row's norm is on the step's critical path, so as many threads as help
         self.norm_threads = min(1024, max(32, -(-cfg.hidden_size // 2 // 32) * 32))
         self.gemv_decode = gemv_decode
+        moe_path(False, 1, False, moe_decode)  # validates the mode
+        self.moe_decode = moe_decode  # which decode steps take the tensor-core MoE (moe_path); tests, benchmarks
         arch = self.dev.arch
         self.fused = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}",), arch)
         self.sampling = load_module("sampling.cu", (), arch)
@@ -739,16 +763,18 @@ class CudaBackend:
         fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
-        if ctx.phase == Phase.PREFILL and self.moe_prefill is not None:
+        if self.moe_prefill is not None and moe_path(ctx.phase == Phase.PREFILL, n, True,
+                                                      self.moe_decode) == "tensor_cores":
             # Tensor cores for every prefill step whatever its token count (a prompt takes the same path alone
-            # or batched): routing + tile list on the device, two grouped GEMMs (cuda/moe_prefill.py); the
-            # same pair_* / expert_off / active / moe_act / y contract as below. Never folds.
+            # or batched) and for the decode steps moe_path gives them: routing + tile list on the device, two
+            # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
+            # below, the shared expert folded in as expert E exactly when the CUDA-core path would fold it.
             tl = A.bufs["moe_tiles"]
             bufs = MoEBuffers(pw.ptr, pe.ptr, pl.ptr, off.ptr, act_l.ptr, tl.ptr, A.bufs["moe_cta_counts"].ptr,
                               moe_act.ptr, y.ptr, (tl.size - 4) // 4)
-            with self._prof("moe_prefill"):
+            with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
-                                        self.ny, bufs)
+                                        self.ny, bufs, fold_shared=fold)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
             self._launch("moe_route", (1, 1, 1), 1024,
                          [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),

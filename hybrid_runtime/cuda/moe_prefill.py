@@ -258,9 +258,14 @@ class MoEPrefill:
                      smem=GEMM_SMEM)
 
     def launch(self, n: int, logits: int, ld: int, mw: MoEWeights, h: int, ldh: int, k: int, renorm: bool, ny: int,
-               bufs: MoEBuffers) -> None:
-        """The routed experts of a prefill step: :meth:`route` (no folding: the shared expert runs as GEMMs)
-        then :meth:`experts` on ``mw``'s stacks. ``y`` slots ``k .. ny-1`` are left untouched."""
+               bufs: MoEBuffers, fold_shared: bool = False) -> None:
+        """The routed experts of a step: :meth:`route` then :meth:`experts` on ``mw``'s stacks. Without
+        ``fold_shared`` (prefill: the shared expert runs as GEMMs) ``y`` slots ``k .. ny-1`` are left untouched;
+        with it (``mw.fold``: the shared expert is row E of the stacks) the shared expert is pair ``k`` of every
+        token, its output in slot ``k`` weighted by sigmoid(logits[:, E])."""
+        if fold_shared and not mw.fold:
+            raise ValueError("fold_shared needs the shared expert stacked as expert E (MoEWeights.fold)")
         H, two_i = mw.gate_up.shape[2], mw.gate_up.shape[1]
-        self.route(n, logits, ld, mw.num_experts, k, renorm, bufs)
-        self.experts(n, h, ldh, mw.gate_up.ptr, mw.down.ptr, H, two_i // 2, k, ny, mw.num_experts, bufs)
+        kk, e_all = k + int(fold_shared), mw.num_experts + int(fold_shared)
+        self.route(n, logits, ld, mw.num_experts, k, renorm, bufs, fold_shared=fold_shared)
+        self.experts(n, h, ldh, mw.gate_up.ptr, mw.down.ptr, H, two_i // 2, kk, ny, e_all, bufs)

@@ -224,3 +224,79 @@ def test_wgmma_and_mma_agree_closely(dev, other: str) -> None:
     assert np.array_equal(a["pl"], b["pl"]) and np.array_equal(a["pw"].view(np.uint32), b["pw"].view(np.uint32))
     ya, yb = a["y"][:300, :4].astype(np.float64), b["y"][:300, :4].astype(np.float64)
     assert np.linalg.norm(ya - yb) / np.linalg.norm(ya) < 2e-3
+
+
+@pytest.mark.parametrize("impl", ["mma", "wgmma_ws"])
+def test_decode_sizes_with_the_shared_expert_folded_match_the_cuda_core_kernels(dev, impl: str) -> None:
+    """Decode steps on the tensor cores (CudaBackend moe_decode): the shared expert folded in as expert E, slot k,
+    weighted by sigmoid(logits[:, E]). Against fused.cu's folded CUDA-core kernels (moe_route + moe_gate_up +
+    moe_down, the decode path) on the same inputs, at decode batch sizes 1 .. 64: the same routing bits, every
+    pair's product within bf16 activation rounding, nothing written past the step's rows."""
+    from hybrid_runtime.cuda.backend import MOE_ROWS_PER_CTA, SMEM_DEFAULT, fill_random
+    from hybrid_runtime.cuda.kernels import load_module
+    from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
+    from hybrid_runtime.cuda.weights import MoEWeights
+
+    impl_or_skip(dev, impl)
+    H, inter, E, k = SHAPES["a35b"]
+    e_all, kk, ny, n_max = E + 1, k + 1, k + 1, 64
+    ld = -(-(E + 1) // 8) * 8
+    fused = load_module("fused.cu", (f"-DDT={DT['bfloat16']}",), dev.arch)
+    gu, dn = dev.empty((e_all, 2 * inter, H), "bfloat16"), dev.empty((e_all, H, inter), "bfloat16")
+    fill_random(dev, fused, gu, 21, 1.0 / np.sqrt(H))
+    fill_random(dev, fused, dn, 22, 1.0 / np.sqrt(inter))
+    mw = MoEWeights(dev.zeros((ld, H), "bfloat16"), ld, gu, dn, E, True, None, None)
+    moe = MoEPrefill(dev, "bfloat16", impl=impl)
+    P = n_max * kk
+
+    def bufs(prefix: str) -> dict:
+        return {name: dev.empty(shape, dt) for name, shape, dt in (
+            ("pw", (P,), "float32"), ("pe", (P,), "int32"), ("pl", (P,), "int32"), ("off", (e_all + 1,), "int32"),
+            ("active", (e_all + 1,), "int32"), ("tiles", (tile_list_words(P, e_all),), "int32"),
+            ("cta", (ROUTE_MAX_CTAS, e_all), "int32"), ("act", (P, inter), "bfloat16"),
+            ("y", (n_max, ny, H), "float32"))}
+
+    tc, cc = bufs("tc"), bufs("cc")
+    mb = MoEBuffers(tc["pw"].ptr, tc["pe"].ptr, tc["pl"].ptr, tc["off"].ptr, tc["active"].ptr, tc["tiles"].ptr,
+                    tc["cta"].ptr, tc["act"].ptr, tc["y"].ptr, (tc["tiles"].size - 4) // 4)
+    tg, tg_d = max(1, min(8, SMEM_DEFAULT // (H * 2))), max(1, min(8, SMEM_DEFAULT // (inter * 2)))
+    rng = np.random.default_rng(17)
+    for n in (64, 24, 16, 8, 1):  # largest first: later steps run over its stale buffers
+        hb = host_bits(rng.standard_normal((n, H)).astype(np.float32), "bfloat16")
+        hd = dev.upload(hb, dtype="bfloat16")
+        lg = dev.upload(np.ascontiguousarray(rng.standard_normal((n, ld)).astype(np.float32)))
+        for b in (tc, cc):
+            fused.kernel("fill_f32").launch(dev, (-(-b["y"].size // 256), 1, 1), (256, 1, 1), 0,
+                                            [("ptr", b["y"].ptr), ("f32", CANARY), ("i64", b["y"].size)])
+        moe.launch(n, lg.ptr, ld, mw, hd.ptr, H, k, True, ny, mb, fold_shared=True)
+        fused.kernel("moe_route").launch(
+            dev, (1, 1, 1), (1024, 1, 1), 0,
+            [("ptr", lg.ptr), ("i32", ld), ("i32", n), ("i32", E), ("i32", k), ("i32", 1), ("i32", 1),
+             ("ptr", cc["pw"].ptr), ("ptr", cc["pe"].ptr), ("ptr", cc["off"].ptr), ("ptr", cc["pl"].ptr),
+             ("ptr", cc["active"].ptr)])
+        grid_e = min(e_all, n * kk)
+        fused.kernel("moe_gate_up").launch(
+            dev, (-(-inter // MOE_ROWS_PER_CTA), grid_e, 1), (256, 1, 1), tg * H * 2,
+            [("ptr", hd.ptr), ("ptr", gu.ptr), ("i32", H), ("i32", inter), ("i32", kk), ("i32", e_all),
+             ("ptr", cc["off"].ptr), ("ptr", cc["pl"].ptr), ("ptr", cc["active"].ptr), ("ptr", cc["act"].ptr),
+             ("i32", tg)])
+        fused.kernel("moe_down").launch(
+            dev, (-(-H // MOE_ROWS_PER_CTA), grid_e, 1), (256, 1, 1), tg_d * inter * 2,
+            [("ptr", cc["act"].ptr), ("ptr", dn.ptr), ("ptr", cc["pw"].ptr), ("i32", H), ("i32", inter),
+             ("i32", kk), ("i32", ny), ("i32", e_all), ("ptr", cc["off"].ptr), ("ptr", cc["pl"].ptr),
+             ("ptr", cc["active"].ptr), ("ptr", cc["y"].ptr), ("i32", tg_d)])
+        dev.synchronize()
+        got = {name: dev.download(a) for name, a in tc.items()}
+        ref = {name: dev.download(a) for name, a in cc.items()}
+        label = f"{impl} n={n}"
+        q = n * kk
+        assert np.array_equal(got["pe"][:q], ref["pe"][:q]), label
+        assert (got["pe"][:q].reshape(n, kk)[:, k] == E).all(), label  # the shared expert is slot k
+        assert np.array_equal(got["pw"][:q].view(np.uint32), ref["pw"][:q].view(np.uint32)), label
+        assert np.array_equal(got["off"], ref["off"]), label
+        y, yr = got["y"][:n, :kk].astype(np.float64), ref["y"][:n, :kk].astype(np.float64)
+        err = np.linalg.norm(y - yr, axis=-1) / np.maximum(np.linalg.norm(yr, axis=-1), 1e-30)
+        assert err.max() < 1e-2, (label, float(err.max()))
+        assert np.linalg.norm(y - yr) / np.linalg.norm(yr) < 2e-3, label
+        assert (got["y"][n:] == CANARY).all(), label
+        del hd, lg
