@@ -106,7 +106,9 @@ def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20, profile:
     per = -(-(ctx + 1) // ps)
     rng = np.random.default_rng(B * 7 + ctx)
     perm = rng.permutation(be.num_pages)[:B * per]
-    steps = [SeqStep(b, perm[b * per:(b + 1) * per].tolist(), ctx - 1, [int(rng.integers(0, be.cfg.vocab_size))])
+    # page tables as the scheduler hands them over: int64 arrays (PageAllocator.table_view)
+    steps = [SeqStep(b, np.asarray(perm[b * per:(b + 1) * per], np.int64), ctx - 1,
+                     [int(rng.integers(0, be.cfg.vocab_size))])
              for b in range(B)]
     rows = [SampleRow(SamplingParams())] * B
     for _ in range(3):

@@ -113,7 +113,11 @@ def slot_mapping(steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray
         need = -(-(s.start_pos + b - a) // page_size)
         if need > len(s.page_table):
             raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} tokens")
-        pages[a:b] = np.asarray(s.page_table, np.int64)[positions[a:b] // page_size]
+        if a == b:
+            continue
+        first, last = int(positions[a]) // page_size, int(positions[b - 1]) // page_size
+        # only the pages these tokens touch: a long list table is not converted whole for one decode token
+        pages[a:b] = np.asarray(s.page_table[first:last + 1], np.int64)[positions[a:b] // page_size - first]
     if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
         raise IndexError(f"page index outside the pool of {num_pages} pages")
     return pages, positions % page_size

@@ -37,6 +37,9 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._in_use = [False] * num_pages
         self._tables: dict[str, list[int]] = {}
+        # the same tables as int64 arrays (capacity doubling), for table_view: a step of long sequences
+        # would otherwise convert every list to an array each step (~50 ns per page on the host)
+        self._arrays: dict[str, np.ndarray] = {}
 
     def pages_needed(self, num_tokens: int) -> int:
         """Pages that cover ``num_tokens`` positions (ceil division)."""
@@ -62,13 +65,31 @@ class PageAllocator:
                              f"{len(self._free)} of {self.num_pages} free")
         if table is None:
             table = self._tables[seq_id] = []
+        first = len(table)
         for _ in range(max(0, missing)):
             page = self._free.pop()
             self._check_index(page)
             assert not self._in_use[page], f"page {page} on the free list while in use"
             self._in_use[page] = True
             table.append(page)
+        if len(table) > first or seq_id not in self._arrays:
+            arr = self._arrays.get(seq_id)
+            if arr is None or len(arr) < len(table):  # grow: the old array stays valid for views handed out
+                grown = np.empty(max(16, 2 * len(table)), np.int64)
+                if arr is not None:
+                    grown[:first] = arr[:first]
+                arr = self._arrays[seq_id] = grown
+            arr[first:len(table)] = table[first:]
         return list(table)
+
+    def table_view(self, seq_id: str) -> np.ndarray:
+        """The sequence's page table as a read-only int64 array view ``[pages]`` (``KeyError`` if unknown), no
+        copy: what a step's page tables are made of. Later growth never changes a view handed out (new pages
+        land past its end, or in a new array); pages freed with the sequence are the caller's to stop using."""
+        n = len(self._tables[seq_id])
+        v = self._arrays[seq_id][:n]
+        v.setflags(write=False)
+        return v
 
     def page_table(self, seq_id: str) -> list[int]:
         """Copy of the sequence's page table (``KeyError`` if unknown)."""
@@ -85,6 +106,7 @@ class PageAllocator:
             if not self._in_use[page]:
                 raise RuntimeError(f"page {page} of {seq_id!r} is already free (corrupt page table)")
         del self._tables[seq_id]
+        self._arrays.pop(seq_id, None)
         for page in table:
             self._in_use[page] = False
         # Freed pages go back so that the lowest indices are reused first.

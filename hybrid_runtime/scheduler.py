@@ -130,7 +130,8 @@ class Scheduler:
                 if n <= 0:
                     break
                 end = s.num_prefilled + n
-                table = self.pages.allocate(s.request_id, end)
+                self.pages.allocate(s.request_id, end)
+                table = self.pages.table_view(s.request_id)
                 steps.append(SeqStep(s.slot, table, s.num_prefilled, s.prompt_ids[s.num_prefilled:end],
                                      need_logits=end == len(s.prompt_ids)))
                 seqs.append(s)
@@ -138,8 +139,8 @@ class Scheduler:
             return Batch(Phase.PREFILL, seqs, steps)
         steps = []
         for s in decoding:
-            table = self.pages.allocate(s.request_id, s.num_tokens)
-            steps.append(SeqStep(s.slot, table, s.num_tokens - 1, [s.output_ids[-1]]))
+            self.pages.allocate(s.request_id, s.num_tokens)
+            steps.append(SeqStep(s.slot, self.pages.table_view(s.request_id), s.num_tokens - 1, [s.output_ids[-1]]))
         self._last = Phase.DECODE
         return Batch(Phase.DECODE, decoding, steps)
 

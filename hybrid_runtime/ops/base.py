@@ -38,10 +38,11 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 @dataclass(slots=True)
 class SeqStep:
     """One sequence's part of a batch: ``token_ids`` go to positions ``start_pos..``; its state lives in
-    ``slot`` and its KV in ``page_table`` (which already covers ``start_pos + len(token_ids)`` tokens)."""
+    ``slot`` and its KV in ``page_table`` (which already covers ``start_pos + len(token_ids)`` tokens): a list,
+    or (from the scheduler) the allocator's read-only int64 view, which backends read without converting."""
 
     slot: int
-    page_table: list[int]
+    page_table: list[int] | np.ndarray
     start_pos: int
     token_ids: list[int]
     need_logits: bool = True

@@ -130,3 +130,25 @@ def test_pool_is_resident_at_allocation_not_on_first_use() -> None:
     assert grown > 0.9 * layout.total_bytes / 2**20, grown
     k, v = cache.buffers(0)
     assert not k.any() and not v.any()
+
+
+def test_table_view_is_the_table_read_only_and_stable_across_growth() -> None:
+    """table_view: the same pages as page_table as a read-only int64 array, without a copy per call; a view
+    handed out keeps its pages while the table grows past the array's capacity, and unknown ids raise."""
+    a = PageAllocator(num_pages=200, page_size=4)
+    a.allocate("s", 5)
+    v0 = a.table_view("s")
+    assert v0.dtype == np.int64 and v0.tolist() == a.page_table("s") == [0, 1]
+    with pytest.raises(ValueError):
+        v0[0] = 7  # read-only: a backend cannot corrupt the allocator's table
+    a.allocate("t", 4)  # interleaved growth: the tables stay separate
+    a.allocate("s", 4 * 40)  # past the first array's capacity (16): a new array
+    v1 = a.table_view("s")
+    assert v1.tolist() == a.page_table("s") and len(v1) == 40 and v0.tolist() == [0, 1]
+    assert a.table_view("s").base is v1.base  # no copy per call
+    assert a.table_view("t").tolist() == [2]
+    a.free("s")
+    with pytest.raises(KeyError):
+        a.table_view("s")
+    a.allocate("s", 4)  # a new sequence of the same id starts a new table
+    assert a.table_view("s").tolist() == a.page_table("s") and v1.tolist()[:2] == [0, 1]
