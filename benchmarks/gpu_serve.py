@@ -41,8 +41,10 @@ def log(msg: str) -> None:
     print(f"[gpu-serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def write_checkpoint(d: Path, layers: int) -> Path:
-    """Config (the released Qwen3.5-35B-A3B text shape) + the default model's tokenizer; no weights."""
+def write_checkpoint(d: Path, layers: int, tokenizer_vocab: bool = False) -> Path:
+    """Config (the released Qwen3.5-35B-A3B text shape) + the default model's tokenizer; no weights.
+    ``tokenizer_vocab``: the vocabulary cut to the tokenizer's (the soak judges texts: with the released
+    248320 ids, random weights pick ids the small tokenizer decodes to nothing)."""
     from builder.default_model import write_default_checkpoint
     from tests.hf_models import tiny_raw_config
 
@@ -53,9 +55,11 @@ def write_checkpoint(d: Path, layers: int) -> Path:
     for p in tok.iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             (d / p.name).write_bytes(p.read_bytes())
-    eos = json.loads((tok / "config.json").read_text())["eos_token_id"]
+    tok_cfg = json.loads((tok / "config.json").read_text())
+    eos = tok_cfg["eos_token_id"]
+    vocab = int(tok_cfg["vocab_size"]) if tokenizer_vocab else 248320
     raw = tiny_raw_config(
-        "qwen3_5_moe", vocab_size=248320, hidden_size=2048, num_hidden_layers=layers,
+        "qwen3_5_moe", vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers,
         layer_types=[A_ if (i + 1) % 4 == 0 else L_ for i in range(layers)], num_attention_heads=16,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
@@ -67,11 +71,11 @@ def write_checkpoint(d: Path, layers: int) -> Path:
     return d
 
 
-def build(root: Path, layers: int, max_batch: int, max_seq: int) -> Path:
+def build(root: Path, layers: int, max_batch: int, max_seq: int, tokenizer_vocab: bool = False) -> Path:
     from builder.bundle import BuildOptions, build_bundle
 
-    ckpt = write_checkpoint(root / "ckpt", layers)
-    out = root / "bundle"
+    ckpt = write_checkpoint(root / ("ckpt_tv" if tokenizer_vocab else "ckpt"), layers, tokenizer_vocab)
+    out = root / ("bundle_tv" if tokenizer_vocab else "bundle")
     build_bundle(ckpt, out, BuildOptions(backend="cuda", dtype="bfloat16", max_batch_size=max_batch,
                                          max_input_len=max_seq // 2, max_seq_len=max_seq, dummy_weights=True),
                  progress=log)
@@ -358,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sanitize", action="store_true",
                     help="only: compute-sanitizer memcheck over the server under a client workload (small model)")
+    ap.add_argument("--soak", default="", metavar="DURATION",
+                    help="only: the soak runner (16 users, multi-block on, faults 0.2) for DURATION against a KIND_GPU "
+                         "server of the 35B-A3B shape cut to --layers, its vocabulary cut to the tokenizer's")
     args = ap.parse_args(argv)
+    if args.soak:
+        return soak(Path(args.root), args.layers, args.soak)
     if args.sanitize:
         res = sanitize_check(Path(args.root))
         (OUT / "gpu_serve_sanitize.json").write_text(json.dumps(res, indent=1))
@@ -438,6 +447,20 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / "gpu_serve_h200.md").write_text(render(report))
     print(render(report))
     return 0
+
+
+def soak(root: Path, layers: int, duration: str) -> int:
+    """``loadtests.soak`` (unchanged criteria: 16 users, multi-block forced on, faults on) against tritonserver
+    serving a KIND_GPU instance of a dummy-weights bundle of the 35B-A3B shape with ``layers`` layers and the
+    tokenizer's vocabulary; reports (verdict JSON, server log, memory series) under ``$GPU_REPORT_DIR/soak``."""
+    from deploy.triton import write_model_repository
+    from loadtests import soak as soak_runner
+
+    bundle = build(root, layers, 16, 2048, tokenizer_vocab=True)
+    repo = write_model_repository(root / "soakrepo", {"engine_dir": str(bundle)}, instance_kind="gpu")
+    log(f"soak for {duration} over {repo} (bundle {bundle})")
+    return soak_runner.main(["--model-repository", str(repo), "--users", "16", "--duration", duration,
+                             "--multi-block", "on", "--fault-share", "0.2", "--reports", str(OUT / "soak")])
 
 
 def render(r: dict) -> str:
