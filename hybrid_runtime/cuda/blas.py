@@ -23,8 +23,10 @@ whatever M is, which is what makes decode steps of different batch sizes give id
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -157,23 +159,76 @@ class GemmPlan:
                   lt.MatmulDescAttribute.BIAS_POINTER, buf.ctypes.data, 8)
         if s.accumulate and not c:
             raise ValueError("this plan accumulates into c: pass its pointer")
+        if self.destroyed:
+            raise BlasError("GemmPlan.run", None, "CUBLAS_STATUS_NOT_INITIALIZED", f"{s}: plan was evicted")
         blas.device.activate()
         _call("cublasLtMatmul", lt.matmul, blas.handle, self.desc, self.alpha.ctypes.data, w, self.a, x, self.b,
               self.beta.ctypes.data, c or y, self.c, y, self.c, self.algo_ptr, blas.workspace.ptr,
               blas.workspace_bytes, blas.stream_handle)
         blas.calls += 1
 
+    destroyed = False
+
     def destroy(self) -> None:
+        """Free the descriptors (once); the heuristic result (``algo_ptr``) stays valid for borrowers."""
+        if self.destroyed:
+            return
+        self.destroyed = True
         lt = _lt()
         for lay in (self.a, self.b, self.c):
             lt.matrix_layout_destroy(lay)
         lt.matmul_desc_destroy(self.desc)
 
 
-class Blas:
-    """One cuBLASLt handle, workspace and plan cache for one :class:`CudaDevice` (engine thread only)."""
+K = TypeVar("K")
+V = TypeVar("V")
 
-    def __init__(self, device: CudaDevice, workspace_bytes: int = 32 << 20) -> None:
+MAX_PLANS = 256  # GEMM plans a Blas keeps (least recently used dropped first): see Blas
+
+
+class LruCache(Generic[K, V]):
+    """At most ``capacity`` entries; a hit makes an entry the most recent; inserting past the capacity drops the
+    least recently used one and passes it to ``on_evict``. ``evictions`` counts them."""
+
+    def __init__(self, capacity: int, on_evict: Callable[[V], None] | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity, self.on_evict = capacity, on_evict
+        self._d: OrderedDict[K, V] = OrderedDict()
+        self.evictions = 0
+
+    def get(self, key: K) -> V | None:
+        v = self._d.get(key)
+        if v is not None:
+            self._d.move_to_end(key)
+        return v
+
+    def put(self, key: K, value: V) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            _, old = self._d.popitem(last=False)
+            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(old)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._d
+
+
+class Blas:
+    """One cuBLASLt handle, workspace and plan cache for one :class:`CudaDevice` (engine thread only).
+
+    Plans are keyed by shape, and prefill steps bring a new M (the step's token count) almost every time, so the
+    cache keeps the ``max_plans`` most recently used ones and destroys the descriptors of the others (a served
+    process would otherwise grow by every (M, N, K) it ever saw: ~15 KB of host memory per plan, measured as a
+    memory slope in a GPU soak). Decode steps replay graphs, which hold no descriptors; a plan whose algorithm
+    another plan borrows (``pin_m``) stays alive through that plan's reference to its heuristic result."""
+
+    def __init__(self, device: CudaDevice, workspace_bytes: int = 32 << 20, max_plans: int = MAX_PLANS) -> None:
         lt = _lt()
         self.device = device
         device.activate()
@@ -185,7 +240,7 @@ class Blas:
         _call("cublasLtMatmulPreferenceSetAttribute", lt.matmul_preference_set_attribute, self.preference,
               lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, ws.ctypes.data, 8)
         self.stream_handle = int(device.stream)
-        self._plans: dict[tuple[GemmShape, int], GemmPlan] = {}
+        self._plans: LruCache[tuple[GemmShape, int], GemmPlan] = LruCache(max_plans, GemmPlan.destroy)
         self._lock = threading.Lock()
         self.calls = 0
         self.version = int(lt.get_version())
@@ -200,12 +255,16 @@ class Blas:
         if p is None:
             p = GemmPlan(self, shape, key[1])
             with self._lock:
-                self._plans[key] = p
+                self._plans.put(key, p)
         return p
 
     @property
     def num_plans(self) -> int:
         return len(self._plans)
+
+    @property
+    def plan_evictions(self) -> int:
+        return self._plans.evictions
 
     def gemm(self, m: int, n: int, k: int, x: int, w: int, y: int, *, dtype: str, out_dtype: str, ldx: int = 0,
              ldy: int = 0, c: int = 0, bias: int = 0, pin_m: int = 0) -> GemmPlan:

@@ -92,6 +92,32 @@ def test_cublaslt_gemm_shapes_strides_bias_residual(dev, dtype: str) -> None:
     assert rel(dev.download(y2), x[:, :K] @ w.T) < TOL[dtype]
 
 
+def test_gemm_plan_cache_stays_bounded_and_evicted_plans_give_the_same_bits(dev) -> None:
+    """A plan cache of 4 over 40 prefill-like M values: never more than 4 plans, evictions counted, and the
+    products (pinned to the algorithm of M = 64, whose own plan is evicted over and over) bit-identical to a
+    cache that keeps everything; a destroyed plan refuses to run."""
+    from hybrid_runtime.cuda.blas import Blas, BlasError
+
+    small, full = Blas(dev, max_plans=4), Blas(dev, max_plans=1024)
+    rng = np.random.default_rng(4)
+    N, K = 384, 256
+    x = rounded(rng.standard_normal((64, K)), "bfloat16")
+    w = rounded(rng.standard_normal((N, K)) * 0.05, "bfloat16")
+    xd, wd = up(dev, x, "bfloat16"), up(dev, w, "bfloat16")
+    first = None
+    for m in [*range(1, 41), 7, 3]:
+        ya, yb = dev.empty((m, N), "float32"), dev.empty((m, N), "float32")
+        pa = small.gemm(m, N, K, xd.ptr, wd.ptr, ya.ptr, dtype="bfloat16", out_dtype="float32", pin_m=64)
+        full.gemm(m, N, K, xd.ptr, wd.ptr, yb.ptr, dtype="bfloat16", out_dtype="float32", pin_m=64)
+        first = first or pa
+        assert small.num_plans <= 4
+        assert np.array_equal(dev.download(ya), dev.download(yb)), m
+    assert small.plan_evictions > 30 and full.plan_evictions == 0
+    assert first is not None and first.destroyed
+    with pytest.raises(BlasError, match="evicted"):
+        first.run(xd.ptr, wd.ptr, dev.empty((1, N), "float32").ptr)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemm_rows_do_not_depend_on_m(dev, dtype: str) -> None:
     """cuBLASLt with a pinned algorithm and the fused gemv: row r of an M-row product is bit-identical to the

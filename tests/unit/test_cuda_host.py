@@ -328,3 +328,24 @@ def test_moe_path_keeps_decode_classes_and_prefill_on_tensor_cores() -> None:
         assert moe_path(False, n, True, "auto") == ("tensor_cores" if n > FOLD_MAX_TOKENS else "cuda_cores")
     with pytest.raises(ValueError, match="one of"):
         moe_path(False, 1, True, "fast")
+
+
+def test_lru_cache_bounds_entries_and_evicts_the_least_recent() -> None:
+    """The GEMM plan cache's policy (cuda/blas.py): at most ``capacity`` entries, a hit refreshes an entry, the
+    least recently used one is handed to on_evict (the plan's descriptors are destroyed there) exactly once."""
+    from hybrid_runtime.cuda.blas import LruCache
+
+    gone: list[int] = []
+    c: LruCache[str, int] = LruCache(3, gone.append)
+    for i, k in enumerate("abc"):
+        c.put(k, i)
+    assert c.get("a") == 0  # a is now the most recent: b goes first
+    c.put("d", 3)
+    assert gone == [1] and "b" not in c and len(c) == 3 and c.evictions == 1
+    for i in range(100):  # a long run of new keys (prefill steps' token counts) never grows it
+        c.put(f"m{i}", 10 + i)
+    assert len(c) == 3 and c.evictions == 101
+    assert gone == [1, 2, 0, 3, *range(10, 107)] and all(f"m{i}" in c for i in (97, 98, 99))
+    assert c.get("zz") is None
+    with pytest.raises(ValueError):
+        LruCache(0)
