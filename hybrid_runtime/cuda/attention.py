@@ -83,7 +83,8 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
     nblk = p.blocks_per_seq
     args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", lens),
             ("ptr", out), ("ptr", workspace), ("i32", batch), ("i32", num_q_heads), ("i32", num_kv_heads),
-            ("i32", page_size), ("i32", 0 if device_chunk else p.chunk_len), ("i32", nblk), ("i32", p.kv_tile),
+            ("i32", page_size), ("i32", -1 if p.seq_chunks is not None else 0 if device_chunk else p.chunk_len),
+            ("i32", nblk), ("i32", p.kv_tile),
             ("i32", p.smem_bytes),
             ("f32", math.log2(math.e) / math.sqrt(head_dim))]
     launches = [Launch(ENTRY[p.kernel], p.grid, (p.block_threads, 1, 1), p.smem_bytes, args, pdl=True)]
@@ -96,17 +97,19 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
 
 
 def tables_offset(batch: int) -> int:
-    """Where the page tables start in :func:`pack_tables`' layout (ints): after ``batch`` lengths and the
-    chunk-length word, rounded up to a 128-byte line."""
-    return -(-(batch + 1) // TABLE_ALIGN_INTS) * TABLE_ALIGN_INTS
+    """Where the page tables start in :func:`pack_tables`' layout (ints): after ``batch`` lengths, the
+    chunk-length word and ``batch`` per-sequence chunk lengths, rounded up to a 128-byte line."""
+    return -(-(2 * batch + 1) // TABLE_ALIGN_INTS) * TABLE_ALIGN_INTS
 
 
 def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], chunk_len: int = 0,
-                stride: int = 0) -> tuple[np.ndarray, int, int]:
+                stride: int = 0, seq_chunks: Sequence[int] | None = None) -> tuple[np.ndarray, int, int]:
     """Lengths and page tables in one int32 host array, for one upload: ``(host, tables_offset, stride)``.
 
     ``host[:B]`` = lengths, ``host[B]`` = ``chunk_len`` (what kernels launched with chunk length 0 read: a
-    captured graph's plan keeps its grid while the chunk length is step data); table ``b`` starts at
+    captured graph's plan keeps its grid while the chunk length is step data), ``host[B + 1 + b]`` = sequence
+    b's own chunk length (``seq_chunks``, the batch-invariant split; kernels launched with -1 read it; 0 when
+    not given); table ``b`` starts at
     ``tables_offset + b * stride`` (ints; stride = the longest table unless given, rows zero-padded). The
     tables start on a 128-byte line of their own (``tables_offset`` is a multiple of 32): on the H200, tables
     right behind the lengths (sharing their line) made batch 1 / 32k 0.6 µs slower.
@@ -120,6 +123,10 @@ def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], 
     host = np.zeros(offset + B * stride, np.int32)
     host[:B] = np.asarray(context_lens, np.int64)
     host[B] = chunk_len
+    if seq_chunks is not None:
+        if len(seq_chunks) != B:
+            raise ValueError(f"{len(seq_chunks)} chunk lengths for {B} sequences")
+        host[B + 1:2 * B + 1] = np.asarray(seq_chunks, np.int64)
     for b, t in enumerate(page_tables):
         t = np.asarray(t, np.int64)
         if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):
@@ -190,9 +197,11 @@ class CudaDecodeAttention:
         if q.dtype != k_buf.dtype or v_buf.dtype != k_buf.dtype:
             raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k_buf.dtype}, {v_buf.dtype}")
 
-    def upload_tables(self, page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> tuple[int, int, int]:
-        """Lengths and page tables as int32 on the device: ``(lens_ptr, tables_ptr, table_stride)``."""
-        host, offset, stride = pack_tables(page_tables, context_lens)
+    def upload_tables(self, page_tables: Sequence[np.ndarray], context_lens: Sequence[int],
+                      seq_chunks: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """Lengths (and per-sequence chunk lengths) and page tables as int32 on the device: ``(lens_ptr,
+        tables_ptr, table_stride)``."""
+        host, offset, stride = pack_tables(page_tables, context_lens, seq_chunks=seq_chunks)
         if self._staging is None or self._staging.nbytes < host.nbytes:
             if self._staging is not None:
                 self._staging.free()  # stream-ordered: after the launches that still read it
@@ -204,7 +213,7 @@ class CudaDecodeAttention:
                  page_tables: Sequence[np.ndarray], context_lens: Sequence[int]) -> DeviceArray:
         """The dispatcher's kernel: launch plan ``p`` as validated. Returns float32 ``[B, Hq, hd]``."""
         self._check(q, k_buf, v_buf)
-        lens_ptr, tables_ptr, stride = self.upload_tables(page_tables, context_lens)
+        lens_ptr, tables_ptr, stride = self.upload_tables(page_tables, context_lens, p.seq_chunks)
         out = self.device.empty(q.shape, "float32", stream_ordered=True)
         self.launch(p, q, k_buf, v_buf, tables_ptr, stride, lens_ptr, out)
         return out

@@ -37,7 +37,7 @@ from ..config import DUMMY_WEIGHTS, BundleError, ConfigError, Manifest
 from ..engine.base import Phase
 from ..kv_cache import KVLayout
 from ..ops.base import SeqStep, parse_device
-from ..ops.dispatcher import DecodeBatch, LaunchPlan, validate
+from ..ops.dispatcher import SEQ_CHUNKS, DecodeBatch, LaunchPlan, validate
 from ..ops.gdn import _check_slots
 from ..pipeline import plan_segments
 from ..program import PROGRAM_VERSION, Op, output_names, segment_program
@@ -191,7 +191,8 @@ class CudaBackend:
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
-                 gpu_memory_fraction: float | None = None, moe_decode: str = "auto") -> None:
+                 gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
+                 batch_invariant_attention: bool = True) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -298,7 +299,9 @@ class CudaBackend:
             self.kv = DeviceKVCache(self.dev, pool, cfg.attention_layers, dtype=self.dtype)
         group = cfg.num_heads // max(1, cfg.num_kv_heads)
         prepare = [(self.dtype, cfg.head_dim, group)] if cfg.attention_layers else []
-        self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare)
+        # the batch-invariant split's partials at the largest batch: max_batch x Hq x SEQ_CHUNKS x (hd + 2) floats
+        ws = max(64 << 20, lim.max_batch_size * cfg.num_heads * SEQ_CHUNKS * (cfg.head_dim + 2) * 4)
+        self.attn = CudaDecodeAttention(self.dev, optin=True, prepare=prepare, workspace_bytes=ws)
         # Prefill attention: the causal tensor-core kernel over the paged pool (bf16/fp16 bundles whose shapes it
         # takes); None: every prefill query runs as a decode-kernel query over its prefix (float32 bundles)
         self.prefill_attn: CudaPrefillAttention | None = None
@@ -311,6 +314,8 @@ class CudaBackend:
             except PrefillAttentionError as e:
                 log.info("prefill attention runs as per-token decode-kernel queries: %s", e)
         self.dispatcher = self.attn.dispatcher(multi_block_mode)  # type: ignore[arg-type]
+        # decode attention split by each sequence's own length: its output bits never depend on the batch
+        self.dispatcher.batch_invariant = batch_invariant_attention
         self.programs = [(p, segment_program(cfg, p)) for p in plan_segments(cfg)]
         self.graphs: dict[tuple[int, int], CudaGraph] = {}
         self.graph_stats = GraphStats()
@@ -592,7 +597,8 @@ class CudaBackend:
             self.dispatcher.plans[plan_.kernel] += len(cfg.attention_layers)
         seq_start = bounds if not decode else np.arange(n + 1)
         inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk,
-                            attn_packed=packed.host if packed is not None else None)
+                            attn_packed=packed.host if packed is not None else None,
+                            seq_chunks=plan_.seq_chunks if plan_ is not None else None)
         upload = pack(self.in_layout, self.host_in.array, inputs)
         ctx = CudaCtx(phase, n, n_real, S, R, R_real, max(lens), plan_, batch, len(attn_lens), rows, want_logits,
                       upload, graph, want_top)
@@ -909,17 +915,19 @@ class CudaBackend:
     def _template(self, bucket: int, blocks: int) -> CudaCtx | None:
         """A decode step of ``bucket`` padding rows whose attention plan is class ``blocks``, for warm-up and
         capture; None (counted) when the guard refuses the class plan on this device."""
-        from ..ops.dispatcher import fixed_grid_plan
+        from ..ops.dispatcher import fixed_grid_plan, sequence_plan
 
         cfg, lim = self.cfg, self.lim
         plan_ = None
         batch = None
         if cfg.attention_layers:
-            L = min(lim.max_seq_len, max(1, blocks * 64))
+            seq = self.dispatcher.batch_invariant and self.dispatcher.mode != "off"
+            L = min(lim.max_seq_len, 64 if seq else max(1, blocks * 64))
             tbl = np.full(-(-L // lim.page_size), self.sink_page, np.int64)
             batch = DecodeBatch(tuple([L] * bucket), tuple([tbl] * bucket), cfg.num_heads, cfg.num_kv_heads,
                                 cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
-            plan_ = fixed_grid_plan(batch, blocks, self.dispatcher.limits)
+            plan_ = (sequence_plan(batch, self.dispatcher.limits, blocks) if seq
+                     else fixed_grid_plan(batch, blocks, self.dispatcher.limits))
             if reasons := validate(plan_, batch, self.dispatcher.limits, self.dispatcher.workspace_capacity):
                 for r in reasons:
                     self.graph_stats.refused[r] += 1
@@ -936,7 +944,8 @@ class CudaBackend:
         inputs = StepInputs(np.zeros(bucket, np.int64), np.zeros(bucket, np.int64),
                             np.full(bucket, self.sink_page * lim.page_size, np.int64), np.arange(bucket + 1),
                             np.full(bucket, sink, np.int64), np.arange(bucket), params, attn_lens, tables,
-                            plan_.chunk_len if plan_ is not None else 0)
+                            plan_.chunk_len if plan_ is not None else 0,
+                            seq_chunks=plan_.seq_chunks if plan_ is not None else None)
         upload = pack(self.in_layout, self.host_in.array, inputs)
         return CudaCtx(Phase.DECODE, bucket, bucket, bucket, bucket, bucket, 1, plan_, batch, bucket, rows, False,
                        upload)

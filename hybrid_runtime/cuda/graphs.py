@@ -10,7 +10,11 @@ Design (how plans and graphs meet). A decode graph is captured per (bucket, plan
   chunk count is rounded down to a power of two, and :func:`~hybrid_runtime.ops.dispatcher.fixed_grid_plan`
   gives the launch with exactly that many chunks, a fixed K/V tile, and the chunk length read by the
   kernels from device memory (step data, like the contexts and page tables). So a captured launch stays
-  valid while the contexts grow, and a bucket needs at most 8 graphs.
+  valid while the contexts grow, and a bucket needs at most 8 graphs. With the dispatcher's
+  ``batch_invariant`` split the class is the grid's chunk count rounded *up* to a power of two (2 .. 64;
+  :func:`~hybrid_runtime.ops.dispatcher.sequence_plan`): each sequence keeps its own chunk length (step data
+  too) and the trailing chunks a shorter sequence leaves empty merge as exact zeros, so a replay gives the bits
+  an eager step gives.
 * **Guard**: every class plan is validated against the device limits and the workspace before capture
   (and the launch guard re-checks each launch while capturing); a class that fails is not captured. At
   replay the class plan is validated again against the step's real batch; a step whose class has no
@@ -30,7 +34,9 @@ from ..ops.dispatcher import (
     LaunchPlan,
     fixed_grid_plan,
     graph_blocks,
+    next_pow2,
     plan,
+    sequence_plan,
     validate,
 )
 
@@ -63,9 +69,14 @@ def class_blocks(dispatcher: DecodeAttentionDispatcher, batch_at_max: DecodeBatc
     longest = max(batch_at_max.context_lens)
     B = batch_at_max.batch_size
     top = 1
+    seq = dispatcher.batch_invariant and dispatcher.mode != "off"
     for n in sorted({*range(CHUNK_ALIGN, longest + 1, CHUNK_ALIGN), longest}):
         b = replace(batch_at_max, context_lens=(n,) * B, page_tables=batch_at_max.page_tables)
-        top = max(top, plan(b, dispatcher.mode, dispatcher.limits, dispatcher.workspace_capacity).blocks_per_seq)
+        p = sequence_plan(b, dispatcher.limits) if seq else plan(b, dispatcher.mode, dispatcher.limits,
+                                                                   dispatcher.workspace_capacity)
+        top = max(top, p.blocks_per_seq)
+    if seq:  # the sequence split's classes: 2, 4, ... up to the power of two that holds the most chunks
+        return [1 << i for i in range(1, next_pow2(top).bit_length())]
     out, blocks = [], 1
     while blocks <= graph_blocks(top):
         out.append(blocks)
@@ -113,8 +124,12 @@ def choose(batch: DecodeBatch | None, bucket: int, dispatcher: DecodeAttentionDi
             return DecodeChoice(key, None)
         return DecodeChoice(None, None, "graphs_off" if not graphs_on else "no_graph")
     p = dispatcher.select(batch)
-    blocks = graph_blocks(p.blocks_per_seq)
-    gp = fixed_grid_plan(batch, blocks, dispatcher.limits)
+    if p.seq_chunks is not None:  # the batch-invariant split: the class holds every chunk (rounded up)
+        blocks = next_pow2(p.blocks_per_seq)
+        gp = sequence_plan(batch, dispatcher.limits, blocks)
+    else:
+        blocks = graph_blocks(p.blocks_per_seq)
+        gp = fixed_grid_plan(batch, blocks, dispatcher.limits)
     if validate(gp, batch, dispatcher.limits, dispatcher.workspace_capacity):
         return DecodeChoice(None, p, "class_plan_invalid")
     key = (bucket, blocks)

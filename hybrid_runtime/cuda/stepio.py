@@ -138,6 +138,7 @@ class StepInputs:
     # prefill attention kernel: its work list + per-sequence page tables (pack_prefill_inputs), written at
     # ``attn`` instead of the per-query lengths and tables
     attn_packed: np.ndarray | None = None
+    seq_chunks: Sequence[int] | None = None  # [Q] the batch-invariant split's per-sequence chunk lengths
 
 
 def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
@@ -163,7 +164,8 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     if s.attn_packed is not None:
         attn = np.ascontiguousarray(s.attn_packed, np.int32)
     else:
-        attn, _, _ = pack_tables(s.attn_tables, s.attn_lens, chunk_len=s.chunk_len, stride=layout.table_stride)
+        attn, _, _ = pack_tables(s.attn_tables, s.attn_lens, chunk_len=s.chunk_len, stride=layout.table_stride,
+                                 seq_chunks=s.seq_chunks)
     if attn.size > layout.attn_ints(layout.max_tokens):
         raise ValueError(f"attention inputs of {attn.size} ints exceed the layout's "
                          f"{layout.attn_ints(layout.max_tokens)}")

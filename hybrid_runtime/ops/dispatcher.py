@@ -55,6 +55,9 @@ REDUCE_DIMS_PER_CTA = 4 * REDUCE_LANES
 # so only a sequence's last chunk can end inside a block (on the H200, 64 aligned chunks of a 32k context
 # decode faster than 66 ragged ones).
 CHUNK_ALIGN = 64
+# The batch-invariant split (DecodeAttentionDispatcher.batch_invariant): a sequence of n tokens is cut into
+# chunks of sequence_chunk(n) tokens, at most this many, whatever else shares the step.
+SEQ_CHUNKS = 64
 BLOCK_THREADS = 128  # 4 warps per attention CTA
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
@@ -192,6 +195,9 @@ class LaunchPlan:
     workspace_bytes: int  # partials: B * Hq * blocks * (hd + 2) * 4; 0 for single-block
     reduce_grid: tuple[int, int, int] | None = None
     reduce_threads: int = 0
+    # the batch-invariant split (sequence_plan): each sequence's own chunk length (chunk_len is their max);
+    # the kernels read them from device memory (kernel argument chunk_len = -1)
+    seq_chunks: tuple[int, ...] | None = None
 
 
 def smem_bytes(group: int, head_dim: int, dtype_bytes: int, kv_tile: int) -> int:
@@ -256,6 +262,41 @@ def fixed_grid_plan(batch: DecodeBatch, blocks: int, limits: DeviceLimits) -> La
                       reduce_threads(blocks) if multi else 0)
 
 
+def sequence_chunk(context_len: int, limits: DeviceLimits) -> int:
+    """Tokens per chunk of one sequence under the batch-invariant split: ``ceil(n / SEQ_CHUNKS)`` rounded up to
+    the chunk alignment, at least ``limits.min_chunk_tokens`` — a function of the sequence's own length ``n``
+    (and the device), never of the other sequences of the step."""
+    align = max(1, min(CHUNK_ALIGN, limits.min_chunk_tokens))
+    c = max(limits.min_chunk_tokens, -(-max(1, int(context_len)) // SEQ_CHUNKS), 1)
+    return -(-c // align) * align
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def sequence_plan(batch: DecodeBatch, limits: DeviceLimits, blocks: int = 0) -> LaunchPlan:
+    """The batch-invariant split: sequence b in chunks of ``sequence_chunk(len_b)`` tokens, the multi-block
+    kernels always (at least 2 chunks in the grid; a short sequence's second one is empty), the largest K/V tile
+    that fits whatever the chunk, and the merge's CTA size fixed by :data:`SEQ_CHUNKS`. So a sequence's chunks,
+    tile and merge order, hence the bits of its output, follow its own length only: empty trailing chunks add
+    exact zeros in the merge (decode_attention.cu). ``blocks``: the grid's chunks (0: the fewest that cover every
+    sequence; a graph class passes its power of two). ``validate`` checks it like any plan."""
+    lens = batch.context_lens
+    chunks = tuple(sequence_chunk(n, limits) for n in lens)
+    need = max([2, *(-(-max(n, 1) // c) for n, c in zip(lens, chunks))])
+    blocks = max(int(blocks), 0) or need
+    B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
+    es = DTYPE_BYTES.get(batch.dtype, 4)
+    cap = limits.max_shared_mem_optin if MULTI in limits.optin_set else limits.max_shared_mem_per_block
+    tile = next((t for t in KV_TILES if smem_bytes(batch.group, hd, es, t) <= cap), KV_TILES[-1])
+    return LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
+                      smem_bytes(batch.group, hd, es, tile), tile, max(chunks, default=1),
+                      partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
+                      reduce_threads(SEQ_CHUNKS), chunks)
+
+
 def graph_blocks(blocks: int) -> int:
     """The plan class of a chunk count for graphs: the largest power of two not above it (1 = single-block),
     so a bucket needs at most log2(MAX_BLOCKS_PER_SEQ) + 1 graphs."""
@@ -307,6 +348,10 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
         r.append("plan_inconsistent")
     if p.blocks_per_seq * p.chunk_len < max(batch.context_lens, default=0):
         r.append("plan_inconsistent")  # chunks that do not cover a sequence would drop tokens
+    if p.seq_chunks is not None and (
+            len(p.seq_chunks) != batch.batch_size or not multi
+            or any(c < 1 or p.blocks_per_seq * c < n for n, c in zip(batch.context_lens, p.seq_chunks))):
+        r.append("plan_inconsistent")  # every sequence's own chunks must fit the grid
     grids = [p.grid] + ([p.reduce_grid] if p.reduce_grid is not None else [])
     if any(d < 1 for g in grids for d in g):
         r.append("grid_zero")
@@ -353,6 +398,9 @@ class DecodeAttentionDispatcher:
     limits: DeviceLimits = field(default_factory=DeviceLimits.cpu)
     workspace_capacity: int = 64 << 20
     kernels: Mapping[str, Kernel] = field(default_factory=numpy_kernels)
+    # mode auto / on: split every sequence by its own length (sequence_plan) so its output does not depend on
+    # the rest of the batch; a sequence plan the guard refuses falls back to the batch-dependent one (counted)
+    batch_invariant: bool = False
     fallbacks: Counter = field(default_factory=Counter, init=False)
     errors: Counter = field(default_factory=Counter, init=False)
     plans: Counter = field(default_factory=Counter, init=False)
@@ -366,7 +414,14 @@ class DecodeAttentionDispatcher:
             raise ValueError(f"kernels missing: {sorted(missing)}")
 
     def select(self, batch: DecodeBatch) -> LaunchPlan:
-        """A plan that passes ``validate``, reducing on failure; raises ``DecodeAttentionError``."""
+        """A plan that passes ``validate``, reducing on failure; raises ``DecodeAttentionError``. With
+        ``batch_invariant`` (mode auto / on) the sequence plan first."""
+        if self.batch_invariant and self.mode != "off":
+            seq = sequence_plan(batch, self.limits)
+            reasons = validate(seq, batch, self.limits, self.workspace_capacity)
+            if not reasons:
+                return seq
+            self.fallbacks.update(f"sequence_split:{r}" for r in reasons)
         cand = plan(batch, self.mode, self.limits, self.workspace_capacity)
         while reasons := validate(cand, batch, self.limits, self.workspace_capacity):
             self.fallbacks.update(reasons)

@@ -319,7 +319,9 @@ def test_guard_at_capture_refuses_and_the_step_runs_eagerly(bf16_bundles: tuple[
 
     _, gpu_b = bf16_bundles
     m = Manifest.load(gpu_b)
-    be = CudaBackend(gpu_b, m, device="cuda", multi_block_mode="on")
+    # the batch-dependent split (its single-block class survives a one-chunk grid; the batch-invariant split has
+    # multi-block classes only: test_guard_refuses_every_invariant_class_and_steps_fall_back)
+    be = CudaBackend(gpu_b, m, device="cuda", multi_block_mode="on", batch_invariant_attention=False)
     real = be.dispatcher.limits
     be.dispatcher.limits = replace(real, max_grid_x=1)
     runner = ModelRunner(gpu_b, m, backend=be)
@@ -338,3 +340,31 @@ def test_guard_at_capture_refuses_and_the_step_runs_eagerly(bf16_bundles: tuple[
     assert res.tokens.shape == (1,)
     assert be.graph_stats.eager["no_graph"] >= 1 and sum(be.graph_stats.eager.values()) == before + 1
     assert be.dispatcher.plans["multi_block"] > 0
+
+
+def test_guard_refuses_every_invariant_class_and_steps_fall_back(bf16_bundles: tuple[Path, Path]) -> None:
+    """The batch-invariant split on a device whose grid holds one chunk per sequence: every class plan (all
+    multi-block) is refused at capture and never captured; a decode step then runs eagerly with the guard's
+    fallback (a single-block plan), counted."""
+    from dataclasses import replace
+
+    from hybrid_runtime.cuda.backend import CudaBackend
+
+    _, gpu_b = bf16_bundles
+    m = Manifest.load(gpu_b)
+    be = CudaBackend(gpu_b, m, device="cuda", multi_block_mode="on")
+    assert be.dispatcher.batch_invariant
+    real = be.dispatcher.limits
+    be.dispatcher.limits = replace(real, max_grid_x=1)
+    runner = ModelRunner(gpu_b, m, backend=be)
+    be.capture_graphs(runner._forward)
+    stats = be.graph_stats.snapshot()
+    _record("guard_at_capture_invariant", stats)
+    assert not be.graphs and stats["refused"].get("grid_x"), stats
+    runner.ops.reset_slot(0)
+    prompt = np.random.default_rng(0).integers(3, m.model.vocab_size, 200).tolist()
+    table = list(range(-(-230 // m.limits.page_size)))
+    res = runner.step(Phase.PREFILL, [SeqStep(0, table, 0, prompt)], [SampleRow(SamplingParams())])
+    res = runner.step(Phase.DECODE, [SeqStep(0, table, 200, [int(res.tokens[0])])], [SampleRow(SamplingParams())])
+    assert res.tokens.shape == (1,)
+    assert be.dispatcher.fallbacks["sequence_split:grid_x"] >= 1 and be.dispatcher.plans["single_block"] > 0

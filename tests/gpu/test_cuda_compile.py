@@ -205,10 +205,15 @@ def test_pack_tables_layout() -> None:
     assert host[off:off + 3].tolist() == [5, 3, 9] and host[off + 3:off + 6].tolist() == [7, 0, 0]
     assert len(host) == off + 3 * stride
     _, off40, _ = pack_tables([np.arange(2)] * 40, [2] * 40)
-    assert off40 == 64
-    # the word after the lengths is the chunk length kernels launched with chunk_len 0 read (graph replays)
-    host32, off32, _ = pack_tables([np.arange(2)] * 32, [2] * 32, chunk_len=192, stride=4)
-    assert off32 == 64 and host32[32] == 192 and len(host32) == 64 + 32 * 4
+    assert off40 == 96  # 40 lengths + the chunk word + 40 per-sequence chunk lengths, rounded up to 32 ints
+    # the word after the lengths is the chunk length kernels launched with chunk_len 0 read (graph replays),
+    # then one chunk length per sequence (chunk_len -1: the batch-invariant split)
+    host32, off32, _ = pack_tables([np.arange(2)] * 32, [2] * 32, chunk_len=192, stride=4,
+                                   seq_chunks=[64 * (i + 1) for i in range(32)])
+    assert off32 == 96 and host32[32] == 192 and len(host32) == 96 + 32 * 4
+    assert host32[33:65].tolist() == [64 * (i + 1) for i in range(32)] and not host32[65:96].any()
+    with pytest.raises(ValueError, match="chunk lengths"):
+        pack_tables([np.arange(2)] * 3, [2] * 3, seq_chunks=[64, 64])
     with pytest.raises(ValueError, match="stride"):
         pack_tables([np.arange(5)], [70], stride=4)
     with pytest.raises(IndexError):

@@ -143,6 +143,46 @@ def test_long_context_multi_block_uses_many_chunks(torch, backend, hq: int, hkv:
     assert rel_err(torch, out, ref) < TOL["bfloat16"]
 
 
+@pytest.mark.parametrize("hq,hkv,hd,dtype", [(16, 2, 256, "bfloat16"), (32, 8, 128, "float16"),
+                                           (8, 2, 64, "float32")])
+def test_batch_invariant_split_gives_each_sequence_its_bits_alone(torch, backend, hq, hkv, hd, dtype) -> None:
+    """The batch-invariant split (dispatcher.batch_invariant, the cuda backend's default): every sequence's output
+    is bit-identical alone and inside batches of other lengths (a 32k neighbour, 1-token ones), eager and with a
+    graph class's power-of-two grid, tensor-core and portable kernels; and it matches the float64 reference."""
+    from hybrid_runtime.cuda.driver import DeviceArray
+    from hybrid_runtime.ops.dispatcher import sequence_plan
+
+    rng = np.random.default_rng(23)
+    lens = [5000, 32768, 70, 1, 3000, 64, 65]
+    q, k, v, tables = make_case(torch, rng, lens, hq, hkv, hd, 16, dtype)
+    ref = reference(torch, q, k, v, tables, lens)
+    ka, va = DeviceArray.from_torch(k), DeviceArray.from_torch(v)
+    disp = DecodeAttentionDispatcher("on", backend.limits, backend.workspace_bytes, backend.kernels(),
+                                     batch_invariant=True)
+
+    def run(idx: list[int], blocks: int = 0) -> np.ndarray:
+        qs = q[idx].contiguous()
+        qa = DeviceArray.from_torch(qs)
+        tb, ln = [tables[i] for i in idx], [lens[i] for i in idx]
+        b = DecodeBatch.from_arrays(qa, ka, tb, ln)
+        p = sequence_plan(b, backend.limits, blocks) if blocks else disp.select(b)
+        assert p.seq_chunks is not None and not validate(p, b, backend.limits, backend.workspace_bytes), p
+        o = torch.as_tensor(backend.run_plan(p, qa, ka, va, tb, ln), device="cuda").clone()
+        backend.device.synchronize()
+        return o.cpu().numpy()
+
+    full = run(list(range(len(lens))))
+    assert rel_err(torch, torch.as_tensor(full, device="cuda"), ref) < TOL[dtype]
+    for blocks in (0, 64):
+        for i in range(len(lens)):
+            alone = run([i], blocks)
+            assert np.array_equal(alone.view(np.uint32), full[i:i + 1].view(np.uint32)), (i, lens[i], blocks)
+    # a grid too small for a sequence's own chunks (5000 tokens = 40 chunks of 128) is refused, never launched
+    b = DecodeBatch.from_arrays(DeviceArray.from_torch(q[:1].contiguous()), ka, tables[:1], lens[:1])
+    assert "plan_inconsistent" in validate(sequence_plan(b, backend.limits, 16), b, backend.limits,
+                                           backend.workspace_bytes)
+
+
 def test_workspace_fallback_still_correct(torch, backend) -> None:
     """A workspace too small for the split: the dispatcher halves the blocks (counted) and stays exact."""
     from hybrid_runtime.cuda.driver import DeviceArray

@@ -349,3 +349,96 @@ def test_lru_cache_bounds_entries_and_evicts_the_least_recent() -> None:
     assert c.get("zz") is None
     with pytest.raises(ValueError):
         LruCache(0)
+
+
+def _reduce_model(m: np.ndarray, l_: np.ndarray, o: np.ndarray, nblk: int, rgrp: int = 8, rbatch: int = 8
+                  ) -> np.ndarray:
+    """decode_attention.cu ``reduce_chunks`` for one (sequence, head), in float32 op for op: ``nblk`` chunks of
+    which those past ``len(m)`` are empty (m = -inf, l = 0, o = 0, as the kernel stores empty chunks)."""
+    f = np.float32
+    ninf = f(-np.inf)
+    D = o.shape[1]
+    get = lambda c: (m[c], l_[c], o[c]) if c < len(m) else (ninf, f(0), np.zeros(D, f))  # noqa: E731
+    gm, gl, acc_g = [], [], []
+    for grp in range(rgrp):
+        m_run, l_run, acc = ninf, f(0), np.zeros(D, f)
+        for c0 in range(grp, nblk, rgrp * rbatch):
+            loads = [get(c) if c < nblk else (ninf, f(0), np.zeros(D, f)) for c in (c0 + i * rgrp
+                                                                                    for i in range(rbatch))]
+            mb = m_run
+            for mi, li, _ in loads:
+                mb = max(mb, mi) if li > 0 else mb
+            if mb == ninf:
+                continue
+            alpha = np.exp2(f(m_run - mb))
+            acc, l_run = acc * alpha, f(l_run * alpha)
+            for mi, li, oi in loads:
+                w = np.exp2(f(mi - mb)) if li > 0 else f(0)
+                acc, l_run = acc + w * oi, f(l_run + w * li)
+            m_run = mb
+        gm.append(m_run), gl.append(l_run), acc_g.append(acc)
+    M = max(gm)
+    go = [a * (f(0) if g == ninf else np.exp2(f(g - M))) for g, a in zip(gm, acc_g)]
+    v, L = go[0], f(0) if gm[0] == ninf else f(gl[0] * np.exp2(f(gm[0] - M)))
+    for i in range(1, rgrp):
+        v = v + go[i]
+        L = f(L + (f(0) if gm[i] == ninf else f(gl[i] * np.exp2(f(gm[i] - M)))))
+    return v * f(f(1) / L)
+
+
+def test_batch_invariant_split_follows_each_sequence_alone() -> None:
+    """The batch-invariant decode-attention split (dispatcher.sequence_plan): a sequence's chunk length, the K/V
+    tile, shared memory and the merge's CTA size are the same alone and in any batch; at most SEQ_CHUNKS chunks;
+    the plan validates; and the merge (modelled op for op) gives the same float32 bits whatever number of
+    trailing empty chunks the batch's grid adds."""
+    from dataclasses import replace
+
+    from hybrid_runtime.ops.dispatcher import SEQ_CHUNKS, next_pow2, sequence_chunk, sequence_plan
+
+    rng = np.random.default_rng(0)
+    for n in [1, 63, 64, 65, 1000, 1025, 4096, 32769, 262144, *rng.integers(1, 300_000, 50).tolist()]:
+        c = sequence_chunk(n, H200)
+        assert c % 64 == 0 and c >= H200.min_chunk_tokens and -(-n // c) <= SEQ_CHUNKS, n
+    alone = sequence_plan(batch([5000]), H200)
+    for others in ([1], [32768, 7], [100] * 63, [262000]):
+        for pos in (0, len(others)):
+            lens = [*others[:pos], 5000, *others[pos:]]
+            p = sequence_plan(batch(lens, pages=100_000), H200)
+            assert not validate(p, batch(lens, pages=100_000), H200, 1 << 30), lens
+            assert p.seq_chunks is not None and alone.seq_chunks is not None
+            assert p.seq_chunks[pos] == alone.seq_chunks[0]
+            assert (p.kernel, p.kv_tile, p.smem_bytes, p.reduce_threads) == (MULTI, alone.kv_tile, alone.smem_bytes,
+                                                                             alone.reduce_threads)
+            cls = sequence_plan(batch(lens, pages=100_000), H200, next_pow2(p.blocks_per_seq))
+            assert not validate(cls, batch(lens, pages=100_000), H200, 1 << 30) and cls.seq_chunks == p.seq_chunks
+    assert sequence_plan(batch([1]), H200).blocks_per_seq == 2  # always the merge path, even for one chunk
+    short = sequence_plan(batch([10, 20]), H200)
+    assert validate(replace(short, seq_chunks=(64,)), batch([10, 20]), H200, 1 << 30)  # one chunk length short
+    assert validate(replace(short, seq_chunks=(64, 8)), batch([10, 20]), H200, 1 << 30)  # 2 x 8 < 20 tokens
+    # the merge: k real chunks then empty ones up to any grid size -> the same bits
+    for k in (1, 2, 9, 17, 57, 64):
+        m = (rng.standard_normal(k) * 3).astype(np.float32)
+        l_ = rng.uniform(0.5, 40, k).astype(np.float32)
+        o = rng.standard_normal((k, 4)).astype(np.float32) * l_[:, None]
+        ref = _reduce_model(m, l_, o, max(k, 2))
+        for nblk in {max(k, 2), next_pow2(max(k, 2)), 64}:
+            assert _reduce_model(m, l_, o, nblk).view(np.uint32).tolist() == ref.view(np.uint32).tolist(), (k, nblk)
+
+
+def test_batch_invariant_graph_classes_and_choice() -> None:
+    """With the split on, graph classes are 2, 4, .. 64 and a step replays the power of two that holds its
+    chunks, with its sequences' own chunk lengths; off (or mode off) the batch-dependent classes stay."""
+    d = DecodeAttentionDispatcher("on", H200, 1 << 30, batch_invariant=True)
+    assert class_blocks(d, batch([32768] * 4)) == [2, 4, 8, 16, 32, 64]
+    assert class_blocks(d, batch([64] * 4)) == [2]
+    b = batch([3000, 70, 1])
+    c = choose(b, 4, d, lambda k: True, True)
+    assert c.key == (4, 64) and c.plan is not None and c.plan.seq_chunks == (64, 64, 64)  # 3000 / 64 -> 47 chunks
+    assert c.plan.blocks_per_seq == 64 and not validate(c.plan, b, H200, 1 << 30)
+    assert d.select(b).blocks_per_seq == 47
+    off = DecodeAttentionDispatcher("off", H200, 1 << 30, batch_invariant=True)
+    assert off.select(b).kernel == SINGLE and class_blocks(off, batch([32768])) == [1]
+    # a split the guard refuses (workspace) falls back to the batch-dependent plan, counted
+    tight = DecodeAttentionDispatcher("on", H200, 4 << 20, batch_invariant=True)
+    p = tight.select(batch([32768] * 8))
+    assert p.seq_chunks is None and tight.fallbacks["sequence_split:workspace"] == 1

@@ -22,6 +22,8 @@
 // Chunk c of sequence b covers tokens [c*chunk_len, min((c+1)*chunk_len, len_b)); it may be empty for
 // sequences shorter than the longest one (m = -inf, l = 0 then). chunk_len 0 means "read it from lens[B]":
 // a captured CUDA graph keeps its grid (the plan class) while each replay's chunk length is step data.
+// chunk_len -1: each sequence's own chunk length, lens[B + 1 + b] (the batch-invariant split: a sequence's
+// chunks, hence its bits, follow its own length only; empty trailing chunks add exact zeros in the merge).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -290,7 +292,8 @@ __device__ __forceinline__ void attn_mma(bool multi, const T* __restrict__ q, co
   const int* table = tables + (size_t)b * table_stride;
   pdl_wait_primary();  // nothing below reads or writes global memory before the previous kernel is done
   const int len = lens[b];
-  const int chunk = chunk_len > 0 ? chunk_len : lens[B];  // 0: the plan's chunk is stored after the lengths
+  // 0: the plan's chunk is stored after the lengths; -1: one per sequence after that
+  const int chunk = chunk_len > 0 ? chunk_len : lens[chunk_len == 0 ? B : B + 1 + b];
   const int t0 = blk * chunk;
   const int t1 = min(t0 + chunk, len);
   if (t0 >= t1) {  // an empty chunk of a shorter sequence (multi-block only)
@@ -523,7 +526,8 @@ __device__ __forceinline__ void attn_simt(bool multi, const T* __restrict__ q, c
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int nth = blockDim.x;
   const int len = lens[b];
-  const int chunk = chunk_len > 0 ? chunk_len : lens[B];  // 0: the plan's chunk is stored after the lengths
+  // 0: the plan's chunk is stored after the lengths; -1: one per sequence after that
+  const int chunk = chunk_len > 0 ? chunk_len : lens[chunk_len == 0 ? B : B + 1 + b];
   const int t0 = blk * chunk;
   const int t1 = min(t0 + chunk, len);
   const int* table = tables + (size_t)b * table_stride;
