@@ -3,7 +3,7 @@ every build (bf16 / fp16 x rows per CTA 4 / 8 / 16) for sm_90 without spills wit
 1024-thread CTA; the weight loads stay ahead of griddepcontrol.wait in the SASS (where nvdisasm exists); a
 lane-level numpy model of phase 1 (``moe_router_model.py``: fragments, warp reduction, which CTA writes which
 logits) equals ``h @ w.T`` and writes every logit of the step exactly once, padding rows included, nothing
-past the step's tokens or past E_pad; and the shape rules."""
+past the step's tokens or past E_pad; the shape rules; and which decode steps of the backend take the kernel."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -179,3 +180,96 @@ def test_kernel_parameters_follow_the_source_order() -> None:
     for (kind, _), param in zip(packed, params):
         want = "ptr" if "*" in param else {"int": "i32", "long long": "i64"}[param.rsplit(" ", 1)[0]]
         assert kind == want, (param, kind)
+
+
+# ------------------------------------------------------------------ backend integration (no GPU)
+
+
+class _Recorder:
+    """Stands in for the CudaBackend pieces moe() calls: records launch names in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+
+def _stub_backend(fused: bool, dtype: str = "bfloat16", moe_decode: str = "auto", tensor_cores: bool = True,
+                  fold: bool = True):
+    import contextlib
+
+    from hybrid_runtime.cuda.backend import CudaBackend, _Arena
+    from hybrid_runtime.cuda.weights import MoEWeights
+
+    rec = _Recorder()
+    be = object.__new__(CudaBackend)
+    H, inter, E, k, T = 128, 128, 8, 2, 64
+    be.cfg = SimpleNamespace(hidden_size=H, moe_intermediate_size=inter, num_experts_per_tok=k, num_experts=E,
+                             norm_topk_prob=True)
+    be.dtype, be.es, be.ny, be.moe_decode = dtype, 2, k + 1, moe_decode
+    be.dev = SimpleNamespace(ordinal=0)
+    kk = k + 1
+    arena = _Arena()
+    ptr = iter(range(1 << 20, 1 << 30, 1 << 20))
+    for name, shape, dt in [("router", (T, 16), "float32"), ("pair_w", (T, kk), "float32"),
+                            ("pair_e", (T, kk), "int32"), ("pair_list", (T, kk), "int32"),
+                            ("expert_off", (1, E + 2), "int32"), ("active", (1, E + 2), "int32"),
+                            ("moe_act", (T * kk, inter), dtype), ("y", (T, kk * H), "float32"),
+                            ("moe_tiles", (1, 64), "int32"), ("moe_cta_counts", (8, E + 1), "int32"),
+                            ("moe_router_ws", (1, 4), "int32"), ("gu", (T, 2 * inter), "float32"),
+                            ("act", (T, inter), dtype)]:
+        arena.bufs[name] = DeviceArray(next(ptr), shape, dt, 0)
+    be.arena = arena
+    e_all = E + int(fold)
+    mw = MoEWeights(DeviceArray(next(ptr), (16, H), dtype, 0), 16, DeviceArray(next(ptr), (e_all, 2 * inter, H),
+                    dtype, 0), DeviceArray(next(ptr), (e_all, H, inter), dtype, 0), E, fold,
+                    None if fold else DeviceArray(next(ptr), (2 * inter, H), dtype, 0),
+                    None if fold else DeviceArray(next(ptr), (H, inter), dtype, 0))
+    be.w = SimpleNamespace(moe=lambda layer: mw)
+    be._prof = lambda name: contextlib.nullcontext()
+    be._gemm = lambda x, w, out, **kw: rec.calls.append("gemm_router" if w is mw.router else "gemm")
+    be._launch = lambda name, *a, **kw: rec.calls.append(name)
+    be.moe_prefill = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_tensor_cores")) \
+        if tensor_cores else None
+
+    class _Router:
+        def launch(self, n, h, ldh, router, logits, ld, num_experts, k_, renorm, fold_shared, bufs) -> None:
+            assert router is mw.router and logits == arena.bufs["router"].ptr and ld == 16
+            assert bufs.workspace == arena.bufs["moe_router_ws"].ptr and bufs.pair_e == arena.bufs["pair_e"].ptr
+            rec.calls.append(f"moe_router_route(fold={int(fold_shared)})")
+
+    be.moe_router = _Router() if fused else None
+    return be, rec
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_backend_decode_steps_of_up_to_16_rows_take_the_fused_router(fold: bool) -> None:
+    from hybrid_runtime.cuda.backend import CudaCtx, Mat
+    from hybrid_runtime.engine.base import Phase
+
+    def run(be, phase: Phase, n: int) -> None:
+        ctx = CudaCtx(phase, n, n, n, n, n, 1, None, None, n, None, False)
+        be.moe(0, ctx, Mat(0x1000, n, 128, 128, "bfloat16"))
+
+    be, rec = _stub_backend(True, fold=fold)
+    tail = ["moe_gate_up", "moe_down"] + ([] if fold else ["gemm", "swiglu", "gemm"])
+    for n in (1, 7, 16):
+        rec.calls.clear()
+        run(be, Phase.DECODE, n)
+        assert rec.calls == [f"moe_router_route(fold={int(fold)})", *tail], (n, rec.calls)
+    rec.calls.clear()
+    run(be, Phase.DECODE, 17)  # past 16 rows: cuBLASLt + the tensor-core MoE (which routes itself)
+    assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
+    rec.calls.clear()
+    run(be, Phase.PREFILL, 4)  # prefill: never
+    assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
+    be, rec = _stub_backend(True, moe_decode="tensor_cores", fold=fold)  # the tensor-core decode MoE routes itself
+    run(be, Phase.DECODE, 4)
+    assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
+    be, rec = _stub_backend(False, fold=fold)  # fused_router=False (or a float32 bundle): the old pair
+    run(be, Phase.DECODE, 4)
+    assert rec.calls[:2] == ["gemm_router", "moe_route"], rec.calls
+    be, rec = _stub_backend(True, tensor_cores=False, fold=fold)  # no tensor-core MoE: every decode step <= 16
+    run(be, Phase.DECODE, 16)
+    assert rec.calls[0] == f"moe_router_route(fold={int(fold)})", rec.calls
+    rec.calls.clear()
+    run(be, Phase.DECODE, 17)
+    assert rec.calls[:2] == ["gemm_router", "moe_route"], rec.calls
