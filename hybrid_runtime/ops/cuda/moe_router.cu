@@ -21,9 +21,9 @@
 // memory: each h element is read by exactly one warp of a CTA, straight into its A fragment.
 //
 // PDL: the weights do not depend on the previous kernel, so each lane issues its first MR_PF blocks of weight
-// loads BEFORE griddepcontrol.wait (pdl_enter): when launched as a programmatic dependent, the weight read
-// (the kernel's DRAM traffic) overlaps the previous kernel's tail. h, the workspace and every output are
-// touched only after the wait.
+// loads BEFORE griddepcontrol.wait (then launch_dependents, as fused.cu's pdl_enter): when launched as a
+// programmatic dependent, the weight read (the kernel's DRAM traffic) overlaps the previous kernel's tail.
+// h, the workspace and every output are touched only after the wait.
 //
 // Phase 2, the last CTA: every CTA writes its logits, fences (__threadfence) and counts itself on
 // workspace[0] (atomicAdd); the CTA that brings the count to gridDim.x resets it to 0 for the next launch
@@ -42,7 +42,7 @@
 // registers at 64: the grid is one CTA per SM (<= 66 CTAs on 132 SMs). Phase 1 spreads its loads over all
 // 32 warps (H = 2048: per lane 2 x 16 bytes of weights per 8 rows, 4 x 16 bytes of h), all in flight at once.
 //
-// Shapes (the host checks, hybrid_runtime/cuda/moe_router.py check_shape): 1 <= n <= 16, H % 32 == 0,
+// Shapes (the host checks, hybrid_runtime/cuda/moe_router.py shape_problems): 1 <= n <= 16, H % 32 == 0,
 // ldh % 8 == 0, 16-byte aligned h and w, E_pad <= ld, E + fold_shared <= min(E_pad, 1024), 1 <= k <= 31,
 // k <= E; dynamic shared memory max(32 * tiles * 512, n * (E + fold_shared) * 4) bytes.
 
