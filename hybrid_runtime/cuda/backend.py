@@ -52,6 +52,10 @@ from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
+from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
+from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
+from .moe_router import MoERouter, RouteBuffers
+from .moe_router import supported as router_supported
 from .prefill_attention import (
     CudaPrefillAttention,
     PrefillAttentionError,
@@ -192,7 +196,7 @@ class CudaBackend:
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
-                 batch_invariant_attention: bool = True) -> None:
+                 batch_invariant_attention: bool = True, fused_router: bool = True) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -228,6 +232,13 @@ class CudaBackend:
         if "moe" in cfg.ffn_types and supported(self.dtype, cfg.hidden_size, cfg.moe_intermediate_size,
                                                 cfg.num_experts, cfg.num_experts_per_tok):
             self.moe_prefill = MoEPrefill(self.dev, self.dtype)
+        # Decode steps of <= 16 rows on the CUDA-core MoE: router GEMM + moe_route in one launch (cuda/moe_router.py)
+        # for bf16/fp16 bundles whose router shape it takes (fused_router); None: cuBLASLt GEMM + moe_route
+        self.moe_router: MoERouter | None = None
+        if fused_router and "moe" in cfg.ffn_types:
+            e_pad = -(-(cfg.num_experts + int(cfg.shared_expert_intermediate_size > 0)) // 8) * 8  # weights.py
+            if router_supported(self.dtype, cfg.hidden_size, e_pad, cfg.num_experts, cfg.num_experts_per_tok):
+                self.moe_router = MoERouter(self.dev, self.dtype)
         self.blas = Blas(self.dev)
         if weights is None and manifest.state_weights == DUMMY_WEIGHTS:
             log.warning("DUMMY WEIGHTS: this bundle (--dummy-weights) has no weights; seeded random ones are "
@@ -361,12 +372,17 @@ class CudaBackend:
                 "expert_off": ((1, E_all + 1), "int32"), "active": ((1, E_all + 1), "int32"),
                 "moe_act": ((T * self.kk, cfg.moe_intermediate_size), d), "y": ((T, self.ny * H), "float32"),
             })
+            if self.moe_router is not None:  # the fused router's CTA counter (zeroed below, reset by the kernel)
+                shapes["moe_router_ws"] = ((1, ROUTER_WORKSPACE_BYTES // 4), "int32")
             if self.moe_prefill is not None:  # the tensor-core prefill MoE's tile list
                 shapes.update({"moe_tiles": ((1, tile_list_words(T * self.kk, E_all)), "int32"),
                                "moe_cta_counts": ((ROUTE_MAX_CTAS, E_all), "int32")})
         self.arena = _Arena()
         for name, (shape, dt) in shapes.items():
             self.arena.bufs[name] = self.dev.empty(shape, dt)
+        if "moe_router_ws" in self.arena.bufs:
+            ws = self.arena.bufs["moe_router_ws"]
+            self.dev.memset_d8(ws.ptr, 0, ws.nbytes)
         self.arena_bytes = sum(a.nbytes for a in self.arena.bufs.values())
 
     # ------------------------------------------------------------------ state owner (scheduler, tests)
@@ -760,7 +776,11 @@ class CudaBackend:
         mw = self.w.moe(layer)
         H, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         router = A.mat("router", n, mw.e_pad)
-        self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
+        # decode steps of <= 16 rows on the CUDA-core MoE: router GEMM + moe_route as one launch (moe_router_route)
+        fused_router = (self.moe_router is not None and ctx.phase == Phase.DECODE and n <= ROUTER_MAX_TOKENS
+                        and moe_path(False, n, self.moe_prefill is not None, self.moe_decode) == "cuda_cores")
+        if not fused_router:
+            self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
         pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
         off, act_l = A.bufs["expert_off"], A.bufs["active"]
         # The shared expert rides along as expert E (one pair per token) in decode steps of <= 16 rows; with many
@@ -782,10 +802,18 @@ class CudaBackend:
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
                                         self.ny, bufs, fold_shared=fold)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
-            self._launch("moe_route", (1, 1, 1), 1024,
-                         [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
-                          ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr), ("ptr", pe.ptr),
-                          ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+            if fused_router:
+                assert self.moe_router is not None
+                with self._prof("moe_router_route"):
+                    self.moe_router.launch(n, h.ptr, h.ld, mw.router, router.ptr, router.ld, cfg.num_experts, k,
+                                           cfg.norm_topk_prob, fold,
+                                           RouteBuffers(pw.ptr, pe.ptr, off.ptr, pl.ptr, act_l.ptr,
+                                                        A.bufs["moe_router_ws"].ptr))
+            else:
+                self._launch("moe_route", (1, 1, 1), 1024,
+                             [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts),
+                              ("i32", k), ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr),
+                              ("ptr", pe.ptr), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
             kk = k + int(fold)
             e_all = cfg.num_experts + int(fold)
             ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
