@@ -46,7 +46,10 @@ SHAPE_RULES = "bfloat16 or float16, H % 64 == 0, I % 64 == 0, H > 0, I > 0"
 class DecodeKnobs:
     """One build of ``moe_decode.cu``. ``gu_cols``: act columns per gate_up CTA (its 2 * gu_cols weight rows);
     ``dn_rows``: y rows per down CTA; ``gu_stages`` / ``dn_stages``: ring depths; ``bk``: k elements per stage;
-    ``gmax``: groups of 8 pairs per pass held in registers (a pass covers up to 8 * gmax pairs); ``warps``."""
+    ``gmax``: groups of 8 pairs per pass held in registers (a pass covers up to 8 * gmax pairs); ``warps``;
+    ``early`` 1: the first pass issues its prologue weight copies as soon as the expert id is read, before the
+    pair lists; ``pf_mb`` > 0: gate_up prefetches the step's down weights into L2 (bulk prefetch, its own weight
+    stream marked evict-first) when they total at most ``pf_mb`` MiB. Neither changes a result bit."""
 
     gu_cols: int = 16
     gu_stages: int = 6
@@ -55,6 +58,8 @@ class DecodeKnobs:
     bk: int = 128
     gmax: int = 4
     warps: int = 4
+    early: int = 0
+    pf_mb: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,6 +75,8 @@ class DecodeKnobs:
             problems.append(f"warps {self.warps}: (bk / 16) % warps must be 0")
         if self.gu_stages < 2 or self.dn_stages < 2:
             problems.append("stages must be >= 2")
+        if self.early not in (0, 1) or not 0 <= self.pf_mb <= 1024:
+            problems.append(f"early {self.early} not 0/1 or pf_mb {self.pf_mb} not in 0..1024")
         for rows in (2 * self.gu_cols, self.dn_rows):
             if (rows * (self.bk // 8)) % self.threads:
                 problems.append(f"{rows} rows x {self.bk // 8} chunks do not divide among {self.threads} threads")
@@ -84,7 +91,7 @@ class DecodeKnobs:
     def options(self) -> tuple[str, ...]:
         return (f"-DMD_GU_COLS={self.gu_cols}", f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}",
                 f"-DMD_DN_STAGES={self.dn_stages}", f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}",
-                f"-DMD_WARPS={self.warps}")
+                f"-DMD_WARPS={self.warps}", f"-DMD_EARLY={self.early}", f"-DMD_PF_DOWN={int(self.pf_mb > 0)}")
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -104,6 +111,11 @@ KNOB_SETS: dict[str, DecodeKnobs] = {
     "bk64": DecodeKnobs(gu_stages=12, dn_stages=8, bk=64),
     # at most 16 pairs per pass: less shared memory past 8 tokens, a deeper gate_up ring
     "g2": DecodeKnobs(gu_stages=7, gmax=2),
+    # the weight stream starts before the pair lists are read
+    "early": DecodeKnobs(early=1),
+    # ... and gate_up brings the down weights into L2 when the step's fit 24 / 40 MiB (batch 1: 9 x 2 MiB)
+    "pf24": DecodeKnobs(early=1, pf_mb=24),
+    "pf40": DecodeKnobs(early=1, pf_mb=40),
 }
 
 
@@ -212,7 +224,8 @@ class MoEDecode:
                 smem_bytes("gate_up", gcap, kn),
                 [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
                  ("i32", e_all), ("i32", gcap), ("ptr", bufs.expert_off), ("ptr", bufs.pair_list),
-                 ("ptr", bufs.active), ("ptr", bufs.act)], pdl=True)
+                 ("ptr", bufs.active), ("ptr", bufs.act), ("ptr", down if kn.pf_mb else 0),
+                 ("i64", kn.pf_mb << 20)], pdl=True)
         if parts in ("both", "down"):
             self.module.kernel("moe_dec_down").launch(
                 self.device, grid("down", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1),

@@ -7,6 +7,9 @@
   refilled slot holds NaN wherever this k tile wrote nothing, so reading a chunk that was not loaded shows),
   ldmatrix .x4 / .x2 lane addressing, the mma.sync m16n8k16 fragments as the PTX ISA defines them
   (``moe_gemm_model._mma``), the split-K over warps and their sum in warp order, the epilogues.
+
+Not modelled: when copies are issued and how they are committed (the ``early`` knob moves the first pass's
+weight copies ahead; the kernel's comments argue the wait counts), and the L2 prefetch (``pf_mb``: a hint).
 """
 
 from __future__ import annotations

@@ -82,6 +82,15 @@ typedef u16 T;
 #ifndef MD_WARPS
 #define MD_WARPS 4
 #endif
+// MD_EARLY 1: the first pass issues its prologue weight copies as soon as the expert is known (before reading
+// expert_off and pair_list). MD_PF_DOWN 1: gate_up prefetches the step's down weights into L2 (bulk prefetch)
+// when they fit the launch's pf_limit, its own weight stream marked evict-first. Neither changes any result.
+#ifndef MD_EARLY
+#define MD_EARLY 0
+#endif
+#ifndef MD_PF_DOWN
+#define MD_PF_DOWN 0
+#endif
 // CTAs per SM the register allocation must allow (__launch_bounds__): 3 keeps a batch-1 step's 288 CTAs resident
 // on 132 SMs, and stops ptxas from picking 64 registers (and spilling) for the small-tile builds.
 #ifndef MD_MIN_CTAS
@@ -169,16 +178,16 @@ template <int MODE, int RM, int STAGES>
 __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, const T* __restrict__ W, int K, int H,
                                         int I, int kk, int ny, int E_all, int gcap, const int* __restrict__ expert_off,
                                         const int* __restrict__ pair_list, const int* __restrict__ active,
-                                        const float* __restrict__ pair_w, T* __restrict__ act, float* __restrict__ y) {
+                                        const float* __restrict__ pair_w, T* __restrict__ act, float* __restrict__ y,
+                                        const T* __restrict__ w_pf, long long pf_limit) {
   constexpr int MT = RM / 16;
   constexpr int NCH = RM * MD_CPR / MD_THREADS;  // weight chunks per thread per stage
   __shared__ long long s_src[8 * MD_GMAX];      // element offset of each B row's source in X (-1: zero row)
   __shared__ int s_pair[8 * MD_GMAX];
   pdl_enter();
-  const int j = blockIdx.y;
-  if (j >= active[E_all]) return;  // past the experts with pairs: nothing to do, nothing written
-  const int e = active[j];
-  const int p0 = expert_off[e], p1 = expert_off[e + 1];
+  const int j = blockIdx.y;  // < gridDim.y <= E_all: active[j] is in bounds even past n_active
+  const int n_active = active[E_all], e = active[j];
+  if (j >= n_active) return;  // past the experts with pairs: nothing to do, nothing written
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   gcap = min(max(gcap, 1), MD_GMAX);
   const int cap = 8 * gcap;                            // pairs per pass
@@ -186,6 +195,10 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   const int KT = (K + MD_BK - 1) / MD_BK;
   const int tail_ch = (K - (KT - 1) * MD_BK) >> 3;  // 16-byte chunks of the last k tile (MD_CPR or MD_CPR / 2)
   const u32 sbase = smem_u32(md_smem);
+#if MD_PF_DOWN
+  u64 policy;  // the weights are read once per step: evict them first, keep what the prefetch below brought in
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
 
   // This thread's weight chunks of every stage: chunk c = tid + i * MD_THREADS is (row c / MD_CPR, chunk c %
   // MD_CPR). gate_up's staged row r: m-tile r / 16, rows 0..7 gate, 8..15 up of act columns col0 + 8 (r / 16) + r % 8.
@@ -204,6 +217,42 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     wdst[i] = soff(row, ch);
     wch[i] = ch;
   }
+  // k tile kt's weight rows into ring slot `slot` (no commit)
+  auto load_w = [&](int slot, int kt) {
+    const u32 sW = sbase + slot * stage_bytes;
+    const int k0 = kt * MD_BK;
+    const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)
+      if (wch[i] < nch) {
+#if MD_PF_DOWN
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(sW + wdst[i]),
+                     "l"(wsrc[i] + k0), "l"(policy));
+#else
+        cp_async16(sW + wdst[i], wsrc[i] + k0, 16);
+#endif
+      }
+  };
+#if MD_EARLY
+  // The first pass's prologue weights go out now: their addresses need e alone, so the stream starts before the
+  // pair lists are read (two dependent loads fewer ahead of it). Committed with the pass's B rows below.
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < KT) load_w(s, s);
+#endif
+#if MD_PF_DOWN
+  // gate_up: while this kernel streams its weights, bring expert e's down weights (w_pf [E_all, H, I]) into L2 -
+  // this CTA its 1/gridDim.x share, in 4 KB bulk prefetches - when the whole step's down weights fit pf_limit bytes
+  // (the L2 would evict them again otherwise). A hint: results never depend on it.
+  if (MODE == MODE_GATE_UP && w_pf != nullptr && (long long)n_active * H * I * 2 <= pf_limit) {
+    const size_t share = (size_t)H * I * 2 / gridDim.x;  // a multiple of 16 (H % 64 == 0, I / gridDim.x % 8 == 0)
+    const char* src = reinterpret_cast<const char*>(w_pf) + (size_t)e * H * I * 2 + (size_t)blockIdx.x * share;
+    for (size_t o = (size_t)tid * 4096; o < share; o += (size_t)MD_THREADS * 4096)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src + o), "r"((u32)min((size_t)4096, share - o))
+                   : "memory");
+  }
+#endif
+  const int p0 = expert_off[e], p1 = expert_off[e + 1];
 
 #pragma unroll 1
   for (int base = p0; base < p1; base += cap) {
@@ -217,13 +266,11 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     }
     __syncthreads();
 
-    auto load_stage = [&](int slot, int kt) {
-      const u32 sW = sbase + slot * stage_bytes, sB = sW + RM * MD_ROWB;
+    // k tile kt's B rows (the pass's pairs; zero rows up to 8 ng) into ring slot `slot` (no commit)
+    auto load_b = [&](int slot, int kt) {
+      const u32 sB = sbase + slot * stage_bytes + RM * MD_ROWB;
       const int k0 = kt * MD_BK;
       const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
-#pragma unroll
-      for (int i = 0; i < NCH; ++i)
-        if (wch[i] < nch) cp_async16(sW + wdst[i], wsrc[i] + k0, 16);
       for (int c = tid; c < 8 * ng * MD_CPR; c += MD_THREADS) {
         const int row = c / MD_CPR, ch = c % MD_CPR;
         if (ch < nch) {
@@ -241,17 +288,31 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[mt][g][q] = 0.f;
 
+    // Prologue: stages 0 .. STAGES-2, one commit group each. With MD_EARLY the first pass's weights went out
+    // above, uncommitted: they join the first group committed here, with every prologue stage's B rows, and
+    // STAGES-2 empty groups follow. The main loop's wait for stage kt (every group but the newest STAGES-2 done)
+    // then still covers it: stages 0 .. STAGES-2 are all in the first group.
+    const bool early = MD_EARLY && base == p0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < KT) load_stage(s, s);
-      cp_commit();
+      if (s < KT) {
+        if (!early) load_w(s, s);
+        load_b(s, s);
+      }
+      if (!early) cp_commit();
     }
+    if (early)
+      for (int s = 0; s < STAGES - 1; ++s) cp_commit();  // the one real group, then STAGES-2 empty ones
+
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
       cp_wait<STAGES - 2>();  // k tile kt has landed (this thread's copies) ...
       __syncthreads();        // ... everyone's, and every warp is done with the slot refilled below
       const int nk = kt + STAGES - 1;
-      if (nk < KT) load_stage(nk % STAGES, nk);
+      if (nk < KT) {
+        load_w(nk % STAGES, nk);
+        load_b(nk % STAGES, nk);
+      }
       cp_commit();  // one group per iteration (possibly empty) keeps the wait count uniform
       const u32 sW = sbase + (kt % STAGES) * stage_bytes, sB = sW + RM * MD_ROWB;
       const int nsteps = (kt == KT - 1 ? tail_ch : MD_CPR) >> 1;  // k16 steps of this tile
@@ -325,13 +386,15 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 }
 
 // grid (I / MD_GU_COLS, ny_grid), block MD_THREADS, dynamic smem (moe_decode.py smem_bytes). h [n, ldh] T;
-// w_gu [E_all, 2I, H]; act [n*kk, I] T.
+// w_gu [E_all, 2I, H]; act [n*kk, I] T. w_d / pf_limit: the down weights to prefetch into L2 when the step's fit
+// pf_limit bytes (MD_PF_DOWN builds; else unused).
 extern "C" __global__ void __launch_bounds__(MD_THREADS, MD_MIN_CTAS)
     moe_dec_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
                     int E_all, int gcap, const int* __restrict__ expert_off, const int* __restrict__ pair_list,
-                    const int* __restrict__ active, T* __restrict__ act) {
+                    const int* __restrict__ active, T* __restrict__ act, const T* __restrict__ w_d,
+                    long long pf_limit) {
   dec_cta<MODE_GATE_UP, MD_GU_RM, MD_GU_STAGES>(h, ldh, w_gu, H, H, I, kk, 0, E_all, gcap, expert_off, pair_list,
-                                               active, nullptr, act, nullptr);
+                                               active, nullptr, act, nullptr, w_d, pf_limit);
 }
 
 // grid (H / MD_DN_ROWS, ny_grid), block MD_THREADS, dynamic smem (moe_decode.py smem_bytes). act [n*kk, I] T;
@@ -341,5 +404,5 @@ extern "C" __global__ void __launch_bounds__(MD_THREADS, MD_MIN_CTAS)
                  int kk, int ny, int E_all, int gcap, const int* __restrict__ expert_off,
                  const int* __restrict__ pair_list, const int* __restrict__ active, float* __restrict__ y) {
   dec_cta<MODE_DOWN, MD_DN_ROWS, MD_DN_STAGES>(act, I, w_d, I, H, I, kk, ny, E_all, gcap, expert_off, pair_list,
-                                              active, pair_w, nullptr, y);
+                                              active, pair_w, nullptr, y, nullptr, 0);
 }
