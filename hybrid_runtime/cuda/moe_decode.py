@@ -48,8 +48,8 @@ class DecodeKnobs:
     ``dn_rows``: y rows per down CTA; ``gu_stages`` / ``dn_stages``: ring depths; ``bk``: k elements per stage;
     ``gmax``: groups of 8 pairs per pass held in registers (a pass covers up to 8 * gmax pairs); ``warps``;
     ``early`` 1: the first pass issues its prologue weight copies as soon as the expert id is read, before the
-    pair lists; ``pf_mb`` > 0: gate_up prefetches the step's down weights into L2 (bulk prefetch, its own weight
-    stream marked evict-first) when they total at most ``pf_mb`` MiB. Neither changes a result bit."""
+    pair lists; ``pf_mb`` > 0: gate_up prefetches the step's down weights into L2 (bulk prefetch) when they total
+    at most ``pf_mb`` MiB. Neither changes a result bit."""
 
     gu_cols: int = 16
     gu_stages: int = 6
@@ -113,9 +113,9 @@ KNOB_SETS: dict[str, DecodeKnobs] = {
     "g2": DecodeKnobs(gu_stages=7, gmax=2),
     # the weight stream starts before the pair lists are read
     "early": DecodeKnobs(early=1),
-    # ... and gate_up brings the down weights into L2 when the step's fit 24 / 40 MiB (batch 1: 9 x 2 MiB)
-    "pf24": DecodeKnobs(early=1, pf_mb=24),
-    "pf40": DecodeKnobs(early=1, pf_mb=40),
+    # gate_up brings the down weights into L2 when the step's fit 24 / 40 MiB (batch 1: 9 x 2 MiB)
+    "pf24": DecodeKnobs(pf_mb=24),
+    "pf40": DecodeKnobs(pf_mb=40),
 }
 
 

@@ -207,7 +207,7 @@ def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tupl
     tc = runners[1].backend
     key = "moe_decode_tensor_vs_cuda_cores" if tc_mode == "tensor_cores" else "moe_decode_mma_vs_cuda_cores"
     _record(key, {"agree": agree, "steps": total, "max_rel_logit_diff": worst,
-                                                "replays": dict(tc.graph_stats.replays)})  # type: ignore[attr-defined]
+                                                "replays": {str(k): v for k, v in tc.graph_stats.replays.items()}})  # type: ignore[attr-defined]
     assert tc.graph_stats.replays, "the tensor-core decode steps were not replayed from graphs"  # type: ignore
     assert agree / total >= 0.95, f"{agree}/{total}"
     assert worst < 0.05, worst

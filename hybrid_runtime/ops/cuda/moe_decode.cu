@@ -84,7 +84,9 @@ typedef u16 T;
 #endif
 // MD_EARLY 1: the first pass issues its prologue weight copies as soon as the expert is known (before reading
 // expert_off and pair_list). MD_PF_DOWN 1: gate_up prefetches the step's down weights into L2 (bulk prefetch)
-// when they fit the launch's pf_limit, its own weight stream marked evict-first. Neither changes any result.
+// when they fit the launch's pf_limit. Neither changes any result. (An L2 evict-first policy on the weight copies,
+// cp.async.cg...L2::cache_hint with createpolicy.fractional, raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200 with
+// driver 580 / NVRTC 13.0 and was dropped.)
 #ifndef MD_EARLY
 #define MD_EARLY 0
 #endif
@@ -195,10 +197,6 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   const int KT = (K + MD_BK - 1) / MD_BK;
   const int tail_ch = (K - (KT - 1) * MD_BK) >> 3;  // 16-byte chunks of the last k tile (MD_CPR or MD_CPR / 2)
   const u32 sbase = smem_u32(md_smem);
-#if MD_PF_DOWN
-  u64 policy;  // the weights are read once per step: evict them first, keep what the prefetch below brought in
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
 
   // This thread's weight chunks of every stage: chunk c = tid + i * MD_THREADS is (row c / MD_CPR, chunk c %
   // MD_CPR). gate_up's staged row r: m-tile r / 16, rows 0..7 gate, 8..15 up of act columns col0 + 8 (r / 16) + r % 8.
@@ -224,14 +222,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
 #pragma unroll
     for (int i = 0; i < NCH; ++i)
-      if (wch[i] < nch) {
-#if MD_PF_DOWN
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(sW + wdst[i]),
-                     "l"(wsrc[i] + k0), "l"(policy));
-#else
-        cp_async16(sW + wdst[i], wsrc[i] + k0, 16);
-#endif
-      }
+      if (wch[i] < nch) cp_async16(sW + wdst[i], wsrc[i] + k0, 16);
   };
 #if MD_EARLY
   // The first pass's prologue weights go out now: their addresses need e alone, so the stream starts before the
