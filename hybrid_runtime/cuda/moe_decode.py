@@ -23,7 +23,8 @@ lands in. A token's act and y have the same bits whatever else shares the step.
 
 Build knobs (:class:`DecodeKnobs`, -D macros of the source): act columns per gate_up CTA, y rows per down CTA,
 the two rings' depths, k per stage, groups per pass held in registers, warps. :data:`KNOB_SETS` are the ones
-the benchmark (``benchmarks/gpu_moe_decode.py``) compares and the compile test checks. Shapes: bf16 / fp16,
+the benchmark (``benchmarks/gpu_moe_decode.py``; H200 results in ``benchmarks/results/gpu_moe_decode_h200.md``)
+compares and the compile test checks. Shapes: bf16 / fp16,
 H % 64 == 0, I % 64 == 0, E_all <= 1024 (:func:`check_shape`).
 """
 
@@ -111,9 +112,11 @@ KNOB_SETS: dict[str, DecodeKnobs] = {
     "bk64": DecodeKnobs(gu_stages=12, dn_stages=8, bk=64),
     # at most 16 pairs per pass: less shared memory past 8 tokens, a deeper gate_up ring
     "g2": DecodeKnobs(gu_stages=7, gmax=2),
-    # the weight stream starts before the pair lists are read
+    # the weight stream starts before the pair lists are read (H200: 2-10 % slower, its one prologue group
+    # delays the first stage)
     "early": DecodeKnobs(early=1),
-    # gate_up brings the down weights into L2 when the step's fit 24 / 40 MiB (batch 1: 9 x 2 MiB)
+    # gate_up brings the down weights into L2 when the step's fit 24 / 40 MiB (batch 1: 9 x 2 MiB; H200: 9 %
+    # slower at batch 1, no change past it)
     "pf24": DecodeKnobs(pf_mb=24),
     "pf40": DecodeKnobs(pf_mb=40),
 }
