@@ -51,6 +51,7 @@ from .gdn import CudaGdn
 from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
+from .moe_decode import MoEDecode
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
@@ -78,26 +79,29 @@ FOLD_MAX_TOKENS = 16  # up to this many tokens the shared expert runs inside the
 
 
 MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x MOE_RPW (2) rows
-MOE_DECODE_MODES = ("auto", "tensor_cores", "cuda_cores")
+MOE_DECODE_MODES = ("auto", "tensor_cores", "cuda_cores", "mma_decode")
 
 
 def moe_path(prefill: bool, n: int, tensor_cores: bool, decode_mode: str = "auto") -> str:
     """Which routed-expert kernels a step of ``n`` token rows runs: ``"tensor_cores"`` (``cuda/moe_prefill.py``:
-    device routing, a tile list and grouped GEMMs; each touched expert's weights are streamed once per step)
+    device routing, a tile list and grouped GEMMs; each touched expert's weights are streamed once per step),
+    ``"mma_decode"`` (``cuda/moe_decode.py``: tensor cores with the weights as the M operand, 8-pair columns)
     or ``"cuda_cores"`` (``fused.cu``'s moe_route / moe_gate_up / moe_down).
 
     Prefill always takes the tensor cores when they exist (``tensor_cores``: bf16/fp16 and a shape the tiles
-    divide). Decode follows ``decode_mode``: ``"tensor_cores"`` / ``"cuda_cores"`` always, ``"auto"`` the
-    tensor cores for steps of more than :data:`FOLD_MAX_TOKENS` rows only. The boundary is the one the pinned
-    decode GEMMs and the folded shared expert already have, so a row's bits depend on its class, never on the
-    other rows of its step."""
+    divide, which the decode kernels' shapes include). Decode follows ``decode_mode``: ``"tensor_cores"`` /
+    ``"mma_decode"`` / ``"cuda_cores"`` always; ``"auto"`` is ``"mma_decode"``: on the H200 it reads the experts
+    faster than the CUDA-core kernels at every batch size (23 vs 29 us at 1 row, 102 vs 161 at 8, 385 vs 598 at
+    64; within 4% of the grouped GEMMs at 64: benchmarks/results/gpu_moe_decode_h200.md), and a pair's result
+    does not depend on how many pairs share its expert, so a row's MoE bits are the same at every decode batch
+    size."""
     if decode_mode not in MOE_DECODE_MODES:
         raise ValueError(f"moe decode mode {decode_mode!r}: one of {MOE_DECODE_MODES}")
     if not tensor_cores:
         return "cuda_cores"
     if prefill or decode_mode == "tensor_cores":
         return "tensor_cores"
-    return "tensor_cores" if decode_mode == "auto" and n > FOLD_MAX_TOKENS else "cuda_cores"
+    return "cuda_cores" if decode_mode == "cuda_cores" else "mma_decode"
 
 
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -239,6 +243,11 @@ class CudaBackend:
             e_pad = -(-(cfg.num_experts + int(cfg.shared_expert_intermediate_size > 0)) // 8) * 8  # weights.py
             if router_supported(self.dtype, cfg.hidden_size, e_pad, cfg.num_experts, cfg.num_experts_per_tok):
                 self.moe_router = MoERouter(self.dev, self.dtype)
+        # Decode MoE on tensor cores, weights as the M operand (moe_decode "mma_decode"); built here when that mode
+        # is asked for, else on the first step that takes it (moe(): benchmarks switch modes on a live backend)
+        self.moe_mma_decode: MoEDecode | None = None
+        if moe_decode == "mma_decode" and self.moe_prefill is not None:
+            self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
         self.blas = Blas(self.dev)
         if weights is None and manifest.state_weights == DUMMY_WEIGHTS:
             log.warning("DUMMY WEIGHTS: this bundle (--dummy-weights) has no weights; seeded random ones are "
@@ -771,14 +780,27 @@ class CudaBackend:
                                      pool_pages=kb.shape[0])
         return res
 
+    def _fused_route(self, n: int, h: Mat, mw: Any, router: Mat, k: int, fold: bool) -> None:
+        """Router GEMM + moe_route's routing in one launch (cuda/moe_router.py): logits into ``router`` and the
+        pair_* / expert_off / pair_list / active buffers, as the cuBLASLt GEMM + moe_route pair writes them."""
+        assert self.moe_router is not None
+        A = self.arena
+        with self._prof("moe_router_route"):
+            self.moe_router.launch(n, h.ptr, h.ld, mw.router, router.ptr, router.ld, self.cfg.num_experts, k,
+                                   self.cfg.norm_topk_prob, fold,
+                                   RouteBuffers(A.bufs["pair_w"].ptr, A.bufs["pair_e"].ptr, A.bufs["expert_off"].ptr,
+                                                A.bufs["pair_list"].ptr, A.bufs["active"].ptr,
+                                                A.bufs["moe_router_ws"].ptr))
+
     def moe(self, layer: int, ctx: CudaCtx, h: Mat) -> MoEOut:
         cfg, n, A = self.cfg, ctx.n, self.arena
         mw = self.w.moe(layer)
         H, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         router = A.mat("router", n, mw.e_pad)
-        # decode steps of <= 16 rows on the CUDA-core MoE: router GEMM + moe_route as one launch (moe_router_route)
+        path = moe_path(ctx.phase == Phase.PREFILL, n, self.moe_prefill is not None, self.moe_decode)
+        # decode steps of <= 16 rows routed by moe_route: router GEMM + moe_route as one launch (moe_router_route)
         fused_router = (self.moe_router is not None and ctx.phase == Phase.DECODE and n <= ROUTER_MAX_TOKENS
-                        and moe_path(False, n, self.moe_prefill is not None, self.moe_decode) == "cuda_cores")
+                        and n <= FOLD_MAX_TOKENS and path in ("cuda_cores", "mma_decode"))
         if not fused_router:
             self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
         pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
@@ -789,8 +811,34 @@ class CudaBackend:
         fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
-        if self.moe_prefill is not None and moe_path(ctx.phase == Phase.PREFILL, n, True,
-                                                      self.moe_decode) == "tensor_cores":
+        if path == "mma_decode":
+            # Decode on tensor cores with the weights as the M operand (cuda/moe_decode.py): routing by moe_route
+            # (one CTA) for up to FOLD_MAX_TOKENS rows, by the prefill's moe_topk + moe_group (many CTAs; the same
+            # bits and buffers) past that; the shared expert folded in as expert E exactly when the CUDA-core path
+            # folds it. The same pair_* / expert_off / active / moe_act / y contract as the other paths.
+            assert self.moe_prefill is not None  # moe_path gives "mma_decode" only with the tensor-core shapes
+            if self.moe_mma_decode is None:
+                self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
+            kk, e_all = k + int(fold), cfg.num_experts + int(fold)
+            tl = A.bufs["moe_tiles"]
+            bufs = MoEBuffers(pw.ptr, pe.ptr, pl.ptr, off.ptr, act_l.ptr, tl.ptr, A.bufs["moe_cta_counts"].ptr,
+                              moe_act.ptr, y.ptr, (tl.size - 4) // 4)
+            if n > FOLD_MAX_TOKENS:
+                with self._prof("moe_route_many"):
+                    self.moe_prefill.route(n, router.ptr, router.ld, cfg.num_experts, k, cfg.norm_topk_prob, bufs,
+                                           fold_shared=fold)
+            elif fused_router:
+                self._fused_route(n, h, mw, router, k, fold)
+            else:
+                self._launch("moe_route", (1, 1, 1), 1024,
+                             [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts),
+                              ("i32", k), ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr),
+                              ("ptr", pe.ptr), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+            with self._prof("moe_mma_decode"):
+                self.moe_mma_decode.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all,
+                                           bufs)
+        elif path == "tensor_cores":
+            assert self.moe_prefill is not None
             # Tensor cores for every prefill step whatever its token count (a prompt takes the same path alone
             # or batched) and for the decode steps moe_path gives them: routing + tile list on the device, two
             # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
@@ -803,12 +851,7 @@ class CudaBackend:
                                         self.ny, bufs, fold_shared=fold)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
             if fused_router:
-                assert self.moe_router is not None
-                with self._prof("moe_router_route"):
-                    self.moe_router.launch(n, h.ptr, h.ld, mw.router, router.ptr, router.ld, cfg.num_experts, k,
-                                           cfg.norm_topk_prob, fold,
-                                           RouteBuffers(pw.ptr, pe.ptr, off.ptr, pl.ptr, act_l.ptr,
-                                                        A.bufs["moe_router_ws"].ptr))
+                self._fused_route(n, h, mw, router, k, fold)
             else:
                 self._launch("moe_route", (1, 1, 1), 1024,
                              [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts),

@@ -170,19 +170,23 @@ def test_bfloat16_greedy_agreement_with_float32_cpu(bf16_bundles: tuple[Path, Pa
     assert agree / total >= 0.9, f"bf16 agrees with fp32 CPU on {agree}/{total} steps"
 
 
-def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tuple[Path, Path]) -> None:
-    """Decode steps through the tensor-core MoE (``moe_decode="tensor_cores"``, graphs captured and replayed)
-    against the CUDA-core decode kernels (``"cuda_cores"``), teacher-forced on the same tokens: the same
-    greedy choice on nearly every step and logits within bf16 activation rounding of each other."""
+@pytest.mark.parametrize("tc_mode", ["tensor_cores", "mma_decode"])
+def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tuple[Path, Path], tc_mode: str) -> None:
+    """Decode steps through a tensor-core MoE (``moe_decode="tensor_cores"``: the prefill's grouped GEMMs, or
+    ``"mma_decode"``: the weights-as-M decode kernels; graphs captured and replayed) against the CUDA-core decode
+    kernels (``"cuda_cores"``), teacher-forced on the same tokens: the same greedy choice on nearly every step
+    and logits within bf16 activation rounding of each other."""
     from hybrid_runtime.cuda.backend import CudaBackend
 
     _, gpu_b = bf16_bundles
     m = Manifest.load(gpu_b)
     runners = []
-    for mode in ("cuda_cores", "tensor_cores"):
+    for mode in ("cuda_cores", tc_mode):
         be = CudaBackend(gpu_b, m, device="cuda", moe_decode=mode)
-        if mode == "tensor_cores" and be.moe_prefill is None:
+        if mode != "cuda_cores" and be.moe_prefill is None:
             pytest.skip("this bundle's MoE shape has no tensor-core path")
+        if mode == "mma_decode":
+            assert be.moe_mma_decode is not None
         r = ModelRunner(gpu_b, m, backend=be)
         be.capture_graphs(r._forward)
         runners.append(r)
@@ -201,8 +205,9 @@ def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tupl
         total += a.shape[0]
         worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
     tc = runners[1].backend
-    _record("moe_decode_tensor_vs_cuda_cores", {"agree": agree, "steps": total, "max_rel_logit_diff": worst,
-                                                "replays": dict(tc.graph_stats.replays)})  # type: ignore[attr-defined]
+    key = "moe_decode_tensor_vs_cuda_cores" if tc_mode == "tensor_cores" else "moe_decode_mma_vs_cuda_cores"
+    _record(key, {"agree": agree, "steps": total, "max_rel_logit_diff": worst,
+                                                "replays": {str(k): v for k, v in tc.graph_stats.replays.items()}})  # type: ignore[attr-defined]
     assert tc.graph_stats.replays, "the tensor-core decode steps were not replayed from graphs"  # type: ignore
     assert agree / total >= 0.95, f"{agree}/{total}"
     assert worst < 0.05, worst

@@ -227,8 +227,10 @@ def _stub_backend(fused: bool, dtype: str = "bfloat16", moe_decode: str = "auto"
     be._prof = lambda name: contextlib.nullcontext()
     be._gemm = lambda x, w, out, **kw: rec.calls.append("gemm_router" if w is mw.router else "gemm")
     be._launch = lambda name, *a, **kw: rec.calls.append(name)
-    be.moe_prefill = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_tensor_cores")) \
+    be.moe_prefill = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_tensor_cores"),
+                                     route=lambda *a, **kw: rec.calls.append("moe_route_many")) \
         if tensor_cores else None
+    be.moe_mma_decode = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_mma_decode"))
 
     class _Router:
         def launch(self, n, h, ldh, router, logits, ld, num_experts, k_, renorm, fold_shared, bufs) -> None:
@@ -249,24 +251,27 @@ def test_backend_decode_steps_of_up_to_16_rows_take_the_fused_router(fold: bool)
         ctx = CudaCtx(phase, n, n, n, n, n, 1, None, None, n, None, False)
         be.moe(0, ctx, Mat(0x1000, n, 128, 128, "bfloat16"))
 
-    be, rec = _stub_backend(True, fold=fold)
-    tail = ["moe_gate_up", "moe_down"] + ([] if fold else ["gemm", "swiglu", "gemm"])
+    be, rec = _stub_backend(True, fold=fold)  # auto: the weights-as-M tensor-core decode MoE at every size
+    shared = [] if fold else ["gemm", "swiglu", "gemm"]
     for n in (1, 7, 16):
         rec.calls.clear()
         run(be, Phase.DECODE, n)
-        assert rec.calls == [f"moe_router_route(fold={int(fold)})", *tail], (n, rec.calls)
+        assert rec.calls == [f"moe_router_route(fold={int(fold)})", "moe_mma_decode", *shared], (n, rec.calls)
     rec.calls.clear()
-    run(be, Phase.DECODE, 17)  # past 16 rows: cuBLASLt + the tensor-core MoE (which routes itself)
-    assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
+    run(be, Phase.DECODE, 17)  # past 16 rows: cuBLASLt + the many-CTA routing, never folded
+    assert rec.calls[:3] == ["gemm_router", "moe_route_many", "moe_mma_decode"], rec.calls
     rec.calls.clear()
     run(be, Phase.PREFILL, 4)  # prefill: never
     assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
     be, rec = _stub_backend(True, moe_decode="tensor_cores", fold=fold)  # the tensor-core decode MoE routes itself
     run(be, Phase.DECODE, 4)
     assert rec.calls[:2] == ["gemm_router", "moe_tensor_cores"], rec.calls
+    be, rec = _stub_backend(True, moe_decode="cuda_cores", fold=fold)
+    run(be, Phase.DECODE, 4)
+    assert rec.calls == [f"moe_router_route(fold={int(fold)})", "moe_gate_up", "moe_down", *shared], rec.calls
     be, rec = _stub_backend(False, fold=fold)  # fused_router=False (or a float32 bundle): the old pair
     run(be, Phase.DECODE, 4)
-    assert rec.calls[:2] == ["gemm_router", "moe_route"], rec.calls
+    assert rec.calls[:3] == ["gemm_router", "moe_route", "moe_mma_decode"], rec.calls
     be, rec = _stub_backend(True, tensor_cores=False, fold=fold)  # no tensor-core MoE: every decode step <= 16
     run(be, Phase.DECODE, 16)
     assert rec.calls[0] == f"moe_router_route(fold={int(fold)})", rec.calls

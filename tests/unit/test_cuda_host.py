@@ -316,16 +316,20 @@ def test_a_step_is_one_upload_and_one_download() -> None:
 
 
 def test_moe_path_keeps_decode_classes_and_prefill_on_tensor_cores() -> None:
-    """Which MoE kernels a step runs: prefill on tensor cores whenever they exist; decode by mode, "auto" past
-    FOLD_MAX_TOKENS rows only (the class boundary of the pinned GEMMs); no tensor cores: CUDA cores always."""
-    from hybrid_runtime.cuda.backend import FOLD_MAX_TOKENS, moe_path
+    """Which MoE kernels a step runs: prefill on tensor cores whenever they exist; decode by mode, "auto" (as
+    "mma_decode") the weights-as-M decode kernels at every batch size; no tensor cores: CUDA cores always."""
+    from hybrid_runtime.cuda.backend import FOLD_MAX_TOKENS, MOE_DECODE_MODES, moe_path
 
+    assert MOE_DECODE_MODES == ("auto", "tensor_cores", "cuda_cores", "mma_decode")
     for n in (1, 7, FOLD_MAX_TOKENS, FOLD_MAX_TOKENS + 1, 64, 8192):
         assert moe_path(True, n, True, "cuda_cores") == "tensor_cores"
+        assert moe_path(True, n, True, "mma_decode") == "tensor_cores"  # prefill never takes the decode kernels
         assert moe_path(True, n, False) == moe_path(False, n, False, "tensor_cores") == "cuda_cores"
+        assert moe_path(False, n, False, "mma_decode") == moe_path(True, n, False, "mma_decode") == "cuda_cores"
         assert moe_path(False, n, True, "tensor_cores") == "tensor_cores"
         assert moe_path(False, n, True, "cuda_cores") == "cuda_cores"
-        assert moe_path(False, n, True, "auto") == ("tensor_cores" if n > FOLD_MAX_TOKENS else "cuda_cores")
+        assert moe_path(False, n, True, "mma_decode") == "mma_decode"
+        assert moe_path(False, n, True, "auto") == "mma_decode"
     with pytest.raises(ValueError, match="one of"):
         moe_path(False, 1, True, "fast")
 
