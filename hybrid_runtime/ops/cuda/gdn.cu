@@ -3,6 +3,7 @@
 //
 // Compiled by NVRTC once per variant with
 //   -DDT=<0 float32 | 1 float16 | 2 bfloat16>  (activations u and the output o)
+//   -DOT=<0 | 1 | 2>  (the gated-norm output of gdn_decode_norm; default DT)
 //   -DDK=<key head dim> -DDV=<value head dim, multiple of 4> -DKW=<conv kernel width K >= 1>
 // The conv inputs u are rows of u_stride elements (>= C: u may be the first C columns of a wider projection).
 // State is float32 and laid out as hybrid_runtime.state_cache.StateLayout says:
@@ -10,12 +11,19 @@
 //   rec   [rows, nv, DK, DV] (row stride rec_row elements)
 // rows = num_slots + 1; the last row is the padding sink. Slot indices were bounds-checked on the host;
 // live slots are distinct, padding rows may all name the sink (their writes race only on the sink).
+//
+// Decode runs either as gdn_conv_decode + gdn_decode (no programmatic-dependent wait: launched normally), or
+// as the fused pair gdn_conv_gates_decode + gdn_decode_norm (the cuda backend's decode steps), which also do
+// fused.cu's gdn_gates and gated_rmsnorm and wait for the previous kernel first (launched with PDL).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
 
 #ifndef DT
 #define DT 2
+#endif
+#ifndef OT
+#define OT DT
 #endif
 #ifndef KW
 #define KW 4
@@ -26,6 +34,13 @@ typedef float T;
 #else
 typedef u16 T;
 #endif
+#if OT == 0
+typedef float TO;
+#else
+typedef u16 TO;
+#endif
+
+#include "gdn_gates.cuh"
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(u16 x) {
@@ -49,16 +64,46 @@ __device__ __forceinline__ void store_act(u16* p, float v) {
 }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// The gated-norm output in OT, rounded as fused.cu's from_f32 rounds it.
+__device__ __forceinline__ void store_out(TO* p, float v) {
+#if OT == 0
+  *p = v;
+#else
+  u16 h;
+#if OT == 1
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  *p = h;
+#endif
+}
+
+// Programmatic dependent launch (sm_90+), as fused.cu's pdl_enter: wait for the kernel before this one to
+// finish and flush (a no-op when not launched as a dependent), then let the next one be scheduled. The fused
+// decode kernels call it before they touch global memory.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// fused.cu's warp_sum: the same xor order (16, 8, 4, 2, 1).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Conv, decode: one token per sequence. grid (ceil(C/blockDim), B); thread = one channel of one row.
 // x_out[b, c] = silu(sum_j w[c, j] * [window ++ u_b][j]); window <- last K-1 inputs.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
-                                           float* __restrict__ conv, long long conv_row,
-                                           const int* __restrict__ slots, float* __restrict__ x_out, int B,
-                                           int C, long long u_stride) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-  if (c >= C || b >= B) return;
+__device__ __forceinline__ void conv_decode_channel(const T* __restrict__ u, const float* __restrict__ conv_w,
+                                                    float* __restrict__ conv, long long conv_row,
+                                                    const int* __restrict__ slots, float* __restrict__ x_out,
+                                                    int b, int c, int C, long long u_stride) {
   float* win = conv + (long long)slots[b] * conv_row + c;
   float xs[KW];
 #pragma unroll
@@ -70,6 +115,45 @@ extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float*
   x_out[(size_t)b * C + c] = silu(acc);
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) win[(long long)j * C] = xs[j + 1];
+}
+
+extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
+                                           float* __restrict__ conv, long long conv_row,
+                                           const int* __restrict__ slots, float* __restrict__ x_out, int B,
+                                           int C, long long u_stride) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= C || b >= B) return;
+  conv_decode_channel(u, conv_w, conv, conv_row, slots, x_out, b, c, C, u_stride);
+}
+
+// Conv + gates, decode (fused.cu's gdn_gates folded in). grid (ceil(C/blockDim) + 1, B): CTAs x <
+// ceil(C/blockDim) are gdn_conv_decode's (the same per-channel code); CTA x = ceil(C/blockDim) computes row b's
+// gates from its projection row p + b * p_stride (gdn_gates.cuh: fused.cu's expressions):
+//   g[b, j] = neg_exp_a[j] * softplus(a + dt_bias[j]),  beta[b, j] = sigmoid(b)   (float32 [B, NV])
+// with b = p_row[off_b + j], a = p_row[off_a + j]. Waits for the previous kernel (PDL) before any access.
+extern "C" __global__ void gdn_conv_gates_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
+                                                 float* __restrict__ conv, long long conv_row,
+                                                 const int* __restrict__ slots, float* __restrict__ x_out, int B,
+                                                 int C, long long u_stride, const float* __restrict__ p,
+                                                 long long p_stride, int off_b, int off_a,
+                                                 const float* __restrict__ neg_exp_a,
+                                                 const float* __restrict__ dt_bias, float* __restrict__ g,
+                                                 float* __restrict__ beta, int NV) {
+  pdl_enter();
+  const int b = blockIdx.y;
+  if (b >= B) return;
+  const int conv_ctas = (C + blockDim.x - 1) / blockDim.x;
+  if ((int)blockIdx.x >= conv_ctas) {
+    if ((int)blockIdx.x == conv_ctas) {
+      const float* row = p + (size_t)b * p_stride;
+      for (int j = threadIdx.x; j < NV; j += blockDim.x)
+        gdn_gate(row, off_b, off_a, neg_exp_a, dt_bias, g + (size_t)b * NV, beta + (size_t)b * NV, j);
+    }
+    return;
+  }
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  conv_decode_channel(u, conv_w, conv, conv_row, slots, x_out, b, c, C, u_stride);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -132,23 +216,30 @@ extern "C" __global__ void gdn_conv_window(const T* __restrict__ u, float* __res
 // value head of one sequence: 8 threads per row (float4 each) x 16 row groups. The state is read once
 // (loads issued first) and written once; q/k are l2-normalised here (q also scaled by 1/sqrt(DK)).
 //   o = e^g S^T q + (q.k) delta,  delta = beta (v - e^g S^T k),  S <- e^g S + k delta^T
+// delta_cols is that CTA's work for 128 threads; gdn_decode_norm runs it once per 32 columns of a head
+// (every expression and reduction order the same, so the state it writes has the same bits).
 // ------------------------------------------------------------------------------------------------
 #define RM ((DK + 15) / 16)
 
-extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __restrict__ x,
-                                                             const float* __restrict__ gdec,
-                                                             const float* __restrict__ beta,
-                                                             const int* __restrict__ slots,
-                                                             float* __restrict__ rec, long long rec_row,
-                                                             T* __restrict__ out, int B, int NK, int NV) {
-  const int b = blockIdx.z, h = blockIdx.y;
-  if (b >= B || h >= NV) return;
-  const int tid = threadIdx.x, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
-  const int j = blockIdx.x * 32 + tc * 4;
+struct DeltaSmem {
+  float qs[DK], ks[DK];
+  float red[4][3];
+  float part[4][32][2];
+};
+
+// Columns j0 .. j0+31 of value head h of sequence b, by the 128 threads t = 0..127 of one group (t = the thread's
+// index in its group: 4 whole warps; sm: the group's own shared memory). S: the head's state [DK, DV]; xb: row b
+// of x; out: the head's o [DV] (T). Has block-wide barriers: every thread of the CTA calls it, the same number of
+// times. Row group 0 writes o of its 4 columns j .. j+3 (j = j0 + (t & 7) * 4, where j < DV): to out (TO_SMEM
+// false: gdn_decode), or to cs [DV] in shared memory and, when out != 0, to out as well (TO_SMEM: gdn_decode_norm).
+template <bool TO_SMEM>
+__device__ __forceinline__ void delta_cols(const float* __restrict__ xb, const float* __restrict__ gdec,
+                                           const float* __restrict__ beta, float* __restrict__ S, int b, int h,
+                                           int kh, int NK, int NV, int j0, int t, DeltaSmem& sm,
+                                           T* __restrict__ out, float* cs) {
+  const int tid = t, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
+  const int j = j0 + tc * 4;
   const bool jv = j < DV;
-  const int kh = h / (NV / NK);
-  const int C = 2 * NK * DK + NV * DV;
-  float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
 
   float4 st[RM];
 #pragma unroll
@@ -157,15 +248,11 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
     st[m] = (jv && i < DK) ? *(const float4*)(S + (size_t)i * DV + j) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
-  __shared__ float qs[DK], ks[DK];
-  __shared__ float red[4][3];
-  __shared__ float part[4][32][2];
-  const float* xb = x + (size_t)b * C;
   float sq = 0.f, sk = 0.f, sqk = 0.f;
   for (int i = tid; i < DK; i += 128) {
     const float qv = xb[kh * DK + i], kv = xb[NK * DK + kh * DK + i];
-    qs[i] = qv;
-    ks[i] = kv;
+    sm.qs[i] = qv;
+    sm.ks[i] = kv;
     sq += qv * qv;
     sk += kv * kv;
     sqk += qv * kv;
@@ -176,14 +263,14 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
     sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
   }
   if (lane == 0) {
-    red[warp][0] = sq;
-    red[warp][1] = sk;
-    red[warp][2] = sqk;
+    sm.red[warp][0] = sq;
+    sm.red[warp][1] = sk;
+    sm.red[warp][2] = sqk;
   }
   __syncthreads();
-  sq = red[0][0] + red[1][0] + red[2][0] + red[3][0];
-  sk = red[0][1] + red[1][1] + red[2][1] + red[3][1];
-  sqk = red[0][2] + red[1][2] + red[2][2] + red[3][2];
+  sq = sm.red[0][0] + sm.red[1][0] + sm.red[2][0] + sm.red[3][0];
+  sk = sm.red[0][1] + sm.red[1][1] + sm.red[2][1] + sm.red[3][1];
+  sqk = sm.red[0][2] + sm.red[1][2] + sm.red[2][2] + sm.red[3][2];
   const float rq = 1.f / sqrtf(sq + 1e-6f) / sqrtf((float)DK);
   const float rk = 1.f / sqrtf(sk + 1e-6f);
   const float qk = sqk * rq * rk;
@@ -193,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
   for (int m = 0; m < RM; ++m) {
     const int i = rg + 16 * m;
     if (i < DK) {
-      const float kv = ks[i] * rk, qv = qs[i] * rq;
+      const float kv = sm.ks[i] * rk, qv = sm.qs[i] * rq;
       pk[0] += st[m].x * kv; pk[1] += st[m].y * kv; pk[2] += st[m].z * kv; pk[3] += st[m].w * kv;
       pq[0] += st[m].x * qv; pq[1] += st[m].y * qv; pq[2] += st[m].z * qv; pq[3] += st[m].w * qv;
     }
@@ -208,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
   if (lane < 8) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      part[warp][tc * 4 + c][0] = pk[c];
-      part[warp][tc * 4 + c][1] = pq[c];
+      sm.part[warp][tc * 4 + c][0] = pk[c];
+      sm.part[warp][tc * 4 + c][1] = pq[c];
     }
   }
   __syncthreads();
@@ -217,17 +304,29 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
   float delta[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const float tk = part[0][tc * 4 + c][0] + part[1][tc * 4 + c][0] + part[2][tc * 4 + c][0] + part[3][tc * 4 + c][0];
-    const float tq = part[0][tc * 4 + c][1] + part[1][tc * 4 + c][1] + part[2][tc * 4 + c][1] + part[3][tc * 4 + c][1];
+    const float tk = sm.part[0][tc * 4 + c][0] + sm.part[1][tc * 4 + c][0] + sm.part[2][tc * 4 + c][0] +
+                     sm.part[3][tc * 4 + c][0];
+    const float tq = sm.part[0][tc * 4 + c][1] + sm.part[1][tc * 4 + c][1] + sm.part[2][tc * 4 + c][1] +
+                     sm.part[3][tc * 4 + c][1];
     const float v = jv ? xb[2 * NK * DK + h * DV + j + c] : 0.f;
-    delta[c] = bt * (v - eg * tk);
-    if (rg == 0 && jv) store_act(out + ((size_t)b * NV + h) * DV + j + c, eg * tq + qk * delta[c]);
+    // v - e^g tk as one explicit fma: NVVM leaves mul + sub here, which ptxas may or may not contract; pinned, the
+    // rounding is the same in every kernel that inlines this (gdn_decode_norm's state bits are gdn_decode's)
+    delta[c] = bt * __fmaf_rn(-eg, tk, v);
+    if (rg == 0 && jv) {
+      if (!TO_SMEM) {
+        store_act(out + j + c, eg * tq + qk * delta[c]);
+      } else {
+        const float ov = eg * tq + qk * delta[c];
+        cs[j + c] = ov;
+        if (out) store_act(out + j + c, ov);
+      }
+    }
   }
 #pragma unroll
   for (int m = 0; m < RM; ++m) {
     const int i = rg + 16 * m;
     if (jv && i < DK) {
-      const float kv = ks[i] * rk;
+      const float kv = sm.ks[i] * rk;
       float4 v = st[m];
       v.x = eg * v.x + kv * delta[0];
       v.y = eg * v.y + kv * delta[1];
@@ -237,6 +336,78 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
     }
   }
 }
+
+extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __restrict__ x,
+                                                             const float* __restrict__ gdec,
+                                                             const float* __restrict__ beta,
+                                                             const int* __restrict__ slots,
+                                                             float* __restrict__ rec, long long rec_row,
+                                                             T* __restrict__ out, int B, int NK, int NV) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b >= B || h >= NV) return;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+  float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
+  __shared__ DeltaSmem sm;
+  delta_cols<false>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, blockIdx.x * 32, threadIdx.x, sm,
+                    out + ((size_t)b * NV + h) * DV, nullptr);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Gated delta rule + gated RMSNorm, decode (fused.cu's gated_rmsnorm folded in). grid (1, NV, B), NTF = FCG * 128
+// threads (FCG = ceil(DV/32) groups of 128): one CTA owns a whole value head of one sequence; group cg runs
+// delta_cols on columns 32 cg .. 32 cg + 31 (gdn_decode's CTA, so the state bits are gdn_decode's), the head's
+// core goes to shared memory (and to core [B, NV*DV] in T when core != 0), then, per value head,
+//   o = core / sqrt(mean(core^2) + eps) * w * silu(z)        (TO [B, NV*DV]; w [DV] float32)
+// with gated_rmsnorm's expressions and reduction order (each warp sums the squares lane-strided and reduces
+// them with warp_sum, so every warp holds gated_rmsnorm's rs). z rows of z_stride elements (float32).
+// Compiled where FUSED_OK: DV <= 128 (<= 512 threads) and DK <= 128 (its registers at 512 threads); the host
+// runs gdn_decode + gated_rmsnorm otherwise (hybrid_runtime/cuda/gdn.py fused_decode_fits). Waits for the
+// previous kernel (PDL) before any access.
+// ------------------------------------------------------------------------------------------------
+#define FCG ((DV + 31) / 32)
+#define NTF (FCG * 128)
+#define FUSED_OK (DV <= 128 && DK <= 128)
+
+#if FUSED_OK
+extern "C" __global__ void __launch_bounds__(NTF) gdn_decode_norm(const float* __restrict__ x,
+                                                                  const float* __restrict__ gdec,
+                                                                  const float* __restrict__ beta,
+                                                                  const int* __restrict__ slots,
+                                                                  float* __restrict__ rec, long long rec_row,
+                                                                  const float* __restrict__ z, long long z_stride,
+                                                                  const float* __restrict__ norm_w, float eps,
+                                                                  TO* __restrict__ o, T* __restrict__ core, int B,
+                                                                  int NK, int NV) {
+  pdl_enter();
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b >= B || h >= NV) return;
+  const int tid = threadIdx.x, cg = tid >> 7, t = tid & 127, lane = tid & 31;
+  const int kh = h / (NV / NK);
+  const int C = 2 * NK * DK + NV * DV;
+  // this thread's output column tid (tid < DV): z and the weight, loaded early (used at the end)
+  float zv = 0.f, wv = 0.f;
+  if (tid < DV) {
+    zv = z[(size_t)b * z_stride + h * DV + tid];
+    wv = norm_w[tid];
+  }
+  float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
+  __shared__ DeltaSmem sm[FCG];
+  __shared__ float cs[FCG * 32];
+  delta_cols<true>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, cg * 32, t, sm[cg],
+                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs);
+  __syncthreads();
+  float ss = 0.f;
+  for (int d = lane; d < DV; d += 32) {
+    const float v = cs[d];
+    ss += v * v;
+  }
+  // an explicit IEEE division, as gated_rmsnorm's by its run-time dv (a constant divisor would become a multiply
+  // that ptxas fuses with + eps)
+  const float rs = rsqrtf(__fdiv_rn(warp_sum(ss), (float)DV) + eps);
+  if (tid < DV) store_out(o + ((size_t)b * NV + h) * DV + tid, cs[tid] * rs * wv * silu(zv));
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Gated delta rule, prefill: a per-chunk scan. grid (ceil(DV/32), NV, S), 128 threads; the state of 32
