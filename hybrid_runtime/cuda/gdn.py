@@ -32,6 +32,15 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
   (scan below it) would not: a prompt tail could go through either path depending on where the token
   budget cut the prompt.
 
+* :meth:`CudaGdn.conv_gates_decode` + :meth:`CudaGdn.delta_norm_decode`: the fused decode pair of the ``cuda``
+  backend. ``gdn_conv_gates_decode`` is ``gdn_conv_decode`` plus one CTA per row computing the gates
+  (``g = neg_exp_a * softplus(a + dt_bias)``, ``beta = sigmoid(b)``: ``fused.cu``'s ``gdn_gates``, the same bits);
+  ``gdn_decode_norm`` is ``gdn_decode`` with one CTA per value head of a sequence (``ceil(dv/32)`` groups of 128
+  threads, each doing what a ``gdn_decode`` CTA does, so the state bits are the same) followed by
+  ``fused.cu``'s ``gated_rmsnorm`` on the head (``o = rmsnorm(core) * w * silu(z)`` in ``out_dtype``). Both are
+  launched as programmatic dependents (PDL) and wait for the previous kernel before touching memory. Available
+  when :func:`fused_decode_fits` (``dk, dv <= 128``: at most 512 threads per CTA); ``fused_decode_ok`` says.
+
 Inputs: u ``[N, C]`` (float16 / bfloat16 / float32 activations), g and beta ``[N, nv]`` float32, conv_w
 ``[C, K]`` float32. Output o ``[N, nv*dv]`` in the activation dtype. Slots are checked on the host
 (``ops.gdn._check_slots``: in range, live ones distinct) and every launch is validated against the
@@ -64,6 +73,20 @@ PREFILL_MODES = ("chunked", "scan")
 # build: SIMT forward substitution); v2 and v1 are kept for benchmark comparison
 PRECISIONS = ("fp32", "tf32", "tf32_v2", "tf32_v1")
 TC_BUILD = {"fp32": 0, "tf32": 3, "tf32_v2": 2, "tf32_v1": 1}
+
+
+FUSED_MAX_DK = 128  # gdn_decode_norm (FUSED_OK in gdn.cu): one CTA of fused_threads(dv) threads per value head
+FUSED_MAX_DV = 128  # ... at most 4 groups of 128 threads (512), registers for dk <= 128 rows at that size
+
+
+def fused_decode_fits(dk: int, dv: int) -> bool:
+    """Whether a head shape has the fused decode pair (gdn.cu compiles ``gdn_decode_norm`` under the same rule)."""
+    return dk <= FUSED_MAX_DK and dv <= FUSED_MAX_DV
+
+
+def fused_threads(dv: int) -> int:
+    """Threads of a ``gdn_decode_norm`` CTA (NTF in gdn.cu): 128 per 32 value columns, 512 at dv = 128."""
+    return 128 * (-(-dv // 32))
 
 
 def chunk_cols(precision: str) -> int:
@@ -112,10 +135,13 @@ class CudaGdn:
     are the previous tensor-core builds, kept so that benchmarks can compare. The tf32 builds need
     dk % 16 == 0 and their shared memory on the device; ``"tf32"`` that does not fit runs ``"tf32_v2"``
     (dk = 192), otherwise the fp32 build is used, and ``self.precision`` says which one runs (the state
-    grid follows it). Decode and the scan do not depend on it."""
+    grid follows it). Decode and the scan do not depend on it.
+
+    ``out_dtype`` (default ``act_dtype``) is the dtype of the fused decode's gated-norm output o (the ``cuda``
+    backend: float32 activations and core, o in the bundle dtype for the out_proj GEMM)."""
 
     def __init__(self, device: CudaDevice, layout: StateLayout, nk: int, act_dtype: str = "bfloat16",
-                 prefill_mode: str = "chunked", precision: str = "fp32") -> None:
+                 prefill_mode: str = "chunked", precision: str = "fp32", out_dtype: str | None = None) -> None:
         nv, dk, dv = layout.recurrent_shape
         km1, C = layout.conv_shape
         if nk <= 0 or nv % nk or 2 * nk * dk + nv * dv != C:
@@ -130,9 +156,13 @@ class CudaGdn:
             raise ValueError(f"prefill_mode {prefill_mode!r} not in {PREFILL_MODES}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} not in {PRECISIONS}")
-        self.act_dtype, self.prefill_mode = act_dtype, prefill_mode
-        self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}", f"-DDV={dv}",
-                                           f"-DKW={self.K}"), device.arch)
+        out_dtype = out_dtype or act_dtype
+        if out_dtype not in DT_CODES:
+            raise ValueError(f"output dtype {out_dtype} not in {sorted(DT_CODES)}")
+        self.act_dtype, self.out_dtype, self.prefill_mode = act_dtype, out_dtype, prefill_mode
+        self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DOT={DT_CODES[out_dtype]}", f"-DDK={dk}",
+                                           f"-DDV={dv}", f"-DKW={self.K}"), device.arch)
+        self.fused_decode_ok = fused_decode_fits(dk, dv)
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
         optin = device.limits.max_shared_mem_optin
 
@@ -219,6 +249,35 @@ class CudaGdn:
             self.device, (-(-self.dv // 32), self.nv, B), (128, 1, 1), 0,
             [("ptr", x.ptr), ("ptr", g.ptr), ("ptr", beta.ptr), ("ptr", slots_ptr), ("ptr", rec.ptr),
              ("i64", self.rec_row), ("ptr", o.ptr), ("i32", B), ("i32", self.nk), ("i32", self.nv)])
+
+    def conv_gates_decode(self, conv: DeviceArray, slots_ptr: int, u_ptr: int, u_stride: int, conv_w: DeviceArray,
+                          x_ptr: int, B: int, p_ptr: int, p_stride: int, off_b: int, off_a: int, neg_exp_a_ptr: int,
+                          dt_bias_ptr: int, g_ptr: int, beta_ptr: int) -> None:
+        """The conv step and the gates in one launch (``gdn_conv_gates_decode``, PDL), slots on the device and
+        checked: u rows of ``u_stride`` elements (act dtype), x float32 ``[B, C]``; the gates of row b from the
+        float32 projection row ``p + b * p_stride`` (b at column ``off_b + j``, a at ``off_a + j``), neg_exp_a and
+        dt_bias float32 ``[nv]``, into g and beta float32 ``[B, nv]`` (dense). Grid ``(ceil(C/128) + 1, B)``."""
+        self.module.kernel("gdn_conv_gates_decode").launch(
+            self.device, (-(-self.C // CONV_THREADS) + 1, B, 1), (CONV_THREADS, 1, 1), 0,
+            [("ptr", u_ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", slots_ptr),
+             ("ptr", x_ptr), ("i32", B), ("i32", self.C), ("i64", u_stride), ("ptr", p_ptr), ("i64", p_stride),
+             ("i32", off_b), ("i32", off_a), ("ptr", neg_exp_a_ptr), ("ptr", dt_bias_ptr), ("ptr", g_ptr),
+             ("ptr", beta_ptr), ("i32", self.nv)], pdl=True)
+
+    def delta_norm_decode(self, rec: DeviceArray, slots_ptr: int, x_ptr: int, g_ptr: int, beta_ptr: int, z_ptr: int,
+                          z_stride: int, norm_w_ptr: int, eps: float, o_ptr: int, B: int, core_ptr: int = 0) -> None:
+        """The delta rule and the gated RMSNorm in one launch (``gdn_decode_norm``, PDL; grid ``(1, nv, B)``,
+        :func:`fused_threads` threads), slots on the device and checked: post-conv x float32 ``[B, C]``, g / beta
+        float32 ``[B, nv]``, z float32 rows of ``z_stride`` elements (``[B, nv*dv]`` at their start), the norm
+        weight float32 ``[dv]``; writes o ``[B, nv*dv]`` (``out_dtype``) and, when ``core_ptr`` is given, the
+        ungated core ``[B, nv*dv]`` (act dtype). Needs ``fused_decode_ok``."""
+        if not self.fused_decode_ok:
+            raise ValueError(f"no fused decode kernel for dk={self.dk}, dv={self.dv} (dk, dv <= {FUSED_MAX_DK})")
+        self.module.kernel("gdn_decode_norm").launch(
+            self.device, (1, self.nv, B), (fused_threads(self.dv), 1, 1), 0,
+            [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr),
+             ("i64", self.rec_row), ("ptr", z_ptr), ("i64", z_stride), ("ptr", norm_w_ptr), ("f32", eps),
+             ("ptr", o_ptr), ("ptr", core_ptr), ("i32", B), ("i32", self.nk), ("i32", self.nv)], pdl=True)
 
     # ------------------------------------------------------------------ prefill
 
