@@ -200,7 +200,8 @@ class CudaBackend:
                  weights: DeviceWeights | None = None, batch_invariant_gemm: bool = True,
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
-                 batch_invariant_attention: bool = True, fused_router: bool = True) -> None:
+                 batch_invariant_attention: bool = True, fused_router: bool = True,
+                 fused_gdn_decode: bool = True) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -282,10 +283,18 @@ class CudaBackend:
         # ---- state: GDN slots (+ sink row), KV pages (+ one sink page for padding rows), sized last: the
         # memory budget (gpu_memory_fraction) is a share of what the weights and static buffers leave free
         self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
-        # GDN reads u from the float32 projection and writes its core output in float32
+        # GDN reads u from the float32 projection and writes its core output in float32; the fused decode pair
+        # writes the gated norm's o in the bundle dtype (what out_proj reads)
         self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32",
-                              precision="fp32" if self.dtype == "float32" else "tf32")
+                              precision="fp32" if self.dtype == "float32" else "tf32", out_dtype=self.dtype)
                       if cfg.linear_layers else None)
+        # Decode steps run a GDN layer's gdn_gates + conv + delta rule + gated_rmsnorm as two kernels
+        # (gdn_conv_gates_decode, gdn_decode_norm: cuda/gdn.py) where the head shape has them (dk, dv <= 128);
+        # False: the four launches (benchmarks compare). Prefill is the same either way. The effective value:
+        self.fused_gdn_decode = bool(fused_gdn_decode and self.gdn_k is not None and self.gdn_k.fused_decode_ok)
+        if fused_gdn_decode and self.gdn_k is not None and not self.fused_gdn_decode:
+            log.info("GDN decode runs four launches per layer: no fused kernel for dk=%d, dv=%d", self.gdn_k.dk,
+                     self.gdn_k.dv)
         # the chunked delta rule's workspace (w, u, Aqk, scales of a step's tokens), one for every GDN layer,
         # a static buffer: allocated before the memory plan shares out what is left
         self.gdn_ws = (self.dev.empty((self.gdn_k.workspace_bytes(self.T_max),), "uint8")
@@ -685,9 +694,13 @@ class CudaBackend:
             p = env[op.inputs[0]]
             C, vd, nv = a["conv_dim"], a["value_dim"], a["nv"]
             g, beta = A.mat("g", n, nv), A.mat("beta", n, nv)
-            self._launch("gdn_gates", (-(-n * nv // 256), 1, 1), 256,
-                         [("ptr", p.ptr), ("i64", p.ld), ("i32", C + vd), ("i32", C + vd + nv), ("ptr", W[0].ptr),
-                          ("ptr", W[1].ptr), ("ptr", g.ptr), ("ptr", beta.ptr), ("i32", n), ("i32", nv)])
+            # fused decode: gdn() computes g and beta into these buffers inside its conv launch (from u's rows,
+            # which are p's: u = p.col(0, C)); until then they hold the previous layer's gates
+            if not (decode and self.fused_gdn_decode):
+                self._launch("gdn_gates", (-(-n * nv // 256), 1, 1), 256,
+                             [("ptr", p.ptr), ("i64", p.ld), ("i32", C + vd), ("i32", C + vd + nv),
+                              ("ptr", W[0].ptr), ("ptr", W[1].ptr), ("ptr", g.ptr), ("ptr", beta.ptr), ("i32", n),
+                              ("i32", nv)])
             env.update(u=p.col(0, C), z=p.col(C, vd), g=g, beta=beta)
         elif op.kind == "attn_qkv":
             p = env[op.inputs[0]]
@@ -706,9 +719,11 @@ class CudaBackend:
             core, z = env[op.inputs[0]], env[op.inputs[1]]
             nv, dv = a["nv"], a["dv"]
             o = A.mat("o", n, nv * dv, dense=True)
-            self._launch("gated_rmsnorm", (n, -(-nv // 4), 1), 128,
-                         [("ptr", core.ptr), ("ptr", z.ptr), ("i64", z.ld), ("ptr", W[0].ptr), ("ptr", o.ptr),
-                          ("i32", n), ("i32", nv), ("i32", dv), ("f32", a["eps"])])
+            # fused decode: gdn() of this layer (the pipeline piece right before this segment) already wrote o here
+            if not (decode and self.fused_gdn_decode):
+                self._launch("gated_rmsnorm", (n, -(-nv // 4), 1), 128,
+                             [("ptr", core.ptr), ("ptr", z.ptr), ("i64", z.ld), ("ptr", W[0].ptr), ("ptr", o.ptr),
+                              ("i32", n), ("i32", nv), ("i32", dv), ("f32", a["eps"])])
             env[op.outputs[0]] = o
         elif op.kind == "sigmoid_mul":
             att, gate = env[op.inputs[0]], env[op.inputs[1]]
@@ -737,7 +752,22 @@ class CudaBackend:
         core, x = A.mat("core", n, dense=True), A.mat("gdn_x", n, dense=True)
         slots = self._ptr(self.in_layout.slots)
         with self._prof("gdn"):
-            if ctx.phase == Phase.DECODE:
+            if ctx.phase == Phase.DECODE and self.fused_gdn_decode:
+                # gdn_gates, conv, delta rule and gated_rmsnorm in two launches: the gates from p = [u | z | b | a]
+                # (u = p.col(0, C): its rows are p's), o into the buffer the gated_rmsnorm op hands on (the core is
+                # written too, so this piece's output stays the core)
+                cfg = self.cfg
+                C, vd, nv, dv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+                z = out["z"]
+                assert u.dtype == z.dtype == "float32" and z.ptr == u.ptr + 4 * C and z.ld == u.ld
+                la = f"layers.{layer}.linear_attn."
+                o = A.mat("o", n, nv * dv, dense=True)
+                self.gdn_k.conv_gates_decode(conv, slots, u.ptr, u.ld, conv_w, x.ptr, n, u.ptr, u.ld, C + vd,
+                                             C + vd + nv, self.w[la + "neg_exp_a"].ptr, self.w[la + "dt_bias"].ptr,
+                                             g.ptr, beta.ptr)
+                self.gdn_k.delta_norm_decode(rec, slots, x.ptr, g.ptr, beta.ptr, z.ptr, z.ld, self.w[la + "norm"].ptr,
+                                             cfg.rms_norm_eps, o.ptr, n, core_ptr=core.ptr)
+            elif ctx.phase == Phase.DECODE:
                 self.gdn_k.conv_decode(conv, slots, u, conv_w, x, n, u_stride=u.ld)  # type: ignore[arg-type]
                 self.gdn_k.delta_decode(rec, slots, x, g, beta, core, n)  # type: ignore[arg-type]
             else:
