@@ -9,6 +9,8 @@ random bf16 weights generated on the device straight into the runtime's layout (
 machine's disk nor its host memory comfortably); KV pages and GDN states filled with random values; greedy
 sampling. Per (batch, context): the step as served (``ModelRunner.step``: pack + one upload + graph replay +
 one download, wall clock) and the graph replayed back to back (GPU time, CUDA events, no host work).
+``--moe-decode`` and ``--fused-gdn on,off`` (the fused GDN decode pair, 2 launches per GDN layer, against the
+four launches) repeat the 40-layer rows under each combination, graphs recaptured.
 
 Floor = the bytes a step must read over the copy bandwidth measured in this run (a device-to-device copy,
 bytes read + written): every non-expert weight, the expected distinct routed experts of the batch
@@ -62,9 +64,10 @@ def manifest_for(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, pag
                     target={"device": "cuda"}, workarounds=(), checksums={}, tokenizer={})
 
 
-def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: list[int], seed: int = 0
-          ) -> tuple[Any, Any, dict[str, float]]:
-    """Backend + runner on random device weights, KV and state filled; graphs captured for ``buckets``."""
+def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: list[int], seed: int = 0,
+          backend_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, float]]:
+    """Backend + runner on random device weights, KV and state filled; graphs captured for ``buckets``.
+    ``backend_kwargs`` go to :class:`CudaBackend` (e.g. ``fused_gdn_decode``, ``moe_decode``)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -82,7 +85,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
     w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
     dev.synchronize()
     t1 = time.perf_counter()
-    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
+    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, **(backend_kwargs or {}))
     for layer in cfg.attention_layers:
         for pool in be.kv.buffers(layer):
             fill(pool, seed + layer, 1.0)
@@ -221,7 +224,12 @@ def main() -> int:
     ap.add_argument("--moe-decode", default="auto",
                     help="comma-separated CudaBackend moe_decode modes to run the 40-layer rows under (auto, "
                          "tensor_cores, cuda_cores): graphs are recaptured for each")
+    ap.add_argument("--fused-gdn", default="on",
+                    help="comma-separated on/off: the 40-layer rows with the fused GDN decode pair (CudaBackend "
+                         "fused_gdn_decode: 2 launches per GDN layer) and/or the four launches per layer; graphs are "
+                         "recaptured for each")
     args = ap.parse_args()
+    fused_modes = [{"on": True, "off": False}[f] for f in args.fused_gdn.split(",") if f]
     import torch
 
     from hybrid_runtime.cuda.backend import moe_path
@@ -265,40 +273,50 @@ def main() -> int:
         maxB = max(args.batches)
         pages = maxB * (-(-(max_ctx + 16) // 16))
         free0 = torch.cuda.mem_get_info()[0]
-        be, runner, load = build(cfg, maxB, max_ctx + 64, pages, args.batches)
+        moe_modes = [m for m in args.moe_decode.split(",") if m]
+        # captured under the first combination's settings; later ones recapture
+        be, runner, load = build(cfg, maxB, max_ctx + 64, pages, args.batches,
+                                 backend_kwargs={"moe_decode": moe_modes[0], "fused_gdn_decode": fused_modes[0]})
         free1 = torch.cuda.mem_get_info()[0]
         log(f"loaded: {load}")
         rows = []
-        for mi, mode in enumerate(m for m in args.moe_decode.split(",") if m):
-            if mi:  # the graphs hold the MoE path they were captured with: capture again under this mode
+        combos = [(mode, fused) for fused in fused_modes for mode in moe_modes]
+        if True in fused_modes and not (be.gdn_k is not None and be.gdn_k.fused_decode_ok):
+            log("this GDN shape has no fused decode kernels: the fused rows run the four launches")
+        for ci, (mode, fused) in enumerate(combos):
+            fused = fused and be.gdn_k is not None and be.gdn_k.fused_decode_ok
+            if ci:  # the graphs hold the MoE / GDN kernels they were captured with: capture again under these
                 for g in be.graphs.values():
                     g.destroy()
                 be.graphs.clear()
-                be.moe_decode = mode
+                be.moe_decode, be.fused_gdn_decode = mode, fused
                 be.capture_graphs(runner._forward, buckets=args.batches)
-            be.moe_decode = mode
+            be.moe_decode, be.fused_gdn_decode = mode, fused
+            gdn_label = "fused (2 launches/layer)" if fused else "4 launches/layer"
             for B in args.batches:
                 for ctx in args.contexts:
-                    r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mi == 0)
+                    r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mode == moe_modes[0])
                     fl = floor_bytes(cfg, be.w, B, ctx)
                     r.update(fl)
                     r["floor"] = fl["total"] / bw
                     r["moe"] = f"{mode}: " + moe_path(False, B, be.moe_prefill is not None, mode)
+                    r["gdn"] = gdn_label
                     rows.append(r)
-                    log(f"B={B} ctx={ctx} moe {r['moe']}: wall {r['wall'] * 1e3:.3f} ms, GPU {r['gpu'] * 1e3:.3f} "
-                        f"ms, floor {r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), {r['nodes']} kernels, "
-                        f"graph {r['graph']}")
+                    log(f"B={B} ctx={ctx} moe {r['moe']}, GDN {gdn_label}: wall {r['wall'] * 1e3:.3f} ms, GPU "
+                        f"{r['gpu'] * 1e3:.3f} ms, floor {r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), "
+                        f"{r['nodes']} kernels, graph {r['graph']}")
         lines += [f"## {args.layers} layers (Qwen3.5-35B-A3B text), bf16 weights and KV", "",
                   f"GPU memory in use after load: {(free0 - free1) / 2**30:.1f} GiB (weights "
                   f"{be.w.nbytes / 2**30:.1f} GiB, KV pool {pages} pages of 16 tokens, {maxB} state slots); load "
                   f"{load['weights_s']:.1f} s weights (generated on the device) + {load['backend_s']:.1f} s backend + "
                   f"{load['capture_s']:.1f} s warm-up and capture of {load['graphs']} graphs.", "",
-                  "| batch | context | decode MoE (mode: path) | floor (ms) | GPU replay (ms) | x floor | "
+                  "| batch | context | decode MoE (mode: path) | GDN decode | floor (ms) | GPU replay (ms) | x floor | "
                   "step as served (ms) | x floor | kernels | graph | "
                   "floor bytes: weights / experts / KV / state (GB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['floor'] * 1e3:.3f} | {r['gpu'] * 1e3:.3f} | "
+            lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['gdn']} | {r['floor'] * 1e3:.3f} | "
+                         f"{r['gpu'] * 1e3:.3f} | "
                          f"{r['gpu'] / r['floor']:.2f} | {r['wall'] * 1e3:.3f} | {r['wall'] / r['floor']:.2f} | "
                          f"{r['nodes']} | {r['graph']} | {r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
                          f"{r['kv'] / 1e9:.2f} / {r['state'] / 1e9:.3f} |")
@@ -311,7 +329,8 @@ def main() -> int:
                 continue
             tot = sum(t for _, t in r["profile"].values())
             nl = sum(c for c, _ in r["profile"].values())
-            lines += [f"batch {r['B']}, context {r['ctx']}: {tot * 1e3:.3f} ms in {nl} launches", "",
+            lines += [f"batch {r['B']}, context {r['ctx']}, GDN decode {r['gdn']}: {tot * 1e3:.3f} ms in {nl} launches",
+                      "",
                       "| kernel | launches | ms | share |", "|---|---|---|---|"]
             for name, (c, t) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
                 lines.append(f"| {name} | {c} | {t * 1e3:.3f} | {t / tot:.0%} |")
