@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from importlib import resources
 from types import SimpleNamespace
@@ -232,6 +233,75 @@ def test_ptx_waits_first_and_pins_the_rounding(variant: tuple[int, ...]) -> None
     fptx = _ptx("fused.cu", (f"-DDT={variant[1]}",))
     for k in ("gdn_gates", "gated_rmsnorm"):  # the kernels the fused pair must match bit for bit
         assert _contractible(_entry(fptx, k)) == [], k
+
+
+_INT_OPS = ("cvt", "mul.wide", "add.s", "add.u", "shl", "and", "or", "mul.lo", "cvta", "sub.s", "mad", "setp", "selp.b",
+            "shr", "neg.s", "mov.u", "min", "max", "not", "xor", "rem", "div.s", "div.u")
+
+
+def _stored_value_trees(lines: list[str]) -> list[str]:
+    """The expression tree of every float32 value a kernel stores to global memory (PTX dataflow; leaves: loads
+    by kind, constants; a register defined on several paths becomes PHI{its definitions}; integer work is "int")."""
+    defs: dict[str, list[tuple[str, list[str]]]] = {}
+    for line in lines:
+        m = re.match(r"(@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);$", line)
+        if not m or m.group(2).startswith(("st.", "bra", "bar", "ret", "griddepcontrol")):
+            continue
+        ops = [x.strip() for x in re.split(r",(?![^\[]*\])", m.group(3))]
+        defs.setdefault(ops[0].split("|")[0], []).append((m.group(2), ops[1:]))
+    memo: dict[str, str] = {}
+    active: set[str] = set()
+
+    def one(op: str, args: list[str]) -> str:
+        if op.startswith("ld."):
+            return ".".join(op.split(".")[:2])
+        if op.startswith("shfl"):
+            return f"shfl({ex(args[0])},{args[1]})"
+        if op.startswith(("mov.b32", "mov.f32")):
+            return ex(args[0])
+        if op.startswith(_INT_OPS):
+            return "int"
+        return op + "(" + ",".join(ex(a) for a in args) + ")"
+
+    def ex(r: str) -> str:
+        if not r.startswith("%"):
+            return r
+        ds = defs.get(r, [])
+        if not r.startswith("%f") and not any(op.startswith(("shfl", "mov.b32")) for op, _ in ds):
+            return "int"  # integer work (float bits reach the integer registers only through mov.b32 / shfl)
+        if r in memo:
+            return memo[r]
+        if r in active:
+            return "LOOP"
+        active.add(r)
+        alts = sorted({one(op, a) for op, a in ds})
+        active.discard(r)
+        memo[r] = alts[0] if len(alts) == 1 else "PHI{" + "|".join(alts) + "}"
+        return memo[r]
+
+    out = []
+    for line in lines:
+        m = re.match(r"(@!?%p\d+\s+)?st\.global\.(?:v4\.)?f32\s+\[[^\]]*\],\s*(.*);$", line)
+        if m:
+            out += [ex(v) for v in re.findall(r"%f\d+", m.group(2))]
+    return out
+
+
+@pytest.mark.parametrize("variant", [(0, 2, 128, 128, 4), (0, 0, 128, 128, 4), (2, 2, 128, 128, 4), (0, 1, 64, 64, 4)])
+def test_fused_kernel_stores_gdn_decode_s_arithmetic(variant: tuple[int, ...]) -> None:
+    """The state (and core) values gdn_decode_norm stores are computed by the same PTX arithmetic as gdn_decode's:
+    equal multisets of expression trees (the gated norm's o, the trees with its rsqrt, left out). With no
+    contractible mul + add/sub in either (test above), the PTX fixes the bits: the state is gdn_decode's."""
+    nvrtc_or_skip()
+    ptx = _ptx("gdn.cu", _opts(*variant))
+    old = _stored_value_trees(_entry(ptx, "gdn_decode"))
+    new = [t for t in _stored_value_trees(_entry(ptx, "gdn_decode_norm")) if "rsqrt" not in t]
+    dk, dv = variant[2], variant[3]
+    # a float4 per row a thread owns, and its 4 outputs when they are float32 (DT = 0; 16-bit stores are not here)
+    per_thread = 4 * _macros(dk, dv)["RM"] + (4 if variant[0] == 0 else 0)
+    assert len(old) == len(new) == per_thread
+    assert Counter(old) == Counter(new)
+    assert not any("LOOP" in t for t in old + new)
 
 
 # ---------------------------------------------------------------------------------------- launches (no GPU)
