@@ -304,6 +304,19 @@ def test_fused_kernel_stores_gdn_decode_s_arithmetic(variant: tuple[int, ...]) -
     assert not any("LOOP" in t for t in old + new)
 
 
+@pytest.mark.parametrize("variant", [(0, 2, 128, 128, 4), (0, 1, 16, 12, 3), (2, 2, 64, 64, 4)])
+def test_fused_conv_stores_gdn_conv_decode_s_and_gdn_gates_arithmetic(variant: tuple[int, ...]) -> None:
+    """gdn_conv_gates_decode stores what gdn_conv_decode stores (x, the window) and what fused.cu's gdn_gates stores
+    (g, beta), each value by the same PTX arithmetic."""
+    nvrtc_or_skip()
+    ptx = _ptx("gdn.cu", _opts(*variant))
+    fused = _ptx("fused.cu", (f"-DDT={variant[1]}",))
+    new = Counter(_stored_value_trees(_entry(ptx, "gdn_conv_gates_decode")))
+    conv = Counter(_stored_value_trees(_entry(ptx, "gdn_conv_decode")))
+    gates = Counter(_stored_value_trees(_entry(fused, "gdn_gates")))
+    assert len(gates) == 2 and new == conv + gates
+
+
 # ---------------------------------------------------------------------------------------- launches (no GPU)
 
 
