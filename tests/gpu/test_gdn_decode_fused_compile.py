@@ -452,7 +452,7 @@ class _FakeBackend:
         self.cfg, self.dtype, self.es = cfg, dtype, 2
         self.dev = _FakeDevice()
         self.T_max = self.R_max = 16
-        self.moe_prefill = None
+        self.moe_prefill = self.moe_router = None  # what _alloc_arena asks about the MoE paths
         self._alloc_arena()
         self.fused = _Module(self.log)
         self.inp = SimpleNamespace(ptr=self.dev.empty((1 << 16,), "uint8").ptr)
