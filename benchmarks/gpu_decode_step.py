@@ -224,6 +224,8 @@ def main() -> int:
     ap.add_argument("--moe-decode", default="auto",
                     help="comma-separated CudaBackend moe_decode modes to run the 40-layer rows under (auto, "
                          "tensor_cores, cuda_cores): graphs are recaptured for each")
+    ap.add_argument("--fused-router", default="on", choices=("on", "off"),
+                    help="CudaBackend fused_router: the decode router GEMM + routing as one launch (<= 16 rows)")
     ap.add_argument("--fused-gdn", default="on",
                     help="comma-separated on/off: the 40-layer rows with the fused GDN decode pair (CudaBackend "
                          "fused_gdn_decode: 2 launches per GDN layer) and/or the four launches per layer; graphs are "
@@ -276,7 +278,8 @@ def main() -> int:
         moe_modes = [m for m in args.moe_decode.split(",") if m]
         # captured under the first combination's settings; later ones recapture
         be, runner, load = build(cfg, maxB, max_ctx + 64, pages, args.batches,
-                                 backend_kwargs={"moe_decode": moe_modes[0], "fused_gdn_decode": fused_modes[0]})
+                                 backend_kwargs={"moe_decode": moe_modes[0], "fused_gdn_decode": fused_modes[0],
+                                                 "fused_router": args.fused_router == "on"})
         free1 = torch.cuda.mem_get_info()[0]
         log(f"loaded: {load}")
         rows = []
@@ -309,7 +312,8 @@ def main() -> int:
                   f"GPU memory in use after load: {(free0 - free1) / 2**30:.1f} GiB (weights "
                   f"{be.w.nbytes / 2**30:.1f} GiB, KV pool {pages} pages of 16 tokens, {maxB} state slots); load "
                   f"{load['weights_s']:.1f} s weights (generated on the device) + {load['backend_s']:.1f} s backend + "
-                  f"{load['capture_s']:.1f} s warm-up and capture of {load['graphs']} graphs.", "",
+                  f"{load['capture_s']:.1f} s warm-up and capture of {load['graphs']} graphs; fused decode router "
+                  f"{args.fused_router}.", "",
                   "| batch | context | decode MoE (mode: path) | GDN decode | floor (ms) | GPU replay (ms) | x floor | "
                   "step as served (ms) | x floor | kernels | graph | "
                   "floor bytes: weights / experts / KV / state (GB) |",
