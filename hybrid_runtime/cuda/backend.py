@@ -822,6 +822,24 @@ class CudaBackend:
                                                 A.bufs["pair_list"].ptr, A.bufs["active"].ptr,
                                                 A.bufs["moe_router_ws"].ptr))
 
+    def _moe_route(self, n: int, router: Mat, k: int, fold: bool) -> None:
+        """fused.cu's one-CTA moe_route over the router logits ``router`` ``[n, e_pad]`` -> the arena's pair_w,
+        pair_e, expert_off, pair_list, active."""
+        A, cfg = self.arena.bufs, self.cfg
+        self._launch("moe_route", (1, 1, 1), 1024,
+                     [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts), ("i32", k),
+                      ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", A["pair_w"].ptr),
+                      ("ptr", A["pair_e"].ptr), ("ptr", A["expert_off"].ptr), ("ptr", A["pair_list"].ptr),
+                      ("ptr", A["active"].ptr)])
+
+    def _moe_buffers(self) -> MoEBuffers:
+        """The arena's MoE scratch as the tensor-core kernels take it (cuda/moe_prefill.py MoEBuffers)."""
+        A = self.arena.bufs
+        tl = A["moe_tiles"]
+        return MoEBuffers(A["pair_w"].ptr, A["pair_e"].ptr, A["pair_list"].ptr, A["expert_off"].ptr,
+                          A["active"].ptr, tl.ptr, A["moe_cta_counts"].ptr, A["moe_act"].ptr, A["y"].ptr,
+                          (tl.size - 4) // 4)
+
     def moe(self, layer: int, ctx: CudaCtx, h: Mat) -> MoEOut:
         cfg, n, A = self.cfg, ctx.n, self.arena
         mw = self.w.moe(layer)
@@ -833,7 +851,7 @@ class CudaBackend:
                         and n <= FOLD_MAX_TOKENS and path in ("cuda_cores", "mma_decode"))
         if not fused_router:
             self._gemm(h, mw.router, router, decode=ctx.phase == Phase.DECODE)
-        pw, pe, pl = A.bufs["pair_w"], A.bufs["pair_e"], A.bufs["pair_list"]
+        pw, pl = A.bufs["pair_w"], A.bufs["pair_list"]
         off, act_l = A.bufs["expert_off"], A.bufs["active"]
         # The shared expert rides along as expert E (one pair per token) in decode steps of <= 16 rows; with many
         # tokens its CTAs would do a dense GEMM's work alone, so it runs as GEMMs there, and always in prefill
@@ -850,9 +868,7 @@ class CudaBackend:
             if self.moe_mma_decode is None:
                 self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
             kk, e_all = k + int(fold), cfg.num_experts + int(fold)
-            tl = A.bufs["moe_tiles"]
-            bufs = MoEBuffers(pw.ptr, pe.ptr, pl.ptr, off.ptr, act_l.ptr, tl.ptr, A.bufs["moe_cta_counts"].ptr,
-                              moe_act.ptr, y.ptr, (tl.size - 4) // 4)
+            bufs = self._moe_buffers()
             if n > FOLD_MAX_TOKENS:
                 with self._prof("moe_route_many"):
                     self.moe_prefill.route(n, router.ptr, router.ld, cfg.num_experts, k, cfg.norm_topk_prob, bufs,
@@ -860,10 +876,7 @@ class CudaBackend:
             elif fused_router:
                 self._fused_route(n, h, mw, router, k, fold)
             else:
-                self._launch("moe_route", (1, 1, 1), 1024,
-                             [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts),
-                              ("i32", k), ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr),
-                              ("ptr", pe.ptr), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+                self._moe_route(n, router, k, fold)
             with self._prof("moe_mma_decode"):
                 self.moe_mma_decode.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all,
                                            bufs)
@@ -873,9 +886,7 @@ class CudaBackend:
             # or batched) and for the decode steps moe_path gives them: routing + tile list on the device, two
             # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
             # below, the shared expert folded in as expert E exactly when the CUDA-core path would fold it.
-            tl = A.bufs["moe_tiles"]
-            bufs = MoEBuffers(pw.ptr, pe.ptr, pl.ptr, off.ptr, act_l.ptr, tl.ptr, A.bufs["moe_cta_counts"].ptr,
-                              moe_act.ptr, y.ptr, (tl.size - 4) // 4)
+            bufs = self._moe_buffers()
             with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
                                         self.ny, bufs, fold_shared=fold)
@@ -883,10 +894,7 @@ class CudaBackend:
             if fused_router:
                 self._fused_route(n, h, mw, router, k, fold)
             else:
-                self._launch("moe_route", (1, 1, 1), 1024,
-                             [("ptr", router.ptr), ("i32", router.ld), ("i32", n), ("i32", cfg.num_experts),
-                              ("i32", k), ("i32", int(cfg.norm_topk_prob)), ("i32", int(fold)), ("ptr", pw.ptr),
-                              ("ptr", pe.ptr), ("ptr", off.ptr), ("ptr", pl.ptr), ("ptr", act_l.ptr)])
+                self._moe_route(n, router, k, fold)
             kk = k + int(fold)
             e_all = cfg.num_experts + int(fold)
             ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
