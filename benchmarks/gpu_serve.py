@@ -136,7 +136,10 @@ def offline(bundle: Path, concurrencies: list[int], prompt: int, new: int, per_w
     return res
 
 
-def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int) -> dict:
+def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, server=None) -> dict:
+    """Client-side TTFT / ITL percentiles; with ``server``, also the engine's own mean ITL inside the stub
+    (``hybrid_llm_inter_token_latency_seconds`` sum / count over the run) to split the overhead between the
+    stub process (the engine slowed down there) and the transport (gRPC, the server's response path)."""
     from client.lib import ClientError, generate_stream_grpc
 
     results, errors, lock = [], [], threading.Lock()
@@ -153,6 +156,13 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int) -> di
                     errors.append(str(e))
 
     generate_stream_grpc(url, input_ids=_ids(0, 0, 4), max_tokens=2, timeout=120).wait()
+    itl_name = "hybrid_llm_inter_token_latency_seconds"
+
+    def engine_itl() -> tuple[float, float]:
+        time.sleep(0.6)  # the metrics thread pushes every 0.5 s
+        return _metric(server, itl_name + "_sum"), _metric(server, itl_name + "_count")
+
+    before = engine_itl() if server is not None else None
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
     for t in threads:
@@ -160,6 +170,11 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int) -> di
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    stub_itl = None
+    if before is not None:
+        after = engine_itl()
+        if after[1] > before[1]:
+            stub_itl = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     itl = sorted(x for r in results for x in r.itls)
 
@@ -167,7 +182,7 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int) -> di
         return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     return {"requests": len(results), "errors": errors[:3], "n_errors": len(errors),
-            "tokens_per_s": sum(len(r.output_ids) for r in results) / wall,
+            "tokens_per_s": sum(len(r.output_ids) for r in results) / wall, "stub_itl_ms": stub_itl,
             "ttft_ms": {"mean": 1e3 * statistics.mean(ttft) if ttft else None, "p50": pct(ttft, 0.5),
                         "p90": pct(ttft, 0.9)},
             "itl_ms": {"mean": 1e3 * statistics.mean(itl) if itl else None, "p50": pct(itl, 0.5),
@@ -431,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["bench"] = {}
                 for c in cs:
                     report["bench"][str(c)] = client_bench(server.grpc_url, c, args.prompt_tokens, args.max_tokens,
-                                                           args.requests_per_worker)
+                                                           args.requests_per_worker, server=server)
                     log(f"bench c={c}: {report['bench'][str(c)]}")
                     save()
             finally:
@@ -471,9 +486,10 @@ def render(r: dict) -> str:
              f"KIND_{str(r.get('instance_kind', '?')).upper()}.", ""]
     off, bench = r.get("offline", {}), r.get("bench", {})
     if bench:
-        lines += ["| concurrency | offline decode step (ms) | offline in-process ITL (ms) | Triton ITL mean / p50 / "
-                  "p90 / p99 (ms) | ITL mean over step | TTFT mean / p50 / p90 (ms) | tokens/s | errors |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| concurrency | offline decode step (ms) | offline in-process ITL (ms) "
+                  "| engine ITL in the stub (ms) | Triton ITL mean / p50 / p90 / p99 (ms) | ITL mean over step "
+                  "| TTFT mean / p50 / p90 (ms) | tokens/s | errors |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for c in r["concurrency"]:
             b, o = bench.get(str(c)), off.get(str(c), {})
             if not b:
@@ -483,8 +499,11 @@ def render(r: dict) -> str:
             ratio = f"{itl['mean'] / step:.3f}" if step and itl["mean"] else "n/a"
             eitl = o.get("engine_itl_ms")
             eitl_s = "n/a" if eitl is None else f"{eitl:.2f}"
-            lines.append(f"| {c} | {step:.2f} | {eitl_s} | {itl['mean']:.2f} / {itl['p50']:.2f} / {itl['p90']:.2f} / "
-                         f"{itl['p99']:.2f} | {ratio} | {ttft['mean']:.1f} / {ttft['p50']:.1f} / {ttft['p90']:.1f} | "
+            sitl = b.get("stub_itl_ms")
+            sitl_s = "n/a" if sitl is None else f"{sitl:.2f}"
+            lines.append(f"| {c} | {step:.2f} | {eitl_s} | {sitl_s} | {itl['mean']:.2f} / {itl['p50']:.2f} / "
+                         f"{itl['p90']:.2f} / {itl['p99']:.2f} | {ratio} | "
+                         f"{ttft['mean']:.1f} / {ttft['p50']:.1f} / {ttft['p90']:.1f} | "
                          f"{b['tokens_per_s']:.0f} | {b['n_errors']} |" if step else f"| {c} | n/a | ... |")
         lines += ["", "Goal (issue): Triton adds <= 10% to ITL over the offline step at concurrency 1 and 16."]
     for key in ("functional", "fault", "instance_errors"):

@@ -2,8 +2,17 @@
 
 One thread owns every ``pb_utils`` metric object: every ``period_s`` (or sooner after :meth:`poke`, which
 the adapter calls on each final event) it takes ``engine.stats()`` and sets the gauges, increments the
-counters by what changed since the previous snapshot, and feeds queued latency samples to the
-histograms. ``pb`` is the ``triton_python_backend_utils`` module (a fake one in unit tests).
+counters by what changed since the previous snapshot, and adds the queued latency samples to
+Prometheus-style histograms. ``pb`` is the ``triton_python_backend_utils`` module (a fake one in unit tests).
+
+Every ``pb_utils`` metric call is a synchronous round trip to the server process that holds the GIL for
+its whole duration (the Python backend's ``Metric`` binding releases nothing), so the engine thread
+cannot run Python meanwhile. Pushing each token's latency sample with ``Histogram.observe`` cost a call
+per token (about 940 a second at 16 streams); the latency histograms are therefore exported as counters
+in the histogram exposition format — ``<name>_bucket{le="..."}`` (cumulative), ``<name>_sum``,
+``<name>_count`` — accumulated here and pushed once per update for the series that changed, and a gauge
+is set only when its value changed. ``histogram_quantile(..., rate(<name>_bucket[...]))`` works on them
+as on a native histogram.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ LATENCIES = {
     "ttft": ("time_to_first_token_seconds", "Time from request arrival to its first token"),
     "itl": ("inter_token_latency_seconds", "Time between consecutive tokens of a request"),
 }
-BUCKETS = [b for b in LATENCY_BUCKETS if b != float("inf")]
+LE = [("+Inf" if b == float("inf") else f"{b:g}") for b in LATENCY_BUCKETS]  # the ``le`` label values
 # Exported only with heap debugging on (config.pbtxt heap_debug_dir), labelled with the stub's pid: every
 # model instance is its own process, and a soak follows each one's heap.
 HEAP_GAUGES = {
@@ -66,10 +75,12 @@ class TritonMetrics:
         self.pb, self.snapshot, self.labels, self.period_s = pb, snapshot, dict(labels), period_s
         self.heap = heap
         kinds = pb.MetricFamily
-        self.histograms = hasattr(kinds, "HISTOGRAM")  # Triton >= 24.08; else sum + count counters
         self._families: dict[str, Any] = {}
         self._metrics: dict[tuple[str, str], Any] = {}
         self._last: dict[tuple[str, str], float] = {}
+        self._gauges: dict[tuple[str, str], float] = {}
+        # per latency kind: cumulative bucket counts (one per LATENCY_BUCKETS bound), sum and count
+        self._latency = {kind: ([0] * len(LATENCY_BUCKETS), [0.0, 0]) for kind in LATENCIES}
         self._samples: collections.deque[tuple[str, float]] = collections.deque()
         self._rejected: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -86,11 +97,9 @@ class TritonMetrics:
             for key, desc in HEAP_GAUGES.items():
                 self._family(PREFIX + key, desc, kinds.GAUGE)
         for name, desc in LATENCIES.values():
-            if self.histograms:
-                self._family(PREFIX + name, desc, kinds.HISTOGRAM)
-            else:
-                self._family(PREFIX + name + "_sum", desc + " (sum)", kinds.COUNTER)
-                self._family(PREFIX + name + "_count", desc + " (count)", kinds.COUNTER)
+            self._family(PREFIX + name + "_bucket", desc + " (histogram buckets: samples <= le)", kinds.COUNTER)
+            self._family(PREFIX + name + "_sum", desc + " (histogram sum, seconds)", kinds.COUNTER)
+            self._family(PREFIX + name + "_count", desc + " (histogram count)", kinds.COUNTER)
 
     # ---- called from any thread -----------------------------------------------------------------
     def observe(self, kind: str, seconds: float) -> None:
@@ -124,7 +133,7 @@ class TritonMetrics:
         """Push one snapshot into the Triton metrics."""
         snap = self.snapshot()
         for key in GAUGES:
-            self._metric(PREFIX + key).set(float(snap.get(key, 0)))
+            self._set(PREFIX + key, float(snap.get(key, 0)))
         for key, (name, _, label) in COUNTERS.items():
             value = snap.get(key, {} if label else 0)
             items = value.items() if label else [("", value)]
@@ -134,19 +143,28 @@ class TritonMetrics:
             pid = {"pid": str(os.getpid())}
             for key, value in self.heap().items():
                 if key in HEAP_GAUGES:
-                    self._metric(PREFIX + key, pid).set(float(value))
+                    self._set(PREFIX + key, float(value), pid)
         with self._lock:
             rejected = dict(self._rejected)
         for code, total in rejected.items():
             self._add(PREFIX + "requests_rejected_total", float(total), {"code": code})
         while self._samples:
             kind, seconds = self._samples.popleft()
-            name = LATENCIES[kind][0]
-            if self.histograms:
-                self._metric(PREFIX + name, buckets=BUCKETS).observe(seconds)
-            else:
-                self._metric(PREFIX + name + "_sum").increment(seconds)
-                self._metric(PREFIX + name + "_count").increment(1.0)
+            counts, total = self._latency[kind]
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if seconds <= bound:
+                    counts[i] += 1  # cumulative: every bucket from the first that holds the sample
+            total[0] += seconds
+            total[1] += 1
+        for kind, (counts, total) in self._latency.items():
+            if not total[1]:
+                continue
+            name = PREFIX + LATENCIES[kind][0]
+            for le, c in zip(LE, counts):
+                self._metric(name + "_bucket", {"le": le})  # every bucket exists once the first sample does
+                self._add(name + "_bucket", float(c), {"le": le})
+            self._add(name + "_sum", total[0], {})
+            self._add(name + "_count", float(total[1]), {})
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -160,15 +178,20 @@ class TritonMetrics:
     def _family(self, name: str, description: str, kind: Any) -> None:
         self._families[name] = self.pb.MetricFamily(name=name, description=description, kind=kind)
 
-    def _metric(self, name: str, extra: dict[str, str] | None = None, buckets: list[float] | None = None) -> Any:
+    def _metric(self, name: str, extra: dict[str, str] | None = None) -> Any:
         key = (name, repr(sorted((extra or {}).items())))
         metric = self._metrics.get(key)
         if metric is None:
-            labels = {**self.labels, **(extra or {})}
-            family = self._families[name]
-            metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+            metric = self._families[name].Metric(labels={**self.labels, **(extra or {})})
             self._metrics[key] = metric
         return metric
+
+    def _set(self, name: str, value: float, extra: dict[str, str] | None = None) -> None:
+        """Set gauge ``name`` when its value changed (each set is a GIL-holding round trip)."""
+        key = (name, repr(sorted((extra or {}).items())))
+        if self._gauges.get(key) != value:
+            self._metric(name, extra).set(value)
+            self._gauges[key] = value
 
     def _add(self, name: str, total: float, extra: dict[str, str]) -> None:
         """Bring counter ``name`` up to ``total`` (snapshots are cumulative; Triton counters only grow)."""

@@ -23,6 +23,7 @@ from deploy.triton_adapter import (
     parse_request,
 )
 from deploy.triton_metrics import TritonMetrics
+from hybrid_runtime.metrics import LATENCY_BUCKETS
 from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
 from hybrid_runtime.serving import Event
@@ -394,18 +395,59 @@ def test_metrics_mirror_snapshot_deltas() -> None:
     assert _value("hybrid_llm_requests_finished_total", reason="length") == 1
     assert _value("hybrid_llm_attention_plans_total", kernel="single_block") == 4
     assert _value("hybrid_llm_requests_rejected_total", code="invalid_argument") == 1
-    assert REGISTRY["hybrid_llm_time_to_first_token_seconds"].metrics[0].observed == [0.02]
+    assert _value("hybrid_llm_time_to_first_token_seconds_bucket", le="0.01") == 0
+    assert _value("hybrid_llm_time_to_first_token_seconds_bucket", le="0.025") == 1
+    assert _value("hybrid_llm_time_to_first_token_seconds_bucket", le="+Inf") == 1
+    assert _value("hybrid_llm_time_to_first_token_seconds_sum") == 0.02
+    assert _value("hybrid_llm_inter_token_latency_seconds_bucket", le="0.005") == 1
     assert REGISTRY["hybrid_llm_slots_in_use"].metrics[0].labels == {"model": "m", "version": "1"}
     m.stop()
 
 
-def test_metrics_without_histograms_use_sum_and_count() -> None:
-    m = TritonMetrics(types.SimpleNamespace(MetricFamily=PlainFamily), dict, {})
-    assert not m.histograms
-    m.observe("itl", 0.25)
+class CountingMetric(FakeMetric):
+    calls = 0
+
+    def set(self, v: float) -> None:
+        CountingMetric.calls += 1
+        super().set(v)
+
+    def increment(self, v: float) -> None:
+        CountingMetric.calls += 1
+        super().increment(v)
+
+
+class CountingFamily(PlainFamily):
+    def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:
+        assert buckets is None  # latency histograms are counters in the histogram exposition format
+        m = CountingMetric(self, labels, None)
+        self.metrics.append(m)
+        return m
+
+
+def test_latency_histograms_are_cumulative_counters_pushed_once_per_update() -> None:
+    """Each pb_utils metric call is a GIL-holding round trip to the server: 1000 token samples must not
+    become 1000 calls, and an unchanged gauge is not set again."""
+    snap = {"requests_running": 1, "slots_in_use": 1}
+    m = TritonMetrics(types.SimpleNamespace(MetricFamily=CountingFamily), lambda: snap, {})
     m.update()
-    assert _value("hybrid_llm_inter_token_latency_seconds_sum") == 0.25
-    assert _value("hybrid_llm_inter_token_latency_seconds_count") == 1
+    CountingMetric.calls = 0
+    m.update()
+    assert CountingMetric.calls == 0  # nothing changed: no round trip at all
+    for i in range(1000):
+        m.observe("itl", 0.004 if i % 2 else 0.02)
+    m.update()
+    buckets = len(LATENCY_BUCKETS)
+    assert CountingMetric.calls <= buckets + 2
+    assert _value("hybrid_llm_inter_token_latency_seconds_count") == 1000
+    assert _value("hybrid_llm_inter_token_latency_seconds_bucket", le="0.0025") == 0
+    assert _value("hybrid_llm_inter_token_latency_seconds_bucket", le="0.005") == 500
+    assert _value("hybrid_llm_inter_token_latency_seconds_bucket", le="0.025") == 1000
+    assert _value("hybrid_llm_inter_token_latency_seconds_bucket", le="+Inf") == 1000
+    assert abs(_value("hybrid_llm_inter_token_latency_seconds_sum") - 12.0) < 1e-9
+    m.observe("itl", 0.5)
+    CountingMetric.calls = 0
+    m.update()
+    assert CountingMetric.calls == 8  # only what changed: le = 0.5, 1, 2.5, 5, 10, +Inf; sum; count
 
 
 # ---- model.py through a stubbed triton_python_backend_utils ------------------------------------------
