@@ -162,7 +162,12 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
         time.sleep(0.6)  # the metrics thread pushes every 0.5 s
         return _metric(server, itl_name + "_sum"), _metric(server, itl_name + "_count")
 
+    def stub_decode() -> tuple[float, float]:
+        return (_metric(server, 'hybrid_llm_engine_step_seconds_total{phase="decode"'),
+                _metric(server, 'hybrid_llm_engine_steps_total{phase="decode"'))
+
     before = engine_itl() if server is not None else None
+    steps_before = stub_decode() if server is not None else None
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
     for t in threads:
@@ -170,11 +175,14 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    stub_itl = None
-    if before is not None:
+    stub_itl = stub_step = None
+    if before is not None and steps_before is not None:
         after = engine_itl()
         if after[1] > before[1]:
             stub_itl = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+        steps_after = stub_decode()
+        if steps_after[1] > steps_before[1]:
+            stub_step = 1e3 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     itl = sorted(x for r in results for x in r.itls)
 
@@ -182,7 +190,8 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
         return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     return {"requests": len(results), "errors": errors[:3], "n_errors": len(errors),
-            "tokens_per_s": sum(len(r.output_ids) for r in results) / wall, "stub_itl_ms": stub_itl,
+            "tokens_per_s": sum(len(r.output_ids) for r in results) / wall,
+            "stub_itl_ms": stub_itl, "stub_step_ms": stub_step,
             "ttft_ms": {"mean": 1e3 * statistics.mean(ttft) if ttft else None, "p50": pct(ttft, 0.5),
                         "p90": pct(ttft, 0.9)},
             "itl_ms": {"mean": 1e3 * statistics.mean(itl) if itl else None, "p50": pct(itl, 0.5),
@@ -226,10 +235,35 @@ def functional(server, prompt_ids: list[int]) -> dict:
 
 
 def _metric(server, name: str) -> float:
+    """Sum of the series of ``name``; a ``name`` that ends inside the labels (``x{phase="decode"``) selects
+    the series whose labels start so."""
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
         text = r.read().decode()
+    if "{" in name:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def variants_bench(bundle: Path, kind: str, args_: tuple[str, ...], variants: list[str], cs: list[int],
+                   prompt: int, new: int, per_worker: int) -> dict:
+    """The client bench again on a fresh server per variant ``name:ENV=V[,ENV=V]`` (diagnostics of the stub's
+    threads: HYBRID_LLM_SWITCH_INTERVAL, HYBRID_LLM_WATCH_PERIOD, HYBRID_LLM_METRICS_PERIOD)."""
+    out: dict = {}
+    for v in variants:
+        name, _, spec = v.partition(":")
+        env = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+        server = start_server(bundle, kind, env=env or None, args=args_)
+        try:
+            out[name] = {"env": env, **{str(c): client_bench(server.grpc_url, c, prompt, new, per_worker, server=server)
+                                        for c in cs}}
+            log(f"variant {name}: " + ", ".join(
+                f"c={c} client ITL {out[name][str(c)]['itl_ms']['mean']} stub ITL {out[name][str(c)]['stub_itl_ms']} "
+                f"stub step {out[name][str(c)]['stub_step_ms']}" for c in cs))
+        finally:
+            server.stop(timeout=60)
+            server.cleanup()
+    return out
 
 
 def start_server(bundle: Path, kind: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
@@ -374,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-worker", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated: offline,serve,fault")
+    ap.add_argument("--variants", default="", help="semicolon-separated name:ENV=V[,ENV=V] server variants, each "
+                    "benched again on a fresh server (diagnostics)")
     ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sanitize", action="store_true",
                     help="only: compute-sanitizer memcheck over the server under a client workload (small model)")
@@ -455,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                 server.cleanup()
             break
         save()
+        if args.variants and "instance_kind" in report:
+            report["variants"] = variants_bench(bundle, report["instance_kind"], tuple(report["server_args"]),
+                                                [v for v in args.variants.split(";") if v], cs, args.prompt_tokens,
+                                                args.max_tokens, args.requests_per_worker)
+            save()
     if "fault" not in skip:
         report["fault"] = fault_check(bundle, report.get("instance_kind", "gpu"), tuple(report.get("server_args", ())))
         log(f"fault: {report['fault']}")
@@ -487,9 +528,10 @@ def render(r: dict) -> str:
     off, bench = r.get("offline", {}), r.get("bench", {})
     if bench:
         lines += ["| concurrency | offline decode step (ms) | offline in-process ITL (ms) "
-                  "| engine ITL in the stub (ms) | Triton ITL mean / p50 / p90 / p99 (ms) | ITL mean over step "
+                  "| decode step in the stub (ms) | engine ITL in the stub (ms) "
+                  "| Triton ITL mean / p50 / p90 / p99 (ms) | ITL mean over step "
                   "| TTFT mean / p50 / p90 (ms) | tokens/s | errors |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for c in r["concurrency"]:
             b, o = bench.get(str(c)), off.get(str(c), {})
             if not b:
@@ -501,11 +543,28 @@ def render(r: dict) -> str:
             eitl_s = "n/a" if eitl is None else f"{eitl:.2f}"
             sitl = b.get("stub_itl_ms")
             sitl_s = "n/a" if sitl is None else f"{sitl:.2f}"
-            lines.append(f"| {c} | {step:.2f} | {eitl_s} | {sitl_s} | {itl['mean']:.2f} / {itl['p50']:.2f} / "
-                         f"{itl['p90']:.2f} / {itl['p99']:.2f} | {ratio} | "
+            sstep = b.get("stub_step_ms")
+            sstep_s = "n/a" if sstep is None else f"{sstep:.2f}"
+            lines.append(f"| {c} | {step:.2f} | {eitl_s} | {sstep_s} | {sitl_s} | "
+                         f"{itl['mean']:.2f} / {itl['p50']:.2f} / {itl['p90']:.2f} / {itl['p99']:.2f} | {ratio} | "
                          f"{ttft['mean']:.1f} / {ttft['p50']:.1f} / {ttft['p90']:.1f} | "
                          f"{b['tokens_per_s']:.0f} | {b['n_errors']} |" if step else f"| {c} | n/a | ... |")
         lines += ["", "Goal (issue): Triton adds <= 10% to ITL over the offline step at concurrency 1 and 16."]
+    if r.get("variants"):
+        lines += ["", "Server variants (a fresh server each; diagnostics of the stub's threads):", "",
+                  "| variant | env | concurrency | decode step in the stub (ms) | engine ITL in the stub (ms) "
+                  "| client ITL mean (ms) | over the offline step |", "|---|---|---|---|---|---|---|"]
+        for name, v in r["variants"].items():
+            for c in r["concurrency"]:
+                b = v.get(str(c))
+                if not b:
+                    continue
+                step = off.get(str(c), {}).get("decode_step_ms")
+                mean = b["itl_ms"]["mean"]
+                fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+                ratio = f"{mean / step:.3f}" if step and mean else "n/a"
+                lines.append(f"| {name} | `{v['env']}` | {c} | {fmt(b.get('stub_step_ms'))} | "
+                             f"{fmt(b.get('stub_itl_ms'))} | {fmt(mean)} | {ratio} |")
     for key in ("functional", "fault", "instance_errors"):
         if key in r:
             lines += ["", f"{key}: `{json.dumps(r[key], default=str)}`"]

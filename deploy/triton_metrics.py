@@ -48,6 +48,8 @@ COUNTERS = {
     "graph_replays": ("cuda_graph_replays_total", "Decode steps replayed from a CUDA graph, by graph "
                       "(b<bucket>x<chunks per sequence>)", "graph"),
     "decode_eager": ("decode_eager_steps_total", "Decode steps of a cuda bundle launched eagerly, by reason", "reason"),
+    "step_seconds": ("engine_step_seconds_total", "Wall time of engine steps by phase (run, sample, events)",
+                     "phase"),
 }
 LATENCIES = {
     "ttft": ("time_to_first_token_seconds", "Time from request arrival to its first token"),

@@ -90,9 +90,16 @@ class TritonPythonModel:
                                               int(args.get("model_instance_device_id", 0) or 0))
         self.engine = ServingEngine(self.params.engine_dir, options, on_fatal=self._on_fatal).start()
         self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
+        # Diagnostics of the stub's threads (benchmarks/gpu_serve.py --variants), not deployment settings:
+        # HYBRID_LLM_SWITCH_INTERVAL (sys.setswitchinterval), HYBRID_LLM_WATCH_PERIOD / HYBRID_LLM_METRICS_PERIOD
+        # (seconds between the cancel watcher's / the metrics thread's rounds).
+        if os.environ.get("HYBRID_LLM_SWITCH_INTERVAL"):
+            sys.setswitchinterval(float(os.environ["HYBRID_LLM_SWITCH_INTERVAL"]))
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
+                                     period_s=float(os.environ.get("HYBRID_LLM_WATCH_PERIOD") or 0.05),
                                      model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
         self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version},
+                                     period_s=float(os.environ.get("HYBRID_LLM_METRICS_PERIOD") or 0.5),
                                      heap=None if self.heap is None else self.heap.stats).start()
         # A send that fails means the client is gone: cancel the request (its slot and pages are freed).
         self.sends = SendQueue(lambda request_id, _exc: self.engine.cancel(request_id)).start()
