@@ -101,28 +101,33 @@ def offline(bundle: Path, concurrencies: list[int], prompt: int, new: int, per_w
                                          params=SamplingParams(max_tokens=2))])
         for c in concurrencies:
             before = eng.stats()
-            reqs = [GenerationRequest(f"o{c}-{w}-{i}", prompt_ids=tuple(_ids(w, i, prompt)),
-                                      params=SamplingParams(max_tokens=new, ignore_eos=True, temperature=0))
-                    for w in range(c) for i in range(per_worker)]
-            # per_worker rounds of c concurrent requests, like the client's workers; token arrival times in this
-            # process give the engine loop's own ITL (the step plus scheduling, sampling bookkeeping, events)
+            # c workers, each submitting its next request when its previous one finished (what the client's
+            # workers do), so prefills of new arrivals interleave with the others' decode steps as they do in
+            # the server; token arrival times in this process give the engine loop's own ITL (the step plus
+            # scheduling, sampling bookkeeping, events, and those interleaved prefills)
             arrivals: dict[str, list[float]] = {}
-            for i in range(per_worker):
-                batch = reqs[i::per_worker]
-                done = threading.Event()
-                left = [len(batch)]
+            done = threading.Event()
+            left = [c * per_worker]
 
-                def sink(ev, arrivals=arrivals, done=done, left=left) -> None:
+            def submit(w: int, i: int, c: int = c, arrivals: dict = arrivals, done: threading.Event = done,
+                       left: list = left) -> None:
+                def sink(ev) -> None:
                     if ev.token_ids:
                         arrivals.setdefault(ev.request_id, []).append(time.perf_counter())
                     if ev.final:
                         left[0] -= 1
+                        if i + 1 < per_worker:
+                            submit(w, i + 1)
                         if not left[0]:
                             done.set()
 
-                for r in batch:
-                    eng.submit(r, sink)
-                done.wait(300)
+                eng.submit(GenerationRequest(f"o{c}-{w}-{i}", prompt_ids=tuple(_ids(w, i, prompt)),
+                                             params=SamplingParams(max_tokens=new, ignore_eos=True, temperature=0)),
+                           sink)
+
+            for w in range(c):
+                submit(w, 0)
+            done.wait(300)
             after = eng.stats()
             steps = after["steps"]["decode"] - before["steps"].get("decode", 0)
             sec = after["step_seconds"]["decode"] - before["step_seconds"].get("decode", 0)
@@ -163,8 +168,8 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
         return _metric(server, itl_name + "_sum"), _metric(server, itl_name + "_count")
 
     def stub_decode() -> tuple[float, float]:
-        return (_metric(server, 'hybrid_llm_engine_step_seconds_total{phase="decode"'),
-                _metric(server, 'hybrid_llm_engine_steps_total{phase="decode"'))
+        return (_metric(server, "hybrid_llm_engine_step_seconds_total", 'phase="decode"'),
+                _metric(server, "hybrid_llm_engine_steps_total", 'phase="decode"'))
 
     before = engine_itl() if server is not None else None
     steps_before = stub_decode() if server is not None else None
@@ -234,15 +239,12 @@ def functional(server, prompt_ids: list[int]) -> dict:
     return out
 
 
-def _metric(server, name: str) -> float:
-    """Sum of the series of ``name``; a ``name`` that ends inside the labels (``x{phase="decode"``) selects
-    the series whose labels start so."""
+def _metric(server, name: str, where: str = "") -> float:
+    """Sum of the series of ``name`` (those whose labels contain ``where``, e.g. ``phase="decode"``)."""
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
         text = r.read().decode()
-    if "{" in name:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if (line.startswith(name + "{") or line.startswith(name + " ")) and where in line)
 
 
 def variants_bench(bundle: Path, kind: str, args_: tuple[str, ...], variants: list[str], cs: list[int],
