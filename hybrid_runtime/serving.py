@@ -239,6 +239,13 @@ class ServingEngine:
     def stats(self) -> dict:
         return self.metrics.snapshot()
 
+    @property
+    def device_wait(self) -> threading.Event | None:
+        """Set while the engine thread blocks on its device with the GIL released (cuda backends; None for
+        host backends). An adapter's GIL-bound threads (the response sender) work in that window, so they do
+        not stretch the engine's host work between steps."""
+        return getattr(self.runner.backend, "device_wait", None)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 

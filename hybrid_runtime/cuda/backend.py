@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -420,6 +421,11 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self.dev.synchronize()
+
+    @property
+    def device_wait(self) -> threading.Event:
+        """Set while the engine thread waits for this device (GIL released): see ``CudaDevice.waiting``."""
+        return self.dev.waiting
 
     def to_host(self, t: Any, rows: int | None = None) -> np.ndarray | None:
         """A host float32 copy of a pipeline tensor (tests and debugging only: it synchronises): a

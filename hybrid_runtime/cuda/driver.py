@@ -324,6 +324,10 @@ class CudaDevice:
         cc = compute_capability(self.ordinal)
         self.compute_capability = cc
         self.arch = f"sm_{cc[0]}{cc[1]}"
+        # Set while a thread blocks in :meth:`synchronize` (the GIL is released there): a serving adapter's
+        # other Python threads do their GIL-bound work in that window instead of contending with the engine
+        # thread's host work between launches (deploy.inflight.SendQueue).
+        self.waiting = threading.Event()
 
     def activate(self) -> None:
         """Make this device's context current on the calling thread (cheap; done before every call)."""
@@ -415,7 +419,11 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         self.activate()
-        call("cuStreamSynchronize", bindings().cuStreamSynchronize, self.stream)
+        self.waiting.set()
+        try:
+            call("cuStreamSynchronize", bindings().cuStreamSynchronize, self.stream)
+        finally:
+            self.waiting.clear()
 
     def health(self) -> CudaError | None:
         """None while the context works; else the error a context-wide synchronise returns (a sticky error

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -330,6 +331,48 @@ def test_send_queue_keeps_order_reports_failures_and_drains_on_close() -> None:
         q.put(f"r{i}", lambda i=i: send(i))
     q.close()
     assert sent == [0, 1, 3, 4] and failed == ["r2: client gone"]
+
+
+def test_send_queue_gate_holds_sends_until_the_engine_waits_on_its_device() -> None:
+    """With a gate (ServingEngine.device_wait) a send waits until the gate is set (the engine blocked on
+    its GPU, the GIL free) — or until the timeout, so an idle engine never holds a reply back for long."""
+    gate = threading.Event()
+    sent: list[int] = []
+    done = threading.Event()
+
+    def send(i: int) -> None:
+        sent.append(i)
+        if i == 2:
+            done.set()
+
+    q = SendQueue(lambda rid, e: None, gate=gate, gate_timeout_s=30.0).start()
+    q.put("r0", lambda: send(0))
+    time.sleep(0.3)
+    assert sent == []  # the engine is not waiting on its device: nothing sent yet
+    gate.set()
+    q.put("r1", lambda: send(1))
+    q.put("r2", lambda: send(2))
+    assert done.wait(5.0) and sent == [0, 1, 2]
+    q.close()
+
+    gate.clear()
+    late = threading.Event()
+    q = SendQueue(lambda rid, e: None, gate=gate, gate_timeout_s=0.05).start()
+    t0 = time.perf_counter()
+    q.put("r3", late.set)
+    assert late.wait(5.0)
+    assert time.perf_counter() - t0 >= 0.04  # held for the timeout, then sent anyway
+    q.close()
+
+
+def test_serving_engine_device_wait_is_none_on_host_backends() -> None:
+    eng = types.SimpleNamespace(runner=types.SimpleNamespace(backend=object()))
+    from hybrid_runtime.serving import ServingEngine
+
+    assert ServingEngine.device_wait.fget(eng) is None  # type: ignore[attr-defined]
+    ev = threading.Event()
+    eng.runner.backend = types.SimpleNamespace(device_wait=ev)
+    assert ServingEngine.device_wait.fget(eng) is ev  # type: ignore[attr-defined]
 
 
 # ---- metrics ------------------------------------------------------------------------------------------

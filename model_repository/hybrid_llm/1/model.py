@@ -92,7 +92,8 @@ class TritonPythonModel:
         self.logprobs = LogprobsEncoder(self.engine.tokenizer.token_bytes)
         # Diagnostics of the stub's threads (benchmarks/gpu_serve.py --variants), not deployment settings:
         # HYBRID_LLM_SWITCH_INTERVAL (sys.setswitchinterval), HYBRID_LLM_WATCH_PERIOD / HYBRID_LLM_METRICS_PERIOD
-        # (seconds between the cancel watcher's / the metrics thread's rounds).
+        # (seconds between the cancel watcher's / the metrics thread's rounds), HYBRID_LLM_SEND_GATE=0 (responses
+        # sent without waiting for the engine's device wait).
         if os.environ.get("HYBRID_LLM_SWITCH_INTERVAL"):
             sys.setswitchinterval(float(os.environ["HYBRID_LLM_SWITCH_INTERVAL"]))
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
@@ -102,7 +103,9 @@ class TritonPythonModel:
                                      period_s=float(os.environ.get("HYBRID_LLM_METRICS_PERIOD") or 0.5),
                                      heap=None if self.heap is None else self.heap.stats).start()
         # A send that fails means the client is gone: cancel the request (its slot and pages are freed).
-        self.sends = SendQueue(lambda request_id, _exc: self.engine.cancel(request_id)).start()
+        # (the sender builds responses while the engine waits on its GPU: SendQueue's gate)
+        gate = None if os.environ.get("HYBRID_LLM_SEND_GATE") == "0" else self.engine.device_wait
+        self.sends = SendQueue(lambda request_id, _exc: self.engine.cancel(request_id), gate=gate).start()
         lim = self.engine.manifest.limits
         log.info("serving %s: max_batch_size %d (bundle %d), max_input_len %d, max_seq_len %d, %s, %s",
                  self.params.engine_dir, self.engine.max_batch_size, lim.max_batch_size, lim.max_input_len,
