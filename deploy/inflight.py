@@ -31,8 +31,9 @@ class SendQueue:
     ``gate`` (optional, ``ServingEngine.device_wait``): building a response holds the GIL (~0.1 ms per reply
     in the stub, measured with py-spy on the H200), and done while the engine thread packs the next step it
     stretched that host work (the decode step took 3.86 ms inside the stub against 3.48 ms offline). With a
-    gate, each send first waits until the gate is set — the engine blocked on its device, GIL released —
-    or ``gate_timeout_s`` passed (an idle or host-bound engine delays a reply by at most that much).
+    gate, the sender waits until the gate is set — the engine blocked on its device, GIL released — or
+    ``gate_timeout_s`` passed (an idle or host-bound engine delays a reply by at most that much), then sends
+    every reply queued by then, in order, without waiting again.
     """
 
     _STOP = object()
@@ -61,20 +62,31 @@ class SendQueue:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is self._STOP:
-                return
-            request_id, send = item
+            # Wait for the gate once, then send everything queued by now without waiting again: replies
+            # arrive a batch per engine step, and a wait per reply would let the queue fall behind the
+            # engine whenever its device waits are short (measured: a 4-layer soak's TTFT went from 0.6 s
+            # to 10 s that way).
             gate = self._gate
-            if gate is not None and not gate.is_set():
+            if item is not self._STOP and gate is not None and not gate.is_set():
                 gate.wait(self.gate_timeout_s)
-            try:
-                send()
-            except Exception as e:  # the client is gone (or the request was already completed)
-                log.info("sending a response of %s failed: %s", request_id, e)
+            while True:
+                if item is self._STOP:
+                    return
+                self._send(*item)
                 try:
-                    self._on_error(request_id, e)
-                except Exception:
-                    log.exception("on_error(%s) failed", request_id)
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+    def _send(self, request_id: str, send: Callable[[], None]) -> None:
+        try:
+            send()
+        except Exception as e:  # the client is gone (or the request was already completed)
+            log.info("sending a response of %s failed: %s", request_id, e)
+            try:
+                self._on_error(request_id, e)
+            except Exception:
+                log.exception("on_error(%s) failed", request_id)
 
 
 @dataclass(eq=False, slots=True)

@@ -365,6 +365,28 @@ def test_send_queue_gate_holds_sends_until_the_engine_waits_on_its_device() -> N
     q.close()
 
 
+def test_send_queue_gate_never_throttles_a_backlog() -> None:
+    """The gate is waited for once per batch of queued replies, not once per reply: with the gate never
+    set and a 0.2 s timeout, 500 replies queued at once go out in about one timeout, not 500 of them."""
+    gate = threading.Event()
+    done = threading.Event()
+    sent: list[int] = []
+
+    def send(i: int) -> None:
+        sent.append(i)
+        if len(sent) == 500:
+            done.set()
+
+    q = SendQueue(lambda rid, e: None, gate=gate, gate_timeout_s=0.2)
+    for i in range(500):
+        q.put(f"r{i}", lambda i=i: send(i))
+    t0 = time.perf_counter()
+    q.start()
+    assert done.wait(10.0), len(sent)
+    assert time.perf_counter() - t0 < 3.0 and sent == list(range(500))
+    q.close()
+
+
 def test_serving_engine_device_wait_is_none_on_host_backends() -> None:
     eng = types.SimpleNamespace(runner=types.SimpleNamespace(backend=object()))
     from hybrid_runtime.serving import ServingEngine
