@@ -8,7 +8,7 @@ Prometheus-style histograms. ``pb`` is the ``triton_python_backend_utils`` modul
 Every ``pb_utils`` metric call is a synchronous round trip to the server process that holds the GIL for
 its whole duration (the Python backend's ``Metric`` binding releases nothing), so the engine thread
 cannot run Python meanwhile. Pushing each token's latency sample with ``Histogram.observe`` cost a call
-per token (about 940 a second at 16 streams); the latency histograms are therefore exported as counters
+per token (over 1000 a second at 16 streams); the latency histograms are therefore exported as counters
 in the histogram exposition format — ``<name>_bucket{le="..."}`` (cumulative), ``<name>_sum``,
 ``<name>_count`` — accumulated here and pushed once per update for the series that changed, and a gauge
 is set only when its value changed. ``histogram_quantile(..., rate(<name>_bucket[...]))`` works on them
