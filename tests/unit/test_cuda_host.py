@@ -446,3 +446,35 @@ def test_batch_invariant_graph_classes_and_choice() -> None:
     tight = DecodeAttentionDispatcher("on", H200, 4 << 20, batch_invariant=True)
     p = tight.select(batch([32768] * 8))
     assert p.seq_chunks is None and tight.fallbacks["sequence_split:workspace"] == 1
+
+
+def test_device_waiting_is_set_only_while_synchronize_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CudaDevice.waiting`` (ServingEngine.device_wait, the response sender's gate) is set exactly while a
+    thread blocks in ``synchronize`` — also when the synchronise raises (a lost device)."""
+    import threading
+    import types
+
+    from hybrid_runtime.cuda import driver
+
+    release, seen = threading.Event(), []
+    dev = driver.CudaDevice.__new__(driver.CudaDevice)  # no GPU here: only what synchronize touches
+    dev.waiting, dev.stream = threading.Event(), 0
+    dev.activate = lambda: None  # type: ignore[method-assign]
+
+    def sync(_stream: int) -> tuple[int]:
+        seen.append(dev.waiting.is_set())
+        release.wait(5.0)
+        return (700 if len(seen) == 2 else 0,)  # the second call fails like CUDA_ERROR_ILLEGAL_ADDRESS
+
+    monkeypatch.setattr(driver, "bindings", lambda: types.SimpleNamespace(cuStreamSynchronize=sync))
+    monkeypatch.setattr(driver, "error_name", lambda code: f"CUresult {code}")
+    assert not dev.waiting.is_set()
+    t = threading.Thread(target=dev.synchronize)
+    t.start()
+    assert dev.waiting.wait(5.0)  # set while the thread blocks
+    release.set()
+    t.join(5.0)
+    assert seen == [True] and not dev.waiting.is_set()
+    with pytest.raises(driver.CudaError):
+        dev.synchronize()
+    assert not dev.waiting.is_set()
