@@ -201,6 +201,12 @@ def test_metrics_endpoint(triton_server: TritonServer) -> None:
     grpc_run(triton_server, max_tokens=4)
     wait_for(lambda: metric(triton_server, "hybrid_llm_time_to_first_token_seconds_count") > 0, 5, "TTFT samples")
     assert metric(triton_server, "hybrid_llm_inter_token_latency_seconds_count") > 0
+    # the histograms in the exposition format: cumulative buckets, +Inf == count
+    wait_for(lambda: metric(triton_server, "hybrid_llm_inter_token_latency_seconds_bucket", le="+Inf")
+             == metric(triton_server, "hybrid_llm_inter_token_latency_seconds_count"), 5, "ITL buckets")
+    assert metric(triton_server, "hybrid_llm_inter_token_latency_seconds_bucket", le="0.001") <= \
+        metric(triton_server, "hybrid_llm_inter_token_latency_seconds_bucket", le="10")
+    assert metric(triton_server, "hybrid_llm_engine_step_seconds_total", phase="decode") > 0
     assert metric(triton_server, "hybrid_llm_generated_tokens_total") > 0
     assert metric(triton_server, "hybrid_llm_profile_switches") == 0  # per_context pinning never switches
     assert metric(triton_server, "hybrid_llm_attention_plans_total") > 0
