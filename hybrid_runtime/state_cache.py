@@ -113,9 +113,11 @@ class StateLayout:
         return (s * self.conv_row_bytes, self.conv_row_bytes), (s * self.recurrent_row_bytes, self.recurrent_row_bytes)
 
     def allocate(self) -> tuple[np.ndarray, np.ndarray]:
-        """Zeroed conv and recurrent buffers of one layer, resident from the start (host_memory)."""
-        return (resident_zeros((self.rows, *self.conv_shape), self.dtype),
-                resident_zeros((self.rows, *self.recurrent_shape), self.dtype))
+        """Zeroed conv and recurrent buffers of one layer, the request slots' rows resident from the start
+        (host_memory); the sink row is mapped only if something writes it (the host operators never do:
+        they run the batch's own rows, no padding)."""
+        return (resident_zeros((self.rows, *self.conv_shape), self.dtype, self.num_slots),
+                resident_zeros((self.rows, *self.recurrent_shape), self.dtype, self.num_slots))
 
 
 class StateCache:

@@ -7,6 +7,10 @@ block of it), and segment ``i`` writes into bank ``i % 2``. A segment's outputs 
 while the operator after it and the next segment run (which read them), and are overwritten by the
 segment after that. Buffers per segment would hold every segment's prefill-sized outputs at once: about
 240 MB more resident memory for the 334M benchmark model at 512-token chunks.
+The embedding table is not part of the first segment's session: :mod:`.table_rows` splits its ``Gather``
+out at load and the context reads the step's rows from the bundle file with ``pread`` into a buffer of its
+own (a memory-mapped table put up to 2 MB per token into the resident set, 20-28 MB per decode step at
+batch 16).
 Each run binds only what changed (a decode step reusing the same buffers binds nothing); nothing is
 allocated on the serving path.
 """
@@ -23,6 +27,7 @@ import onnxruntime as ort
 from ..config import Manifest, ProfileSpec, SegmentSpec
 from .base import PINNING_MODES, Engine, ExecutionContext, Phase
 from .ort_session import Binding, FileMappings, cpu_session, session_options
+from .table_rows import TableLookup, split_table_gathers
 
 log = logging.getLogger("hybrid_runtime.engine")
 
@@ -36,11 +41,15 @@ _VIEW_CACHE_TOKENS = 256
 class OrtContext(ExecutionContext):
     """A segment bound to a profile through its own IOBinding, writing into a bank of output buffers."""
 
-    def __init__(self, session: ort.InferenceSession, spec: SegmentSpec, profile: ProfileSpec, bank: Bank) -> None:
+    def __init__(self, session: ort.InferenceSession, spec: SegmentSpec, profile: ProfileSpec, bank: Bank,
+                 lookups: list[TableLookup] | None = None, max_tokens: int = 0) -> None:
         super().__init__(spec, profile)
         self.session = session
         self.binding = Binding(session)
         self._bank = bank
+        # tables read outside the graph (table_rows): each with a row buffer for up to max_tokens tokens
+        self._lookups = [(lk, lk.buffer(max_tokens or profile.max_tokens)) for lk in lookups or ()]
+        self._no_bind = {lk.ids_input for lk in lookups or () if not lk.keep_ids}
         self.bind(profile, bank)
 
     def bind(self, profile: ProfileSpec, bank: Bank) -> None:
@@ -53,8 +62,11 @@ class OrtContext(ExecutionContext):
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = self.check(inputs)
         b = self.binding
+        for lk, buf in self._lookups:
+            b.input(lk.rows_input, lk.read(np.asarray(inputs[lk.ids_input]), buf))
         for name, arr in inputs.items():
-            b.input(name, np.ascontiguousarray(arr))
+            if name not in self._no_bind:
+                b.input(name, np.ascontiguousarray(arr))
         outs = self._views.get(n)
         if outs is None:  # each output a contiguous [n, width] block of the bank (the same objects every run)
             outs, offset = {}, 0
@@ -86,16 +98,28 @@ class OrtEngine(Engine):
         opts = session_options(intra_op_threads)
         self._banks = [[self._bank(p, parity) for parity in (0, 1)] for p in self._profiles]
         self._contexts: list[list[OrtContext]] = []
+        widest = max(p.max_tokens for p in self._profiles)
         for i, spec in enumerate(self._specs):
-            sess = cpu_session(Path(bundle_dir) / spec.onnx, opts)
+            path = Path(bundle_dir) / spec.onnx
+            split = split_table_gathers(path)  # the embedding table: rows read with pread (table_rows)
+            if split is None:
+                sess, lookups = cpu_session(path, opts), []
+            else:
+                model, lookups = split
+                own = session_options(intra_op_threads)  # the other initializers' external data: next to it
+                own.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+                sess = cpu_session(model, own)
+                del model
             if pinning == "per_context":
-                self._contexts.append([OrtContext(sess, spec, p, self._banks[k][i % 2])
+                self._contexts.append([OrtContext(sess, spec, p, self._banks[k][i % 2], lookups)
                                        for k, p in enumerate(self._profiles)])
             else:
                 self._contexts.append([OrtContext(sess, spec, self._profiles[Phase.PREFILL],
-                                                  self._banks[Phase.PREFILL][i % 2])])
-        # What onnxruntime still maps of the bundle after prepacking: tables read a row at a time (embedding).
+                                                  self._banks[Phase.PREFILL][i % 2], lookups, widest)])
+        # What onnxruntime still maps of the bundle after prepacking: tables read a row at a time that
+        # split_table_gathers left in their graph (none in the bundles this builder writes).
         self._mapped = FileMappings(Path(bundle_dir) / "segments")
+        self._mapped.release()
         log.info("onnxruntime engine: %d segments, %d contexts (%s)", len(self._specs), self.num_contexts(), pinning)
 
     def _bank(self, profile: ProfileSpec, parity: int) -> Bank:
@@ -127,6 +151,6 @@ class OrtEngine(Engine):
 
     def run(self, segment: int, phase: Phase, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self.context(segment, phase).run(inputs)
-        if segment == 0:
+        if segment == 0 and self._mapped.ranges:
             self._mapped.release()  # the rows just read stay in the page cache, not in this process
         return out

@@ -76,11 +76,12 @@ class FileMappings:
     keeps as they are, such as an embedding table that Gather reads a row per token).
 
     :meth:`release` drops their resident pages from the process (``MADV_DONTNEED``; the pages stay in the
-    page cache, the next read maps them again). A fault in a file mapping maps up to 64 KB of cached
-    neighbours, so 1024 random tokens left 50 MB of the 131 MB embedding table of the 334M benchmark model
-    resident where their rows are 4 MB; the engine releases the table after each embed run. Safe for
-    read-only use: a private mapping that was never written reads back the file's bytes. Linux only;
-    elsewhere it does nothing."""
+    page cache, the next read maps them again). A fault in a file mapping maps the cached folio around the
+    row (up to 2 MB), so 1024 random tokens left 50 MB of the 131 MB embedding table of the 334M benchmark
+    model resident where their rows are 4 MB. The engine now reads such tables with ``pread``
+    (:mod:`.table_rows`) and releases what is still mapped once after loading, and after each run of the
+    first segment only if a table stayed in its graph. Safe for read-only use: a private mapping that was
+    never written reads back the file's bytes. Linux only; elsewhere it does nothing."""
 
     def __init__(self, folder: str | Path) -> None:
         self.ranges: list[tuple[int, int]] = []

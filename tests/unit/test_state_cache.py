@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -64,3 +67,28 @@ def test_layout_offsets_match_the_buffers_it_allocated() -> None:
         assert c_off == conv[slot].ctypes.data - conv.ctypes.data and c_len == conv[slot].nbytes
         assert r_off == rec[slot].ctypes.data - rec.ctypes.data and r_len == rec[slot].nbytes
     assert np.dtype(layout.dtype) == conv.dtype == rec.dtype
+
+
+def _rss_anon_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_slot_rows_are_resident_at_allocation_and_the_sink_row_is_not() -> None:
+    """The request slots' rows are committed at load (no RSS growth as slots are first used, issue 21); the
+    padding sink, which the host operators never write, costs no memory (issue 18's RSS budget)."""
+    from hybrid_runtime.host_memory import resident_zeros
+
+    # 8 MiB rows: 40 MiB is over glibc's largest mmap threshold, so the buffer is fresh pages (not memory that
+    # earlier tests freed and that is resident already)
+    rows, row, mib = 5, (2048, 1024), 8
+    before = _rss_anon_mib()
+    buf = resident_zeros((rows, *row), np.float32, resident_rows=rows - 1)
+    grown = _rss_anon_mib() - before
+    assert 0.9 * (rows - 1) * mib <= grown < (rows - 0.5) * mib, grown
+    assert not buf.any()  # the lazily mapped row reads back zeros (reading maps the shared zero page)
+    full = resident_zeros((rows, *row), np.float32)
+    assert _rss_anon_mib() - before - grown > 0.9 * rows * mib and not full.any()
