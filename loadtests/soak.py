@@ -149,11 +149,14 @@ def scrape(url: str, model: str = MODEL) -> dict[str, dict[str, float]] | None:
     return out
 
 
-def heap_by_pid(url: str) -> dict[str, float]:
-    """"stub:<pid>" -> traced Python heap in MiB, from the model's heap-debugging gauge (empty when off)."""
+def heap_by_pid(url: str) -> dict[str, tuple[float, float | None]]:
+    """"stub:<pid>" -> (traced Python heap, tracemalloc's own memory) in MiB, from the model's heap-debugging
+    gauges (empty when off). tracemalloc's own memory (its trace and traceback tables) is part of the stub's
+    RSS but not of the traced heap: a heap-debugging soak shows it beside the stub's RSS."""
     snap = scrape(url) or {}
-    return {f"stub:{labels.partition('=')[2]}": v / 2**20 for labels, v in snap.get("python_heap_bytes", {}).items()
-            if labels.startswith("pid=")}
+    overhead = snap.get("tracemalloc_overhead_bytes", {})
+    return {f"stub:{labels.partition('=')[2]}": (v / 2**20, overhead[labels] / 2**20 if labels in overhead else None)
+            for labels, v in snap.get("python_heap_bytes", {}).items() if labels.startswith("pid=")}
 
 
 def metric(snap: dict[str, dict[str, float]] | None, name: str) -> float | None:
