@@ -2,9 +2,13 @@
 
 Streams ``max_tokens`` responses, one every ``token_ms``, one character of the prompt each, the last with
 the FINAL flag; polls ``is_cancelled()`` between responses and ends a cancelled request with a flags-only
-FINAL. One worker thread sends every request's responses (``execute`` returns at once), as a real
-decoupled LLM model does. An empty prompt or ``max_tokens <= 0`` is answered with an error response.
-Parameters (config.pbtxt): ``token_ms``, ``zero_byte_outputs``, ``metrics_per_token``.
+FINAL. One worker thread sends every request's responses (``execute`` returns at once), as a real decoupled
+LLM model does. An empty prompt or ``max_tokens <= 0`` is answered with an error response. Parameters
+(config.pbtxt): ``token_ms``; ``zero_byte_outputs`` (finish_reason is a zero-element tensor until the final
+response); ``metrics_per_token`` (three custom-metric calls per response); ``cancelled_final_with_data`` (a
+cancelled request ends with a final response that has outputs); ``hold_requests`` (each request object is
+kept until its final response and the request's ``is_cancelled()`` is polled, as hybrid_llm's CancelWatcher
+does).
 """
 
 import collections
@@ -29,6 +33,8 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
         self.token_s = float(params.get("token_ms", "20")) / 1000.0
         self.zero_byte = params.get("zero_byte_outputs", "false").lower() == "true"
+        self.cancel_with_data = params.get("cancelled_final_with_data", "false").lower() == "true"
+        self.hold_requests = params.get("hold_requests", "false").lower() == "true"
         self.metrics = None
         if params.get("metrics_per_token", "false").lower() == "true":
             fams = (pb_utils.MetricFamily(name="echo_itl_seconds", description="itl",
@@ -38,7 +44,7 @@ class TritonPythonModel:
                     pb_utils.MetricFamily(name="echo_live", description="live", kind=pb_utils.MetricFamily.GAUGE))
             self.metrics = (fams, fams[0].Metric(labels={"model": "echo"}, buckets=[0.001, 0.01, 0.1, 1.0]),
                             fams[1].Metric(labels={"model": "echo"}), fams[2].Metric(labels={"model": "echo"}))
-        self.live = collections.deque()  # [sender, text, n, sent]
+        self.live = collections.deque()  # [sender, text, n, sent, request or None]
         self.cv = threading.Condition()
         self.stop = False
         self.worker = threading.Thread(target=self._loop, daemon=True)
@@ -65,7 +71,7 @@ class TritonPythonModel:
                             flags=FINAL)
                 continue
             with self.cv:
-                self.live.append([sender, text, n, 0])
+                self.live.append([sender, text, n, 0, req if self.hold_requests else None])
                 self.cv.notify()
         return None
 
@@ -78,9 +84,12 @@ class TritonPythonModel:
                     return
                 batch = list(self.live)
             for item in batch:
-                sender, text, n, sent = item
-                if sender.is_cancelled():
-                    sender.send(flags=FINAL)
+                sender, text, n, sent, request = item
+                if (request or sender).is_cancelled():
+                    if self.cancel_with_data:
+                        sender.send(self._response("", sent, "cancelled"), flags=FINAL)
+                    else:
+                        sender.send(flags=FINAL)
                     done = True
                 else:
                     last = sent + 1 >= n
