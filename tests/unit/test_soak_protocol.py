@@ -3,6 +3,7 @@ faults and warm-up requests run. No server needed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ from loadtests.common import protocols
 from loadtests.soak import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
+# Never import locust here (not even through pytest.importorskip): it monkey-patches the process with gevent.
+needs_locust = pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed")
 
 
 def test_protocols_parse_and_refuse_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,8 +49,8 @@ def _in_subprocess(code: str, **env: str) -> str:
                           timeout=120, check=True).stdout.strip().splitlines()[-1]
 
 
+@needs_locust
 def test_faults_follow_the_transport_and_the_filter() -> None:
-    pytest.importorskip("locust")
     code = ("import json, re; from loadtests.faults import FAULT_NAMES, fault_wanted as w; "
             "print(json.dumps({f'{t}|{p}': [n for n in FAULT_NAMES if w(n, tuple(t.split('+')), re.compile(p))] "
             "for t in ('grpc', 'http', 'grpc+http') for p in ('.', 'cancel')}))")
@@ -64,9 +67,9 @@ def test_faults_follow_the_transport_and_the_filter() -> None:
 @pytest.mark.parametrize(("value", "users"), [("both", {"GrpcStreamUser", "HttpStreamUser", "FaultUser"}),
                                               ("grpc", {"GrpcStreamUser", "FaultUser"}),
                                               ("http", {"HttpStreamUser", "FaultUser"})])
+@needs_locust
 def test_locustfile_defines_only_the_users_of_the_transport(value: str, users: set[str]) -> None:
     """locust runs every User class the locustfile defines: the others must be gone from its namespace."""
-    pytest.importorskip("locust")
     code = ("import json, locust, loadtests.locustfile as f; "
             "print(json.dumps(sorted(k for k, v in vars(f).items() if isinstance(v, type) and "
             "issubclass(v, locust.User) and not v.__module__.startswith('locust'))))")
