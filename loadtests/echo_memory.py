@@ -20,8 +20,10 @@ Actions (``--mix`` weights), per transport:
 A gRPC user keeps one stream (``loadtests.common.GrpcStream``) and opens a new one after every cancel; an
 HTTP user keeps one keep-alive connection and opens a new one after a cancel, an invalid or rejected
 request, and after ``--new-conn`` of the normal ones. ``--param key=value`` sets the model's parameters
-(``zero_byte_outputs``, ``metrics_per_token``, ``token_ms``); ``--heaptrack`` attaches heaptrack to the
-server after it is ready (``heaptrack_print --print-leaks 1 -f <out>/heaptrack.zst``).
+(``token_ms``, ``zero_byte_outputs``, ``metrics_per_token``, ``cancelled_final_with_data``, ``hold_requests``:
+config.pbtxt); ``--model-repository model_repository --model hybrid_llm`` drives this project's model with
+the same clients (it takes the same inputs); ``--heaptrack`` attaches heaptrack to the server after it is
+ready (``heaptrack_print --print-leaks 1 -f <out>/heaptrack.zst``).
 
 Example (the HTTP frontend's zero-byte-output leak, and without it)::
 
@@ -82,7 +84,7 @@ class Driver:
         from tritonclient.utils import InferenceServerException
 
         rng = random.Random(1000 + i)
-        stream = GrpcStream(self.server.grpc_url, model="echo")
+        stream = GrpcStream(self.server.grpc_url, model=self.args.model)
         while not self.halt.is_set():
             action, text, n = self.pick(rng)
             inputs = [grpc_input("text_input", "" if action == "invalid" else text), grpc_input("stream", True),
@@ -105,7 +107,9 @@ class Driver:
             except (StreamTimeout, InferenceServerException) as e:
                 err = f"{type(e).__name__}: {e}"
                 stream.reset()
-            if action == "cancel_after_final":
+            if err and self.args.close_after_error:
+                stream.reset(cancel=False)  # a stream that carried an error is closed, not reused
+            elif action == "cancel_after_final":
                 stream.reset(cancel=True)
             elif action == "cancel_mid" or (action == "normal" and rng.random() < self.args.new_conn):
                 stream.reset()  # cancels only a request still in flight
@@ -128,7 +132,7 @@ class Driver:
             conn = conn or http.client.HTTPConnection(host, int(port), timeout=60)
             got, err, after = 0, None, rng.randint(0, 8)
             try:
-                conn.request("POST", "/v2/models/echo/generate_stream", body=body.encode(),
+                conn.request("POST", f"/v2/models/{self.args.model}/generate_stream", body=body.encode(),
                              headers={"Content-Type": "application/json"})
                 if action != "cancel_mid":
                     for line in conn.getresponse().read().splitlines():
@@ -177,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtests.echo_memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    ap.add_argument("--model-repository", default=str(ECHO_REPOSITORY),
+                    help="serve this repository instead (e.g. model_repository: hybrid_llm takes the same inputs)")
+    ap.add_argument("--model", default="echo", help="the model to drive (default echo)")
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--duration-s", type=float, default=900)
     ap.add_argument("--settle-s", type=float, default=120)
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", default="normal=50,cancel_mid=10,cancel_after_final=10,invalid=30")
     ap.add_argument("--new-conn", type=float, default=0.0, help="share of normal requests followed by a new connection")
     ap.add_argument("--wait", default="0.05,0.5", help="seconds between a user's requests: low,high")
+    ap.add_argument("--close-after-error", action="store_true",
+                    help="gRPC: close a stream (without cancelling) after a request on it ended in an error")
     ap.add_argument("--param", action="append", default=[], help="model parameter key=value (config.pbtxt)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more tritonserver option")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE in the server's environment")
@@ -192,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = TritonServer(ECHO_REPOSITORY, model="echo", parameters=dict(p.split("=", 1) for p in args.param),
+    server = TritonServer(Path(args.model_repository), model=args.model,
+                          parameters=dict(p.split("=", 1) for p in args.param),
                           log_path=out / "server.log", env=dict(kv.split("=", 1) for kv in args.env),
                           server_args=args.server_arg)
     driver = Driver(args, server)
