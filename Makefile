@@ -19,7 +19,8 @@ help:
 	@echo "make bench   offline CPU benchmarks (ratios against transformers measured in the same run)"
 	@echo "make soak    locust soak + fault test with a pass/fail verdict (USERS, DURATION, MULTI_BLOCK, PROFILE_PINNING,"
 	@echo "             FAULT_SHARE, URL=host:http_port to use a running server; memory: MEMORY_BUDGET MiB/h, MEMORY_FLOOR,"
-	@echo "             HEAP_DEBUG=0|1, HEAP_SNAPSHOT_S; FAULT_CANCEL_AFTER_FINAL=0 drops that fault); reports in reports/"
+	@echo "             HEAP_DEBUG=0|1, HEAP_SNAPSHOT_S; FAULT_CANCEL_AFTER_FINAL=0 drops that fault; PROTOCOL=both|grpc|http:"
+	@echo "             the transports driven); reports in reports/"
 	@echo "make bench-serve  genai-perf at concurrency 1, 4, 16 (CONCURRENCY=): Triton's kserve gRPC endpoint and the"
 	@echo "             OpenAI frontend's chat endpoint side by side (ENDPOINTS=triton,chat; REPEATS=N: medians of N runs;"
 	@echo "             URL=, FRONTEND_URL= to use running ones)"
@@ -80,9 +81,10 @@ MULTI_BLOCK ?= auto
 PROFILE_PINNING ?= per_context
 FAULT_SHARE ?= 0.2
 URL ?=
+PROTOCOL ?= both
 soak: build
 	USERS=$(USERS) DURATION=$(DURATION) MULTI_BLOCK=$(MULTI_BLOCK) PROFILE_PINNING=$(PROFILE_PINNING) \
-	FAULT_SHARE=$(FAULT_SHARE) URL=$(URL) $(BIN)/python -m loadtests.soak
+	FAULT_SHARE=$(FAULT_SHARE) URL=$(URL) PROTOCOL=$(PROTOCOL) $(BIN)/python -m loadtests.soak
 
 # genai-perf lives in its own venv (about 1 GB), never in the test environment. genai-perf 0.0.16 runs
 # perf_analyzer from PATH: the tritonclient 2.51.0 manylinux1 wheel ships one that runs here with Debian's

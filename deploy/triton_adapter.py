@@ -295,9 +295,16 @@ class Reply:
 
 def outputs(text: str, ids: tuple[int, ...] | list[int], finish_reason: str | None = None, *,
             logprobs: bytes | None = None, num_input_tokens: int | None = None) -> dict[str, np.ndarray]:
-    """The output tensors of one response (config.pbtxt documents each one)."""
-    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-           "output_ids": np.array(ids, dtype=np.int32)}
+    """The output tensors of one response (config.pbtxt documents each one).
+
+    No tensor is ever empty: ``output_ids`` is left out of a response that carries no ids (a final response
+    whose ids were all sent already, a request cancelled before its first token). Triton 2.51's HTTP frontend
+    leaks its bookkeeping of every zero-byte output buffer (an ``OutputInfo``, ~80 bytes of heap per output,
+    for as long as the server runs: deploy/README.md); the clients here read a missing ``output_ids`` as none.
+    """
+    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if len(ids):
+        out["output_ids"] = np.array(ids, dtype=np.int32)
     if finish_reason is not None:
         out["finish_reason"] = np.array([finish_reason.encode("utf-8")], dtype=np.object_)
     if logprobs is not None:

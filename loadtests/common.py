@@ -136,6 +136,20 @@ class BundleInfo:
         raise RuntimeError(f"no readable bundle manifest among {[c for c in candidates if c]}; set SOAK_ENGINE_DIR")
 
 
+# ---- transports -----------------------------------------------------------------------------------------
+
+PROTOCOLS = {"both": ("grpc", "http"), "grpc": ("grpc",), "http": ("http",)}
+
+
+def protocols(value: str | None = None) -> tuple[str, ...]:
+    """The transports a soak drives (``SOAK_PROTOCOL``: both, the default | grpc | http): the valid users'
+    and the faults' (a fault's transport is the suffix of its name, e.g. ``cancel_mid_stream/grpc``)."""
+    value = (os.environ.get("SOAK_PROTOCOL", "both") if value is None else value).strip().lower() or "both"
+    if value not in PROTOCOLS:
+        raise SystemExit(f"SOAK_PROTOCOL={value!r}: choose one of {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[value]
+
+
 # ---- prompts and request specs --------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,9 @@ the last two are locust failures):
 * ``disconnect_mid_stream`` (HTTP): the socket is closed after 0..8 server-sent events; before that the
   events must be tokens, not errors.
 
+``SOAK_PROTOCOL=grpc`` (or ``http``) keeps only the faults of that transport; ``FAULT_FILTER`` (a regex on
+the names) narrows them further.
+
 The server must survive all of this: the valid users' failures, readiness and the drain of slots and KV
 pages afterwards are the soak runner's checks.
 """
@@ -33,7 +36,7 @@ from typing import Any
 
 from locust import User, between, task
 
-from .common import GrpcStream, StreamTimeout, grpc_input, grpc_inputs, reply_from_sse, sse_payload
+from .common import GrpcStream, StreamTimeout, grpc_input, grpc_inputs, protocols, reply_from_sse, sse_payload
 from .users import Context, context, fire, user_rng
 
 MAX_CANCEL_AFTER = 8
@@ -159,6 +162,13 @@ def _http_cases() -> list[InvalidCase]:
 
 GRPC_CASES = _grpc_cases()
 HTTP_CASES = _http_cases()
+FAULT_NAMES = ([c.name for c in GRPC_CASES] + [c.name for c in HTTP_CASES]
+               + ["cancel_mid_stream/grpc", "cancel_after_final/grpc", "disconnect_mid_stream/http"])
+
+
+def fault_wanted(name: str, transports: tuple[str, ...], pattern: re.Pattern[str]) -> bool:
+    """Whether the fault ``name`` ("<kind>/<transport>") runs: its transport is driven and FAULT_FILTER matches."""
+    return name.rsplit("/", 1)[-1] in transports and bool(pattern.search(name))
 
 
 class FaultUser(User):
@@ -178,16 +188,23 @@ class FaultUser(User):
                  (self.cancel_after_final, after_final), (self.disconnect_mid_stream, 0.13)]
         # FAULT_FILTER (a regex on fault names such as "wrong_dtype/grpc" or "cancel_mid_stream/grpc")
         # narrows the faults down, e.g. to find which one upsets the server.
+        # SOAK_PROTOCOL (grpc | http) keeps only the faults of that transport.
         pattern = re.compile(os.environ.get("FAULT_FILTER") or ".")
-        self.grpc_cases = [c for c in GRPC_CASES if pattern.search(c.name)]
-        self.http_cases = [c for c in HTTP_CASES if pattern.search(c.name)]
+        transports = protocols()
+
+        def wanted(name: str) -> bool:
+            return fault_wanted(name, transports, pattern)
+
+        self.grpc_cases = [c for c in GRPC_CASES if wanted(c.name)]
+        self.http_cases = [c for c in HTTP_CASES if wanted(c.name)]
         keep = {self.invalid_grpc: bool(self.grpc_cases), self.invalid_http: bool(self.http_cases),
-                self.cancel_mid_stream: bool(pattern.search("cancel_mid_stream/grpc")),
-                self.cancel_after_final: bool(pattern.search("cancel_after_final/grpc")),
-                self.disconnect_mid_stream: bool(pattern.search("disconnect_mid_stream/http"))}
+                self.cancel_mid_stream: wanted("cancel_mid_stream/grpc"),
+                self.cancel_after_final: wanted("cancel_after_final/grpc"),
+                self.disconnect_mid_stream: wanted("disconnect_mid_stream/http")}
         self.kinds: list[tuple[Callable[[], None], float]] = [(k, w) for k, w in kinds if keep[k] and w > 0]
         if not self.kinds:
-            raise ValueError(f"FAULT_FILTER={pattern.pattern!r} matches no fault")
+            raise ValueError(f"FAULT_FILTER={pattern.pattern!r} with SOAK_PROTOCOL={'+'.join(transports)} "
+                             f"matches no fault")
 
     def on_stop(self) -> None:
         self.stream.close()

@@ -8,7 +8,8 @@ server (``make serve``)::
 Environment: ``FAULT_SHARE`` (share of fault users, default 0.2; 0 = none), ``SOAK_GRPC_URL`` (default: the
 HTTP port + 1), ``SOAK_ENGINE_DIR`` (bundle for the tokenizer and limits; default: the ``engine_dir`` the
 server reports), ``SOAK_SUMMARY`` (where the counters are written as JSON at exit; default
-reports/locust_summary.json), ``SOAK_SEED``, ``SOAK_REQUEST_TIMEOUT`` (seconds, default 180).
+reports/locust_summary.json), ``SOAK_SEED``, ``SOAK_REQUEST_TIMEOUT`` (seconds, default 180), ``SOAK_PROTOCOL``
+(both, the default | grpc | http: only that transport's valid users and faults).
 """
 
 # tritonclient.grpc under gevent: grpc must be switched to gevent before any channel exists.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `locust -f` puts
 
 from locust import events  # noqa: E402
 
+from loadtests.common import protocols  # noqa: E402
 from loadtests.faults import FaultUser  # noqa: E402
 from loadtests.users import STATS, GrpcStreamUser, HttpStreamUser  # noqa: E402
 
@@ -44,6 +46,11 @@ GrpcStreamUser.weight = HttpStreamUser.weight = max(1, round((1.0 - FAULT_SHARE)
 FaultUser.weight = round(FAULT_SHARE * 100)
 if not FaultUser.weight:
     del FaultUser  # locust runs every User class it finds in this module
+PROTOCOLS = protocols()
+if "grpc" not in PROTOCOLS:
+    del GrpcStreamUser
+if "http" not in PROTOCOLS:
+    del HttpStreamUser
 
 
 def _summary_path() -> Path:
@@ -56,6 +63,7 @@ def write_summary() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = STATS.to_json()
     data["fault_share"] = FAULT_SHARE
+    data["protocols"] = list(PROTOCOLS)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)

@@ -3,7 +3,8 @@
 * :func:`process_tree`, :func:`rss_mib` — the tritonserver process and its descendants (the Python-backend
   stubs) from /proc, and their summed resident set.
 * :class:`MemorySampler` — a thread that records, every ``period_s``, the RSS of every process of the tree
-  and (when the model runs with ``heap_debug_dir``) each stub's traced Python heap from the metrics port.
+  and (when the model runs with ``heap_debug_dir``) each stub's traced Python heap and tracemalloc's own
+  memory from the metrics port.
 * :func:`theil_sen` — the growth slope of a series: the median of the pairwise slopes, which the transient
   peaks of long prompts in flight do not pull the way they pull a least-squares fit.
 * :func:`growth_verdict` — the slope after the settle period against a budget in MiB per hour. The budget
@@ -100,14 +101,18 @@ class Sample:
     heap_mib: dict[str, float] = field(default_factory=dict)
     # "<name>:<pid>" -> (RssAnon, RssShmem) in MiB: malloc'd memory vs the Python backend's shm region
     split_mib: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # stub -> tracemalloc's own memory (MiB; heap debugging): in the stub's RSS, outside its traced heap
+    tracemalloc_mib: dict[str, float] = field(default_factory=dict)
 
 
-HeapReader = Callable[[], dict[str, float]]
+# stub -> traced heap MiB, or (traced heap, tracemalloc's own memory or None) in MiB
+HeapReader = Callable[[], dict[str, float | tuple[float, float | None]]]
 
 
 class MemorySampler(threading.Thread):
     """Samples the tree of ``root`` every ``period_s`` until :meth:`stop`; ``heap()`` (optional) returns
-    pid -> traced Python heap in MiB (read from the model's ``hybrid_llm_python_heap_bytes`` gauge)."""
+    pid -> traced Python heap in MiB (read from the model's ``hybrid_llm_python_heap_bytes`` gauge), or
+    pid -> (that, tracemalloc's own memory from ``hybrid_llm_tracemalloc_overhead_bytes``)."""
 
     def __init__(self, root: int, period_s: float, heap: HeapReader | None = None) -> None:
         super().__init__(name="soak-memory", daemon=True)
@@ -126,10 +131,15 @@ class MemorySampler(threading.Thread):
         split = {k: (round(v.get("RssAnon", 0) / 1024.0, 2), round(v.get("RssShmem", 0) / 1024.0, 2))
                  for k, v in status.items()}
         heap: dict[str, float] = {}
+        overhead: dict[str, float] = {}
         if self.heap is not None:
             with contextlib.suppress(Exception):  # a late or unanswered scrape only loses this reading
-                heap = {k: round(v, 3) for k, v in self.heap().items()}
-        s = Sample(round(time.monotonic() - self.t0, 1), round(sum(per.values()), 2), per, heap, split)
+                for k, v in self.heap().items():
+                    traced, own = v if isinstance(v, tuple) else (v, None)
+                    heap[k] = round(traced, 3)
+                    if own is not None:
+                        overhead[k] = round(own, 3)
+        s = Sample(round(time.monotonic() - self.t0, 1), round(sum(per.values()), 2), per, heap, split, overhead)
         with self._lock:
             self.samples.append(s)
         return s
@@ -215,12 +225,16 @@ def growth_verdict(name: str, series: Sequence[tuple[float, float]], settle_s: f
 
 
 def series_of(samples: Sequence[Sample], key: str | None = None, heap: bool = False,
-              part: int | None = None) -> list[tuple[float, float]]:
-    """(t, MiB) of the tree total (``key`` None), of one process ``key``, with ``heap`` of one heap, or with
-    ``part`` (0 anonymous, 1 shared memory) of that part of one process's RSS."""
+              part: int | None = None, tracemalloc: bool = False) -> list[tuple[float, float]]:
+    """(t, MiB) of the tree total (``key`` None), of one process ``key``, with ``heap`` of one heap, with
+    ``tracemalloc`` of tracemalloc's own memory in one stub, or with ``part`` (0 anonymous, 1 shared memory) of
+    that part of one process's RSS."""
     out = []
     for s in samples:
-        if part is not None:
+        if tracemalloc:
+            if key in s.tracemalloc_mib:
+                out.append((s.t_s, s.tracemalloc_mib[key]))
+        elif part is not None:
             if key in s.split_mib:
                 out.append((s.t_s, s.split_mib[key][part]))
         elif heap:
@@ -243,16 +257,19 @@ def summary_rows(samples: Sequence[Sample], rows: int = 12) -> list[Sample]:
 
 def write_csv(samples: Sequence[Sample], path: Path) -> None:
     """One row per sample: t_s, total_mib, then RSS per process, heap per stub, then the anonymous and shared
-    parts of each process's RSS (empty when absent)."""
+    parts of each process's RSS, then tracemalloc's own memory per stub (when exported; empty when absent)."""
     procs = sorted({k for s in samples for k in s.rss_mib})
     heaps = sorted({k for s in samples for k in s.heap_mib})
+    tms = sorted({k for s in samples for k in s.tracemalloc_mib})
     lines = [",".join(["t_s", "total_rss_mib", *(f"rss_mib:{p}" for p in procs), *(f"heap_mib:{h}" for h in heaps),
-                       *(f"{part}_mib:{p}" for p in procs for part in ("anon", "shmem"))])]
+                       *(f"{part}_mib:{p}" for p in procs for part in ("anon", "shmem")),
+                       *(f"tracemalloc_mib:{t}" for t in tms)])]
     for s in samples:
         split = [f"{s.split_mib[p][i]:g}" if p in s.split_mib else "" for p in procs for i in (0, 1)]
         lines.append(",".join([f"{s.t_s:g}", f"{s.total_mib:g}", *(f"{s.rss_mib[p]:g}" if p in s.rss_mib else ""
                                                                    for p in procs),
-                               *(f"{s.heap_mib[h]:g}" if h in s.heap_mib else "" for h in heaps), *split]))
+                               *(f"{s.heap_mib[h]:g}" if h in s.heap_mib else "" for h in heaps), *split,
+                               *(f"{s.tracemalloc_mib[t]:g}" if t in s.tracemalloc_mib else "" for t in tms)]))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -362,6 +379,12 @@ def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib
         if g is None:
             continue
         heaps[key] = g.as_dict()
+        # tracemalloc's own memory: in the stub's RSS, not in its traced heap (a cost of heap debugging, no check)
+        gt = growth_verdict(f"tracemalloc {key}", series_of(samples, key, tracemalloc=True), plan.settle_s,
+                            plan.budget_mib_h, plan.floor_mib)
+        if gt is not None:
+            heaps[key]["tracemalloc_slope_mib_h"] = gt.slope_mib_h
+            heaps[key]["tracemalloc_last_mib"] = gt.last_mib
         rep.checks.append((f"memory: Python heap of {key} within budget", g.ok, f"{g.line()} ({budget_text})"))
     rep.data = {"start_mib": round(start_mib, 1), "end_mib": round(end_mib, 1), "peak_mib": round(peak, 1),
                 "bound_mib": round(bound, 1), "plan": plan.as_dict(),
@@ -399,8 +422,10 @@ def render(data: dict[str, Any]) -> list[str]:
                      + "; ".join(f"{k} {v['slope_mib_h']:+.2f} (anon {v.get('anon_slope_mib_h', float('nan')):+.2f}, "
                                  f"shmem {v.get('shmem_slope_mib_h', float('nan')):+.2f})"
                                  for k, v in data.get("per_process", {}).items())
-                     + "".join(f"; heap {k} {v['slope_mib_h']:+.3f} MiB/h" for k, v in
-                               data.get("python_heap", {}).items()))
+                     + "".join(f"; heap {k} {v['slope_mib_h']:+.3f} MiB/h" + (
+                         f" (tracemalloc's own memory {v['tracemalloc_slope_mib_h']:+.3f} MiB/h, "
+                         f"{v['tracemalloc_last_mib']:.1f} MiB at the end)" if "tracemalloc_slope_mib_h" in v else "")
+                               for k, v in data.get("python_heap", {}).items()))
     for key, h in (data.get("heap_snapshots") or {}).items():
         if not isinstance(h, dict) or "diff_bytes" not in h:
             continue

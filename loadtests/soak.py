@@ -26,7 +26,9 @@ Environment (flags override): USERS (16), DURATION (5m), MULTI_BLOCK (auto|on|of
 (per_context|single_context), FAULT_SHARE (0.2), URL, GRPC_URL / METRICS_URL (with URL; default the
 HTTP port + 1 / + 2), REPORTS (reports), SPAWN_RATE, DRAIN_TIMEOUT (60), SOAK_SEED; memory: MEMORY_BUDGET
 (1 MiB/h), MEMORY_FLOOR (1 MiB), MEMORY_SETTLE_S, MEMORY_SAMPLE_S, HEAP_DEBUG (1), HEAP_SNAPSHOT_S;
-FAULT_CANCEL_AFTER_FINAL (1), SERVER_LOG_VERBOSE (0).
+FAULT_CANCEL_AFTER_FINAL (1), SERVER_LOG_VERBOSE (0), PROTOCOL (both | grpc | http: the transports of the
+valid users, the faults and the warm-up, so that a memory slope can be put on one of Triton's frontends;
+readiness polls and metric scrapes stay on HTTP).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 from . import memory as mem
 from .common import (
     MODEL,
+    PROTOCOLS,
     REPO,
     BundleInfo,
     GrpcStream,
@@ -61,6 +64,7 @@ from .common import (
     http_get,
     model_config,
     model_parameters,
+    protocols,
 )
 from .memory import proc_stat, process_tree, rss_mib
 
@@ -145,11 +149,14 @@ def scrape(url: str, model: str = MODEL) -> dict[str, dict[str, float]] | None:
     return out
 
 
-def heap_by_pid(url: str) -> dict[str, float]:
-    """"stub:<pid>" -> traced Python heap in MiB, from the model's heap-debugging gauge (empty when off)."""
+def heap_by_pid(url: str) -> dict[str, tuple[float, float | None]]:
+    """"stub:<pid>" -> (traced Python heap, tracemalloc's own memory) in MiB, from the model's heap-debugging
+    gauges (empty when off). tracemalloc's own memory (its trace and traceback tables) is part of the stub's
+    RSS but not of the traced heap: a heap-debugging soak shows it beside the stub's RSS."""
     snap = scrape(url) or {}
-    return {f"stub:{labels.partition('=')[2]}": v / 2**20 for labels, v in snap.get("python_heap_bytes", {}).items()
-            if labels.startswith("pid=")}
+    overhead = snap.get("tracemalloc_overhead_bytes", {})
+    return {f"stub:{labels.partition('=')[2]}": (v / 2**20, overhead[labels] / 2**20 if labels in overhead else None)
+            for labels, v in snap.get("python_heap_bytes", {}).items() if labels.startswith("pid=")}
 
 
 def metric(snap: dict[str, dict[str, float]] | None, name: str) -> float | None:
@@ -204,13 +211,15 @@ class ReadinessPoller(threading.Thread):
 
 # ---- warm-up ----------------------------------------------------------------------------------------------
 
-def warm_up(target: Target, bundle: BundleInfo, pool: PromptPool, timeout: float = 300.0) -> dict[str, Any]:
+def warm_up(target: Target, bundle: BundleInfo, pool: PromptPool, timeout: float = 300.0,
+            transports: tuple[str, ...] = ("grpc", "http")) -> dict[str, Any]:
     """Bring the server to its working set before the memory baseline is taken.
 
     Round 1: max_batch_size concurrent gRPC requests with the longest prompt (max_input_len) and as many
     tokens as the soak's longest requests (256, ignore_eos), so the KV pages the soak can hold at once
     are all touched (pages are handed out lowest first); plus two HTTP requests. Round 2: 2 x
-    max_batch_size short gRPC requests through a full batch and a queue.
+    max_batch_size short gRPC requests through a full batch and a queue. With one of ``transports`` only,
+    every request goes over that one (so a gRPC-only soak never touches the HTTP generate endpoint).
     """
     from .common import Spec, reply_from_sse, sse_payload
 
@@ -269,11 +278,13 @@ def warm_up(target: Target, bundle: BundleInfo, pool: PromptPool, timeout: float
 
     t0 = time.monotonic()
     sent = 0
+    main_one = grpc_one if "grpc" in transports else http_one
+    side_one = http_one if "http" in transports else grpc_one
     with ThreadPoolExecutor(max_workers=2 * b + 2) as ex:
         for i, specs in enumerate(rounds):
-            futures = [ex.submit(grpc_one, s) for s in specs]
+            futures = [ex.submit(main_one, s) for s in specs]
             if i == 0:
-                futures += [ex.submit(http_one, Spec(p, 16, {}, True, False, None)) for p in (short, longest)]
+                futures += [ex.submit(side_one, Spec(p, 16, {}, True, False, None)) for p in (short, longest)]
             for f in futures:
                 problems += f.result()
             sent += len(futures)
@@ -343,7 +354,7 @@ def run(args: argparse.Namespace) -> Soak:
     soak.data["config"] = {"users": args.users, "duration": args.duration, "duration_s": duration_s,
                            "fault_share": args.fault_share, "multi_block": args.multi_block,
                            "profile_pinning": args.profile_pinning, "url": args.url or None,
-                           "cancel_after_final": args.cancel_after_final,
+                           "cancel_after_final": args.cancel_after_final, "protocol": args.protocol,
                            "memory": mem_plan.as_dict(), "heap_debug": args.heap_debug}
     server = None
     poller = None
@@ -382,7 +393,7 @@ def run(args: argparse.Namespace) -> Soak:
 
         # -- warm-up and baseline ------------------------------------------------------------------
         pool = PromptPool(bundle, seed=args.seed)
-        warm = warm_up(target, bundle, pool)
+        warm = warm_up(target, bundle, pool, transports=protocols(args.protocol))
         soak.data["warmup"] = warm
         soak.check("warm-up", not warm["problems"],
                    f"{warm['requests']} requests in {warm['seconds']} s" +
@@ -399,6 +410,7 @@ def run(args: argparse.Namespace) -> Soak:
         # -- locust ---------------------------------------------------------------------------------
         env = dict(os.environ)
         env["FAULT_CANCEL_AFTER_FINAL"] = "1" if args.cancel_after_final else "0"
+        env["SOAK_PROTOCOL"] = args.protocol
         env.update({"PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                     "SOAK_GRPC_URL": target.grpc, "SOAK_METRICS_URL": target.metrics,
                     "SOAK_ENGINE_DIR": str(bundle.engine_dir), "SOAK_SUMMARY": str(reports / "soak_summary.json"),
@@ -705,6 +717,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-pinning", default=env.get("PROFILE_PINNING") or "per_context",
                     choices=("per_context", "single_context"))
     ap.add_argument("--fault-share", type=float, default=float(env.get("FAULT_SHARE") or 0.2))
+    ap.add_argument("--protocol", default=(env.get("PROTOCOL") or "both").lower(), choices=tuple(PROTOCOLS),
+                    help="transports of the valid users, the faults and the warm-up: both (default; gRPC streams "
+                         "and HTTP generate_stream) | grpc | http")
     ap.add_argument("--url", default=env.get("URL") or "", help="a running server's HTTP host:port")
     ap.add_argument("--reports", default=env.get("REPORTS") or str(REPO / "reports"))
     ap.add_argument("--spawn-rate", type=float, default=float(env.get("SPAWN_RATE") or 0))

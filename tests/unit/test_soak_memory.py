@@ -93,6 +93,22 @@ def test_sampler_reads_this_process_tree_and_report_checks(tmp_path: Path) -> No
     assert any("memory series" in line for line in rep.lines) and any("MiB/h" in line for line in rep.lines)
 
 
+def test_tracemalloc_own_memory_is_sampled_and_shown_beside_the_heap_without_a_check(tmp_path: Path) -> None:
+    sampler = mem.MemorySampler(os.getpid(), 0.05, heap=lambda: {"stub:1": (12.5, 3.25), "stub:2": (1.0, None)})
+    first = sampler.sample()
+    assert first is not None and first.heap_mib == {"stub:1": 12.5, "stub:2": 1.0}
+    assert first.tracemalloc_mib == {"stub:1": 3.25}
+    samples = [mem.Sample(t, 200.0, {"stub:2": 160.0}, {"stub:2": 50.0}, {"stub:2": (100.0, 4.0)},
+                          {"stub:2": 3.0 + 0.0005 * t}) for t in range(0, 3600, 10)]
+    rep = mem.soak_report(samples, mem.Plan.for_duration(3600), 200.0, 200.0, 1.25, 64.0)
+    assert rep.data["python_heap"]["stub:2"]["tracemalloc_slope_mib_h"] == pytest.approx(1.8)
+    assert not any("tracemalloc" in name for name, _, _ in rep.checks)  # debugging's own cost: shown, not judged
+    assert any("tracemalloc's own memory +1.800 MiB/h" in line for line in rep.lines)
+    mem.write_csv(samples, tmp_path / "m.csv")
+    head, row = (tmp_path / "m.csv").read_text().splitlines()[:2]
+    assert head.endswith(",tracemalloc_mib:stub:2") and row.endswith(",3")
+
+
 def _keep(n: int) -> list[bytes]:
     return [bytes(1000) + str(i).encode() for i in range(n)]  # the allocating line the snapshots must name
 

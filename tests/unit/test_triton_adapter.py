@@ -232,6 +232,29 @@ def test_error_and_cancelled_finals() -> None:
     assert r.final and r.error == "boom" and r.outputs == {}
     r = b.on_event(Event("r", final=True, finish_reason="cancelled", output_ids=()))
     assert r.final and r.error is None and r.outputs["finish_reason"][0] == b"cancelled"
+    assert "output_ids" not in r.outputs  # no ids: no zero-byte tensor (Triton 2.51's HTTP frontend leaks one)
+
+
+def test_no_reply_carries_a_zero_byte_tensor() -> None:
+    """Triton 2.51's HTTP frontend leaks ~80 bytes for every zero-byte output buffer of a response (an
+    ``OutputInfo`` its allocator makes and the core never releases when there is no buffer): every tensor the
+    model sends must hold at least one byte, in every path of the reply builder."""
+    from deploy.triton_adapter import outputs
+
+    assert "output_ids" not in outputs("", ()) and outputs("", (7,))["output_ids"].tolist() == [7]
+    max_len = Event("r", text="Hello", final=True, finish_reason="length", output_ids=(1, 2, 3))
+    stop_all_sent = Event("r", text="Hello", final=True, finish_reason="stop", output_ids=(1, 2, 3))
+    for stream, events, params in ((True, _events(), SamplingParams()),
+                                   (True, [*_events()[:3], max_len], SamplingParams(max_tokens=3)),
+                                   (True, [*_events()[:3], stop_all_sent], SamplingParams()),
+                                   (False, _events(), SamplingParams()),
+                                   (True, [Event("r", final=True, finish_reason="cancelled")], SamplingParams()),
+                                   (False, [Event("r", final=True, finish_reason="cancelled")], SamplingParams())):
+        b = ReplyBuilder(ParsedRequest("p", None, params, stream, False), "p")
+        for reply in filter(None, (b.on_event(ev) for ev in events)):
+            for name, arr in reply.outputs.items():
+                assert arr.size and (arr.dtype != np.object_ or all(isinstance(v, bytes) for v in arr.reshape(-1))), \
+                    (name, arr)
 
 
 # ---- cancellation -------------------------------------------------------------------------------------
