@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -57,6 +57,31 @@ def time_calls(torch: Any, fn: Callable[[int], Any], reps: int = 3, target_s: fl
         end.synchronize()
         results.append(start.elapsed_time(end) / 1e3 / n)
     return statistics.median(results)
+
+
+def time_on_stream(dev: Any, fn: Callable[[int], Any], calls: int, runs: int = 3, warmup: Iterable[int] = (0,),
+                   spin_cycles: int = int(2e7), offset_by_run: bool = False) -> float:
+    """Median over ``runs`` of the mean time (seconds) per call of ``calls`` back-to-back ``fn(i)`` on the
+    project device ``dev``'s stream, between ``dev``'s own events. A torch spin kernel of ``spin_cycles`` goes
+    first on the legacy stream, which ``dev``'s blocking stream waits for, so the host enqueues the calls while
+    the GPU is busy. ``warmup``: indices called once before (loads, opt-ins, first launches); ``offset_by_run``:
+    run ``r`` calls ``fn(r * calls + i)`` (a fresh input set per run)."""
+    import torch
+
+    for i in warmup:
+        fn(i)
+    dev.synchronize()
+    out = []
+    for run in range(runs):
+        e0, e1 = dev.event(), dev.event()
+        torch.cuda._sleep(int(spin_cycles))
+        dev.record(e0)
+        base = run * calls if offset_by_run else 0
+        for i in range(calls):
+            fn(base + i)
+        dev.record(e1)
+        out.append(dev.elapsed_ms(e0, e1) / calls / 1e3)
+    return statistics.median(out)
 
 
 def log(*a: Any) -> None:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from typing import Any
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_on_stream, write_report
 
 SHAPES = [("in_proj (GDN)", 12352, 2048), ("qkv_proj", 9216, 2048), ("out_proj / o_proj", 2048, 4096),
           ("lm_head", 248320, 2048), ("router + shared gate", 264, 2048)]
@@ -27,20 +26,7 @@ MOE_VARIANTS = [(1, 4), (2, 4), (2, 2), (1, 8)]
 def timed(dev: Any, fn: Any, reps: int = 40) -> float:
     """Median of 3 means over ``reps`` back-to-back calls; a spin kernel first keeps the GPU busy while the host
     enqueues them, so small kernels are timed, not Python's launch rate."""
-    import torch
-
-    fn(0)
-    dev.synchronize()
-    out = []
-    for _ in range(3):
-        e0, e1 = dev.event(), dev.event()
-        torch.cuda._sleep(int(2e7))  # legacy stream: our (blocking) stream waits for it
-        dev.record(e0)
-        for i in range(reps):
-            fn(i)
-        dev.record(e1)
-        out.append(dev.elapsed_ms(e0, e1) / reps / 1e3)
-    return statistics.median(out)
+    return time_on_stream(dev, fn, reps)
 
 
 def main() -> int:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_on_stream, write_report
 
 H, INTER, E, K = 2048, 512, 256, 8
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -37,21 +36,7 @@ EXPERT_BYTES = 3 * INTER * H * 2
 
 def timed(dev: Any, fn: Callable[[int], None], calls: int, reps: int = 3) -> float:
     """Median of ``reps`` means (seconds per call) of ``calls`` back-to-back ``fn(i)`` queued behind a spin kernel."""
-    import torch
-
-    for i in range(ROUTINGS):  # warm-up: loads, opt-ins, first launches
-        fn(i)
-    dev.synchronize()
-    out = []
-    for rep in range(reps):
-        e0, e1 = dev.event(), dev.event()
-        torch.cuda._sleep(int(2e7))  # legacy stream: our (blocking) stream waits for it
-        dev.record(e0)
-        for i in range(calls):
-            fn(rep * calls + i)
-        dev.record(e1)
-        out.append(dev.elapsed_ms(e0, e1) / calls / 1e3)
-    return statistics.median(out)
+    return time_on_stream(dev, fn, calls, runs=reps, warmup=range(ROUTINGS), offset_by_run=True)
 
 
 def main() -> int:

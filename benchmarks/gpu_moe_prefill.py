@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 from typing import Any
 
-from benchmarks.gpu_common import log, write_report
+from benchmarks.gpu_common import log, time_on_stream, write_report
 
 H, INTER, E, K = 2048, 512, 256, 8
 TOKENS = (1024, 4096, 8192)
@@ -30,20 +29,7 @@ TOKENS = (1024, 4096, 8192)
 
 def timed(dev: Any, fn: Any, reps: int = 20) -> float:
     """Median of 3 means (seconds) over ``reps`` back-to-back calls queued behind a spin kernel."""
-    import torch
-
-    fn()
-    dev.synchronize()
-    out = []
-    for _ in range(3):
-        e0, e1 = dev.event(), dev.event()
-        torch.cuda._sleep(int(2e7))  # legacy stream: our (blocking) stream waits for it
-        dev.record(e0)
-        for _ in range(reps):
-            fn()
-        dev.record(e1)
-        out.append(dev.elapsed_ms(e0, e1) / reps / 1e3)
-    return statistics.median(out)
+    return time_on_stream(dev, lambda _i: fn(), reps)
 
 
 def main() -> int:

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_common import log, write_report
+from benchmarks.gpu_common import log, time_on_stream, write_report
 
 H, E, E_PAD, K = 2048, 256, 264, 8
 TOKENS = (1, 8, 16)
@@ -36,21 +35,8 @@ LAYERS = 40
 def timed(dev: Any, fn: Callable[[int], None], reps: int, host_us: float = 150.0) -> float:
     """Median of 5 means (seconds per call) over ``reps`` back-to-back calls ``fn(i)`` queued behind a spin kernel
     long enough to cover the host's enqueueing (``host_us`` per call at most)."""
-    import torch
-
-    fn(0)
-    fn(1)
-    dev.synchronize()
-    out = []
-    for _ in range(5):
-        e0, e1 = dev.event(), dev.event()
-        torch.cuda._sleep(int(max(2e7, reps * host_us * 1e-6 * 2e9)))  # legacy stream: ours (blocking) waits
-        dev.record(e0)
-        for i in range(reps):
-            fn(i)
-        dev.record(e1)
-        out.append(dev.elapsed_ms(e0, e1) / reps / 1e3)
-    return statistics.median(out)
+    return time_on_stream(dev, fn, reps, runs=5, warmup=(0, 1),
+                          spin_cycles=int(max(2e7, reps * host_us * 1e-6 * 2e9)))
 
 
 def main() -> int:

@@ -161,18 +161,17 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
                     errors.append(str(e))
 
     generate_stream_grpc(url, input_ids=_ids(0, 0, 4), max_tokens=2, timeout=120).wait()
-    itl_name = "hybrid_llm_inter_token_latency_seconds"
+    names = (("hybrid_llm_inter_token_latency_seconds_sum", ""), ("hybrid_llm_inter_token_latency_seconds_count", ""),
+             ("hybrid_llm_engine_step_seconds_total", 'phase="decode"'),
+             ("hybrid_llm_engine_steps_total", 'phase="decode"'))
 
-    def engine_itl() -> tuple[float, float]:
+    def engine_counters() -> list[float]:
+        """ITL sum and count, decode step seconds and count, from one read of the metrics page."""
         time.sleep(0.6)  # the metrics thread pushes every 0.5 s
-        return _metric(server, itl_name + "_sum"), _metric(server, itl_name + "_count")
+        text = _metrics_text(server)
+        return [_metric_in(text, name, where) for name, where in names]
 
-    def stub_decode() -> tuple[float, float]:
-        return (_metric(server, "hybrid_llm_engine_step_seconds_total", 'phase="decode"'),
-                _metric(server, "hybrid_llm_engine_steps_total", 'phase="decode"'))
-
-    before = engine_itl() if server is not None else None
-    steps_before = stub_decode() if server is not None else None
+    before = engine_counters() if server is not None else None
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(c)]
     for t in threads:
@@ -181,13 +180,10 @@ def client_bench(url: str, c: int, prompt: int, new: int, per_worker: int, serve
         t.join()
     wall = time.perf_counter() - t0
     stub_itl = stub_step = None
-    if before is not None and steps_before is not None:
-        after = engine_itl()
-        if after[1] > before[1]:
-            stub_itl = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
-        steps_after = stub_decode()
-        if steps_after[1] > steps_before[1]:
-            stub_step = 1e3 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
+    if before is not None:
+        itl_s, itl_n, step_s, step_n = (x - y for x, y in zip(engine_counters(), before))
+        stub_itl = 1e3 * itl_s / itl_n if itl_n > 0 else None
+        stub_step = 1e3 * step_s / step_n if step_n > 0 else None
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     itl = sorted(x for r in results for x in r.itls)
 
@@ -239,12 +235,20 @@ def functional(server, prompt_ids: list[int]) -> dict:
     return out
 
 
-def _metric(server, name: str, where: str = "") -> float:
-    """Sum of the series of ``name`` (those whose labels contain ``where``, e.g. ``phase="decode"``)."""
+def _metrics_text(server) -> str:
     with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def _metric_in(text: str, name: str, where: str = "") -> float:
+    """Sum of the series of ``name`` in a metrics page (those whose labels contain ``where``, e.g.
+    ``phase="decode"``)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if (line.startswith(name + "{") or line.startswith(name + " ")) and where in line)
+
+
+def _metric(server, name: str, where: str = "") -> float:
+    return _metric_in(_metrics_text(server), name, where)
 
 
 def variants_bench(bundle: Path, kind: str, args_: tuple[str, ...], variants: list[str], cs: list[int],

@@ -22,6 +22,26 @@ def nvrtc_or_skip() -> None:
         pytest.skip(f"NVRTC unavailable: {e}")
 
 
+def ptx(src: str, name: str, opts: tuple[str, ...]) -> str:
+    """PTX of the CUDA source ``src`` (file name ``name``) for compute_90, from NVRTC directly (the package
+    caches only cubins)."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])
+    assert int(err) == 0
+    try:
+        args = [b"-arch=compute_90", b"-std=c++17", *(o.encode() for o in opts)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(args), args)
+        assert int(err) == 0
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = bytearray(int(size))  # written by NVRTC: a fresh mutable buffer
+        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+        assert int(err) == 0
+        return bytes(buf).rstrip(b"\0").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 def check_log(log: str, max_spill: int = 0) -> None:
     """Registers within the hardware limit and no real spilling. NVRTC 13.0 (the H200 image) spills 8 bytes
     in a few builds (the float32 portable kernel; the hd-64 tensor-core one); NVRTC 13.5 spills none."""

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from test_cuda_compile import check_log, nvrtc_or_skip
+from test_cuda_compile import ptx as compute_90_ptx
 
 
 @pytest.mark.parametrize("opts", [("-DDT=0", "-DDK=128", "-DDV=128"), ("-DDT=2", "-DDK=128", "-DDV=128"),
@@ -39,7 +40,7 @@ def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     log = compile_log(source("gdn_chunk.cu"), "gdn_chunk.cu", opts, "sm_90")
     assert "gdn_chunk_prep" in log and "gdn_chunk_state" in log
     check_log(log)
-    ptx = _ptx(source("gdn_chunk.cu"), opts)
+    ptx = compute_90_ptx(source("gdn_chunk.cu"), "gdn_chunk.cu", opts)
     tc = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cvt.rna.tf32.f32" in ptx
     tc_build = next((int(o[5:]) for o in opts if o.startswith("-DTC=")), 0)
     assert tc == (tc_build > 0)  # the tf32 builds issue tf32 mma; the fp32 build none
@@ -47,25 +48,6 @@ def test_chunk_kernels_compile_without_spills(opts: tuple[str, ...]) -> None:
     if tc_build >= 2 and "-DDK=128" in opts:  # two prep CTAs per SM: <= 128 registers
         regs = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", log, re.S))
         assert int(regs["gdn_chunk_prep"]) <= 128, log
-
-
-def _ptx(src: str, opts: tuple[str, ...]) -> str:
-    """PTX of ``src`` for compute_90 (NVRTC directly: the package caches only cubins)."""
-    from cuda.bindings import nvrtc
-
-    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"gdn_chunk.cu", 0, [], [])
-    assert int(err) == 0
-    try:
-        args = [b"-arch=compute_90", b"-std=c++17", *(o.encode() for o in opts)]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(args), args)
-        assert int(err) == 0
-        err, size = nvrtc.nvrtcGetPTXSize(prog)
-        buf = bytearray(int(size))  # written by NVRTC: a fresh mutable buffer
-        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
-        assert int(err) == 0
-        return bytes(buf).rstrip(b"\0").decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def test_tf32_build_refuses_head_dims_off_16() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from test_cuda_compile import check_log, nvrtc_or_skip
+from test_cuda_compile import ptx as compute_90_ptx
 
 DECODE_KERNELS = ("gdn_conv_decode", "gdn_conv_gates_decode", "gdn_decode", "gdn_decode_norm")
 
@@ -175,24 +176,10 @@ def test_gate_math_is_fused_cu_s() -> None:
 
 
 def _ptx(name: str, opts: tuple[str, ...]) -> str:
-    """PTX of ops/cuda/<name> for compute_90 (NVRTC directly: the package caches only cubins)."""
-    from cuda.bindings import nvrtc
-
+    """PTX of ops/cuda/<name> for compute_90."""
     from hybrid_runtime.cuda.kernels import source
 
-    err, prog = nvrtc.nvrtcCreateProgram(source(name).encode(), name.encode(), 0, [], [])
-    assert int(err) == 0
-    try:
-        args = [b"-arch=compute_90", b"-std=c++17", *(o.encode() for o in opts)]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(args), args)
-        assert int(err) == 0
-        err, size = nvrtc.nvrtcGetPTXSize(prog)
-        buf = bytearray(int(size))  # written by NVRTC: a fresh mutable buffer
-        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
-        assert int(err) == 0
-        return bytes(buf).rstrip(b"\0").decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    return compute_90_ptx(source(name), name, opts)
 
 
 def _entry(ptx: str, name: str) -> list[str]:
