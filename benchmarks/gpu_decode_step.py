@@ -230,7 +230,15 @@ def main() -> int:
                     help="comma-separated on/off: the 40-layer rows with the fused GDN decode pair (CudaBackend "
                          "fused_gdn_decode: 2 launches per GDN layer) and/or the four launches per layer; graphs are "
                          "recaptured for each")
+    ap.add_argument("--dense-decode", default="on",
+                    help="comma-separated: on (decode GEMMs of <= 16 rows on dense_decode.cu's kernel), on:MB (only "
+                         "products of at most MB MiB of weights: the larger, e.g. lm_head, stay on cuBLASLt), off "
+                         "(cuBLASLt for every GEMM); graphs are recaptured for each")
     args = ap.parse_args()
+    dense_modes = [d for d in args.dense_decode.split(",") if d]
+    for d in dense_modes:
+        if d != "off" and d != "on" and not (d.startswith("on:") and d[3:].replace(".", "", 1).isdigit()):
+            ap.error(f"--dense-decode {d!r}: on, on:MB or off")
     fused_modes = [{"on": True, "off": False}[f] for f in args.fused_gdn.split(",") if f]
     import torch
 
@@ -282,30 +290,50 @@ def main() -> int:
                                                  "fused_router": args.fused_router == "on"})
         free1 = torch.cuda.mem_get_info()[0]
         log(f"loaded: {load}")
+        tuned = ""
+        if be.dense is not None and be.dense.choice:
+            from hybrid_runtime.cuda.dense_decode import KNOB_SETS
+
+            names = {kn: name for name, kn in KNOB_SETS.items()}
+            tuned = (f" Dense decode GEMM builds picked at load ({be.dense_tune_seconds:.1f} s): " +
+                     ", ".join(f"{N}x{K} {names.get(kn, kn)}" for (N, K), kn in sorted(be.dense.choice.items())) + ".")
+            log(tuned)
         rows = []
-        combos = [(mode, fused) for fused in fused_modes for mode in moe_modes]
+        combos = [(mode, fused, dense) for dense in dense_modes for fused in fused_modes for mode in moe_modes]
+        dense_k = be.dense
         if True in fused_modes and not (be.gdn_k is not None and be.gdn_k.fused_decode_ok):
             log("this GDN shape has no fused decode kernels: the fused rows run the four launches")
-        for ci, (mode, fused) in enumerate(combos):
+        for ci, (mode, fused, dense) in enumerate(combos):
             fused = fused and be.gdn_k is not None and be.gdn_k.fused_decode_ok
+
+            def configure(mode: str = mode, fused: bool = fused, dense: str = dense) -> None:
+                be.moe_decode, be.fused_gdn_decode = mode, fused
+                be.dense = None if dense == "off" else dense_k
+                be.dense_max_bytes = int(float(dense[3:]) * 2**20) if dense.startswith("on:") else None
+
             if ci:  # the graphs hold the MoE / GDN kernels they were captured with: capture again under these
                 for g in be.graphs.values():
                     g.destroy()
                 be.graphs.clear()
-                be.moe_decode, be.fused_gdn_decode = mode, fused
+                configure()
                 be.capture_graphs(runner._forward, buckets=args.batches)
-            be.moe_decode, be.fused_gdn_decode = mode, fused
+            configure()
             gdn_label = "fused (2 launches/layer)" if fused else "4 launches/layer"
+            dense_label = "cuBLASLt" if dense == "off" or dense_k is None else \
+                ("dense_decode" if dense == "on" else f"dense_decode <= {dense[3:]} MiB")
             for B in args.batches:
                 for ctx in args.contexts:
-                    r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mode == moe_modes[0])
+                    r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mode == moe_modes[0]
+                                    and fused == fused_modes[0])
                     fl = floor_bytes(cfg, be.w, B, ctx)
                     r.update(fl)
                     r["floor"] = fl["total"] / bw
                     r["moe"] = f"{mode}: " + moe_path(False, B, be.moe_prefill is not None, mode)
                     r["gdn"] = gdn_label
+                    r["dense"] = dense_label
                     rows.append(r)
-                    log(f"B={B} ctx={ctx} moe {r['moe']}, GDN {gdn_label}: wall {r['wall'] * 1e3:.3f} ms, GPU "
+                    log(f"B={B} ctx={ctx} moe {r['moe']}, GDN {gdn_label}, GEMMs {dense_label}: wall "
+                        f"{r['wall'] * 1e3:.3f} ms, GPU "
                         f"{r['gpu'] * 1e3:.3f} ms, floor {r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), "
                         f"{r['nodes']} kernels, graph {r['graph']}")
         lines += [f"## {args.layers} layers (Qwen3.5-35B-A3B text), bf16 weights and KV", "",
@@ -313,13 +341,13 @@ def main() -> int:
                   f"{be.w.nbytes / 2**30:.1f} GiB, KV pool {pages} pages of 16 tokens, {maxB} state slots); load "
                   f"{load['weights_s']:.1f} s weights (generated on the device) + {load['backend_s']:.1f} s backend + "
                   f"{load['capture_s']:.1f} s warm-up and capture of {load['graphs']} graphs; fused decode router "
-                  f"{args.fused_router}.", "",
-                  "| batch | context | decode MoE (mode: path) | GDN decode | floor (ms) | GPU replay (ms) | x floor | "
-                  "step as served (ms) | x floor | kernels | graph | "
+                  f"{args.fused_router}.{tuned}", "",
+                  "| batch | context | decode MoE (mode: path) | GDN decode | decode GEMMs | floor (ms) | "
+                  "GPU replay (ms) | x floor | step as served (ms) | x floor | kernels | graph | "
                   "floor bytes: weights / experts / KV / state (GB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['gdn']} | {r['floor'] * 1e3:.3f} | "
+            lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['gdn']} | {r['dense']} | {r['floor'] * 1e3:.3f} | "
                          f"{r['gpu'] * 1e3:.3f} | "
                          f"{r['gpu'] / r['floor']:.2f} | {r['wall'] * 1e3:.3f} | {r['wall'] / r['floor']:.2f} | "
                          f"{r['nodes']} | {r['graph']} | {r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
@@ -333,7 +361,8 @@ def main() -> int:
                 continue
             tot = sum(t for _, t in r["profile"].values())
             nl = sum(c for c, _ in r["profile"].values())
-            lines += [f"batch {r['B']}, context {r['ctx']}, GDN decode {r['gdn']}: {tot * 1e3:.3f} ms in {nl} launches",
+            lines += [f"batch {r['B']}, context {r['ctx']}, GDN decode {r['gdn']}, decode GEMMs {r['dense']}: "
+                      f"{tot * 1e3:.3f} ms in {nl} launches",
                       "",
                       "| kernel | launches | ms | share |", "|---|---|---|---|"]
             for name, (c, t) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):

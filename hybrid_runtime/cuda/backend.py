@@ -47,6 +47,11 @@ from ..sampling import SamplingParams
 from ..state_cache import StateLayout
 from .attention import CudaDecodeAttention
 from .blas import Blas
+from .dense_decode import KNOB_SETS as DENSE_KNOB_SETS
+from .dense_decode import MAX_ROWS as DENSE_MAX_ROWS
+from .dense_decode import TUNE_SETS as DENSE_TUNE_SETS
+from .dense_decode import DenseDecode, DenseKnobs
+from .dense_decode import problems as dense_problems
 from .driver import CudaDevice, CudaError, CudaGraph, DeviceArray, is_sticky
 from .gdn import CudaGdn
 from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
@@ -194,6 +199,7 @@ class CudaBackend:
     kind = "cuda"
     _fault: str | None = None  # a test-only fault for the next step (inject_fault)
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
+    dense_tune_seconds = 0.0  # what tune_dense_decode took at load
     prefill_plans = 0  # prefill steps planned for the tensor-core prefill-attention kernel
 
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
@@ -202,7 +208,8 @@ class CudaBackend:
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
                  batch_invariant_attention: bool = True, fused_router: bool = True,
-                 fused_gdn_decode: bool = True) -> None:
+                 fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
+                 dense_decode_max_mb: float | None = None) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -228,6 +235,11 @@ class CudaBackend:
         # one CTA per row: a decode row's norm is on the step's critical path, so as many threads as help
         self.norm_threads = min(1024, max(32, -(-cfg.hidden_size // 2 // 32) * 32))
         self.gemv_decode = gemv_decode
+        # Decode GEMMs of <= 16 rows on dense_decode.cu's tensor-core kernel (bf16 / fp16 bundles): a programmatic
+        # dependent whose weight stream starts before the kernel ahead of it ends (cuda/dense_decode.py); products
+        # of more than dense_decode_max_mb MiB of weights (None: no limit) stay on cuBLASLt. float32: cuBLASLt.
+        self.dense: DenseDecode | None = None
+        self.dense_max_bytes = None if dense_decode_max_mb is None else int(dense_decode_max_mb * 2**20)
         moe_path(False, 1, False, moe_decode)  # validates the mode
         self.moe_decode = moe_decode  # which decode steps take the tensor-core MoE (moe_path); tests, benchmarks
         arch = self.dev.arch
@@ -251,6 +263,12 @@ class CudaBackend:
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
         self.blas = Blas(self.dev)
+        if dense_decode and self.dtype in ("bfloat16", "float16"):
+            if isinstance(dense_decode, DenseKnobs):  # one build, no tuning (tests, benchmarks)
+                self.dense = DenseDecode(self.dev, self.dtype, dense_decode)
+            else:  # the default build and the ones capture_graphs times per shape at load (same bits)
+                self.dense = DenseDecode(self.dev, self.dtype, DENSE_KNOB_SETS["default"],
+                                         [DENSE_KNOB_SETS[k] for k in DENSE_TUNE_SETS])
         if weights is None and manifest.state_weights == DUMMY_WEIGHTS:
             log.warning("DUMMY WEIGHTS: this bundle (--dummy-weights) has no weights; seeded random ones are "
                         "generated on %s. Its outputs are meaningless (benchmarks and load tests only)",
@@ -508,6 +526,16 @@ class CudaBackend:
                           ("ptr", residual.ptr if residual is not None else 0),
                           ("i64", residual.ld if residual is not None else 0), ("ptr", out.ptr), ("i64", out.ld),
                           ("i32", int(out.dtype == "float32")), ("i32", x.rows)])
+            return
+        if (decode and self.dense is not None and x.rows <= DENSE_MAX_ROWS
+                and (self.dense_max_bytes is None or N * K * self.es <= self.dense_max_bytes)
+                and not dense_problems(self.dtype, x.rows, N, K, x.ld, x.ptr, weight.ptr)):
+            # bias float32 whatever the output's dtype; residual float32 (D = C in place when it is out)
+            with self._prof("dense_decode"):
+                self.dense.launch(x.rows, x.ptr, x.ld, weight.ptr, N, K, out.ptr, out.ld, out.dtype == "float32",
+                                  residual=residual.ptr if residual is not None else 0,
+                                  ldr=residual.ld if residual is not None else 0,
+                                  bias=bias.ptr if bias is not None else 0)
             return
         pin = 0
         if self.batch_invariant_gemm:
@@ -1065,6 +1093,43 @@ class CudaBackend:
         return CudaCtx(Phase.DECODE, bucket, bucket, bucket, bucket, bucket, 1, plan_, batch, bucket, rows, False,
                        upload)
 
+    def dense_decode_shapes(self) -> dict[tuple[int, int], list[int]]:
+        """(N, K) -> weight pointers of every decode GEMM the dense kernel takes (the segments' linear ops and
+        lm_head; within dense_decode_max_mb)."""
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for _, program in self.programs:
+            for op in program:
+                if op.kind == "linear":
+                    w = self.w[op.weights[0]]
+                    N, K = w.shape[0], w.shape[-1]
+                    if self.dense_max_bytes is None or N * K * self.es <= self.dense_max_bytes:
+                        shapes.setdefault((N, K), []).append(w.ptr)
+        return shapes
+
+    def tune_dense_decode(self) -> None:
+        """Time the dense decode GEMM's builds on this model's decode shapes at 1 and max-batch rows (<= 16) and
+        keep the fastest per shape (DenseDecode.tune; the builds differ in loads in flight and rows per CTA, not
+        in results). Logged; the choice is :attr:`DenseDecode.choice`."""
+        assert self.dense is not None
+        shapes = {k: v for k, v in self.dense_decode_shapes().items()
+                  if not dense_problems(self.dtype, 1, k[0], k[1], -(-k[1] // 8) * 8)}
+        if not shapes:
+            return
+        t0 = time.perf_counter()
+        ldx = max(-(-K // 8) * 8 for _, K in shapes)
+        x = self.dev.zeros((DENSE_MAX_ROWS, ldx), self.dtype)
+        out = self.dev.empty((DENSE_MAX_ROWS, max(N for N, _ in shapes)), "float32")
+        rows = sorted({1, min(DENSE_MAX_ROWS, max(self.buckets))})
+        times = self.dense.tune(shapes, x.ptr, ldx, out.ptr, rows=rows)
+        self.dev.synchronize()
+        del x, out
+        names = {kn: name for name, kn in DENSE_KNOB_SETS.items()}
+        for (N, K), t in times.items():
+            kn = self.dense.choice[(N, K)]
+            log.info("decode GEMM %dx%d (%d weights): dense_decode build %s, %.1f us per call (default %.1f)", N, K,
+                     len(shapes[(N, K)]), names.get(kn, kn), t[kn] * 1e6, t[self.dense.knobs] * 1e6)
+        self.dense_tune_seconds = time.perf_counter() - t0
+
     def capture_graphs(self, forward: Callable[[CudaCtx], Any], buckets: Sequence[int] | None = None) -> None:
         """Warm up and capture one graph per (bucket, plan class), largest bucket first (``buckets``: only these;
         default all). A class whose plan the guard refuses, or whose capture fails, is left out (its steps run
@@ -1072,6 +1137,8 @@ class CudaBackend:
         t0 = time.perf_counter()
         free0 = self.dev.mem_info()[0]
         cfg, lim = self.cfg, self.lim
+        if self.dense is not None and len(self.dense.modules) > 1 and not self.dense.choice:
+            self.tune_dense_decode()
         for bucket in reversed([b for b in self.buckets if buckets is None or b in buckets]):
             if cfg.attention_layers:
                 L = lim.max_seq_len

@@ -170,32 +170,46 @@ def test_bfloat16_greedy_agreement_with_float32_cpu(bf16_bundles: tuple[Path, Pa
     assert agree / total >= 0.9, f"bf16 agrees with fp32 CPU on {agree}/{total} steps"
 
 
-@pytest.mark.parametrize("tc_mode", [
-    pytest.param("tensor_cores", marks=pytest.mark.xfail(
-        strict=False, reason="open: the prefill grouped GEMMs run as a decode MoE (a non-default mode, kept for "
-        "comparison) agree on every greedy token but differ from the CUDA-core path by up to 0.18-0.26 of the "
-        "largest logit on the H200, where mma_decode differs by 0.004; their kernels match float64 and the folded "
-        "CUDA-core kernels in test_moe_prefill_gpu.py at every shape tried")),
-    "mma_decode"])
+def _record_routing(be) -> list[tuple[int, np.ndarray]]:
+    """Wrap ``be.moe`` (eager steps) to log each decode step's routing per MoE layer: (layer, experts per token,
+    sorted) from the arena's pair_e after the layer's routing kernel."""
+    log: list[tuple[int, np.ndarray]] = []
+    orig = be.moe
+
+    def moe(layer, ctx, h):
+        out = orig(layer, ctx, h)
+        if ctx.phase == Phase.DECODE:
+            log.append((layer, np.sort(be.dev.download(be.arena.bufs["pair_e"])[:ctx.n], 1)))
+        return out
+
+    be.moe = moe
+    return log
+
+
+@pytest.mark.parametrize("tc_mode", ["tensor_cores", "mma_decode"])
 def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tuple[Path, Path], tc_mode: str) -> None:
     """Decode steps through a tensor-core MoE (``moe_decode="tensor_cores"``: the prefill's grouped GEMMs, or
-    ``"mma_decode"``: the weights-as-M decode kernels; graphs captured and replayed) against the CUDA-core decode
-    kernels (``"cuda_cores"``), teacher-forced on the same tokens: the same greedy choice on nearly every step
-    and logits within bf16 activation rounding of each other."""
+    ``"mma_decode"``: the weights-as-M decode kernels) against the CUDA-core decode kernels (``"cuda_cores"``),
+    teacher-forced on the same tokens: the same greedy choice on nearly every step, and logits within bf16
+    activation rounding of each other on every (step, row) whose routing agrees in every layer. The kernels round
+    differently, so a token whose k-th and (k+1)-th router logits nearly tie can pick a different expert in one
+    backend (measured on the H200: one token of 120 switched one expert in two layers, and its logits moved by
+    0.18 of the largest; every other row within 0.004); such flips are counted and must stay rare. Steps run
+    eagerly here so the routing can be read after every layer (graph replay == eager, bit for bit, is its own
+    test)."""
     from hybrid_runtime.cuda.backend import CudaBackend
 
     _, gpu_b = bf16_bundles
     m = Manifest.load(gpu_b)
-    runners = []
+    runners, logs = [], []
     for mode in ("cuda_cores", tc_mode):
         be = CudaBackend(gpu_b, m, device="cuda", moe_decode=mode)
         if mode != "cuda_cores" and be.moe_prefill is None:
             pytest.skip("this bundle's MoE shape has no tensor-core path")
         if mode == "mma_decode":
             assert be.moe_mma_decode is not None
-        r = ModelRunner(gpu_b, m, backend=be)
-        be.capture_graphs(r._forward)
-        runners.append(r)
+        logs.append(_record_routing(be))
+        runners.append(ModelRunner(gpu_b, m, backend=be))
     rng = np.random.default_rng(21)
     prompts = [rng.integers(3, m.model.vocab_size, int(n)).tolist() for n in rng.integers(8, 100, 6)]
     slots = [0, 3, 5, 1, 7, 2]
@@ -203,19 +217,29 @@ def test_tensor_core_decode_moe_matches_the_cuda_core_kernels(bf16_bundles: tupl
     drv = Driver(runners, slots, tables, prompts)
     for a, b in drv.prefill(chunk=32):  # prefill takes the tensor cores in both: the same bits
         assert np.array_equal(a, b)
-    agree = total = 0
-    worst = 0.0
-    for _ in range(20):
+    agree = total = routings = 0
+    flips: list[tuple[int, int, int]] = []
+    worst = worst_flipped = 0.0
+    for step in range(20):
+        n0 = len(logs[0])
         a, b = drv.decode()
+        rel = np.abs(a - b).max(1) / max(float(np.abs(a).max()), 1e-30)
+        flipped = np.zeros(len(a), bool)
+        for (l0, p0), (l1, p1) in zip(logs[0][n0:], logs[1][n0:], strict=True):
+            assert l0 == l1
+            diff = (p0 != p1).any(1)
+            flipped |= diff
+            flips += [(step, l0, int(r)) for r in np.nonzero(diff)[0]]
+            routings += len(p0)
         agree += int((a.argmax(1) == b.argmax(1)).sum())
         total += a.shape[0]
-        worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
-    tc = runners[1].backend
+        worst = max(worst, float(rel[~flipped].max(initial=0.0)))
+        worst_flipped = max(worst_flipped, float(rel[flipped].max(initial=0.0)))
     key = "moe_decode_tensor_vs_cuda_cores" if tc_mode == "tensor_cores" else "moe_decode_mma_vs_cuda_cores"
-    _record(key, {"agree": agree, "steps": total, "max_rel_logit_diff": worst,
-                                                "replays": {str(k): v for k, v in tc.graph_stats.replays.items()}})  # type: ignore[attr-defined]
-    assert tc.graph_stats.replays, "the tensor-core decode steps were not replayed from graphs"  # type: ignore
+    _record(key, {"agree": agree, "steps": total, "max_rel_logit_diff": worst, "routing_flips": flips,
+                  "token_layer_routings": routings, "max_rel_logit_diff_flipped": worst_flipped})
     assert agree / total >= 0.95, f"{agree}/{total}"
+    assert len(flips) <= 0.02 * routings, f"{len(flips)} routing flips in {routings} token-layers: {flips}"
     assert worst < 0.05, worst
 
 
