@@ -67,6 +67,18 @@ typedef u16 T;
 #ifndef MR_PF
 #define MR_PF 2  // 32-k blocks per warp loaded per round (the first round before griddepcontrol.wait)
 #endif
+// MR_TIMING 1 (diagnostics, benchmarks/gpu_router_timing.py): clock64 marks of every CTA's phases into
+// ((long long*)workspace)[2 + 8 * blockIdx.x + i] (the workspace must hold 16 + 64 * (grid + 1) bytes); the last CTA
+// adds its phase-2 marks at [2 + 8 * gridDim.x + i]. Off by default: no extra work, no extra bytes.
+#ifndef MR_TIMING
+#define MR_TIMING 0
+#endif
+#if MR_TIMING
+#define MR_MARK(slot, i) \
+  if (threadIdx.x == 0) reinterpret_cast<long long*>(workspace)[2 + 8 * (slot) + (i)] = clock64()
+#else
+#define MR_MARK(slot, i)
+#endif
 #define MR_THREADS 1024
 #define MR_WARPS 32
 #define MR_KB 32  // k per block: two k16 MMA steps
@@ -162,9 +174,11 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
   const int nkb = H / MR_KB;
 
   // ---- phase 1: this CTA's router rows for all n tokens
+  MR_MARK(blockIdx.x, 0);
   uint4 wr[MR_PF][MR_TILES];
   load_weight_round(wr, w, H, e_pad, row0, warp, g, q, 0, nkb);  // before the wait: weights are static
   pdl_wait();
+  MR_MARK(blockIdx.x, 1);
   pdl_launch_dependents();
   float acc[MR_TILES][4];
 #pragma unroll
@@ -213,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     }
   }
 
+  MR_MARK(blockIdx.x, 2);
   // ---- last block done: the CTA that counts last routes
   __threadfence();  // this thread's logits are visible device-wide before the CTA counts itself
   __syncthreads();
@@ -225,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     s_last = last;
   }
   __syncthreads();
+  MR_MARK(blockIdx.x, 3);
   if (!s_last) return;
 
   // ---- phase 2: moe_route over the logits (staged in shared memory: route_token reads each many times)
@@ -235,6 +251,10 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     lg[i] = ld_cg(logits + (size_t)t * ld + e);
   }
   __syncthreads();
+  MR_MARK(gridDim.x, 0);
+#if MR_TIMING
+  if (tid == 0) reinterpret_cast<long long*>(workspace)[2 + 8 * gridDim.x + 7] = blockIdx.x;
+#endif
   for (int t = warp; t < n; t += MR_WARPS) {
     int e;
     float wt;
@@ -245,6 +265,8 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
       pe_s[t * kk + lane] = e;
     }
   }
+  __syncwarp();
+  MR_MARK(gridDim.x, 1);
   // From here on: fused.cu moe_route's counting, scans and grouping (1024 threads), reading the pairs' experts
   // from shared memory (the same values it reads back from pair_e).
   for (int e = tid; e < E_all + 1; e += MR_THREADS) cnt[e] = 0;
@@ -298,4 +320,5 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
   }
   __syncthreads();
   for (int p = tid; p < np; p += MR_THREADS) pair_list[atomicAdd(&cnt[pe_s[p]], 1)] = p;
+  MR_MARK(gridDim.x, 2);
 }
