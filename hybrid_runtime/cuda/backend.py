@@ -260,6 +260,7 @@ class CudaBackend:
         # Decode MoE on tensor cores, weights as the M operand (moe_decode "mma_decode"); built here when that mode
         # is asked for, else on the first step that takes it (moe(): benchmarks switch modes on a live backend)
         self.moe_mma_decode: MoEDecode | None = None
+        self.moe_mma_decode_one: MoEDecode | None = None  # the dn_pre build, for 1-row steps
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
         self.blas = Blas(self.dev)
@@ -901,6 +902,12 @@ class CudaBackend:
             assert self.moe_prefill is not None  # moe_path gives "mma_decode" only with the tensor-core shapes
             if self.moe_mma_decode is None:
                 self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
+            mma = self.moe_mma_decode
+            if n == 1:  # down's weight stream before its wait for gate_up: 2.90 -> 2.85 ms per batch-1 step on the
+                # H200 (40 layers), none at batch 8 (benchmarks/results/gpu_decode_step_notes.md); the same bits
+                if self.moe_mma_decode_one is None:
+                    self.moe_mma_decode_one = MoEDecode(self.dev, self.dtype, dn_pre=1)
+                mma = self.moe_mma_decode_one
             kk, e_all = k + int(fold), cfg.num_experts + int(fold)
             bufs = self._moe_buffers()
             if n > FOLD_MAX_TOKENS:
@@ -912,7 +919,7 @@ class CudaBackend:
             else:
                 self._moe_route(n, router, k, fold)
             with self._prof("moe_mma_decode"):
-                self.moe_mma_decode.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all,
+                mma.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all,
                                            bufs)
         elif path == "tensor_cores":
             assert self.moe_prefill is not None

@@ -50,7 +50,8 @@ class DecodeKnobs:
     ``gmax``: groups of 8 pairs per pass held in registers (a pass covers up to 8 * gmax pairs); ``warps``;
     ``early`` 1: the first pass issues its prologue weight copies as soon as the expert id is read, before the
     pair lists; ``pf_mb`` > 0: gate_up prefetches the step's down weights into L2 (bulk prefetch) when they total
-    at most ``pf_mb`` MiB. Neither changes a result bit."""
+    at most ``pf_mb`` MiB; ``dn_pre`` 1: down reads its expert and issues its prologue weight copies before its wait
+    for gate_up (only as part of a "both" launch). None changes a result bit."""
 
     gu_cols: int = 16
     gu_stages: int = 6
@@ -61,6 +62,7 @@ class DecodeKnobs:
     warps: int = 4
     early: int = 0
     pf_mb: int = 0
+    dn_pre: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,8 +78,8 @@ class DecodeKnobs:
             problems.append(f"warps {self.warps}: (bk / 16) % warps must be 0")
         if self.gu_stages < 2 or self.dn_stages < 2:
             problems.append("stages must be >= 2")
-        if self.early not in (0, 1) or not 0 <= self.pf_mb <= 1024:
-            problems.append(f"early {self.early} not 0/1 or pf_mb {self.pf_mb} not in 0..1024")
+        if self.early not in (0, 1) or not 0 <= self.pf_mb <= 1024 or self.dn_pre not in (0, 1):
+            problems.append(f"early {self.early} / dn_pre {self.dn_pre} not 0/1 or pf_mb {self.pf_mb} not in 0..1024")
         for rows in (2 * self.gu_cols, self.dn_rows):
             if (rows * (self.bk // 8)) % self.threads:
                 problems.append(f"{rows} rows x {self.bk // 8} chunks do not divide among {self.threads} threads")
@@ -92,7 +94,8 @@ class DecodeKnobs:
     def options(self) -> tuple[str, ...]:
         return (f"-DMD_GU_COLS={self.gu_cols}", f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}",
                 f"-DMD_DN_STAGES={self.dn_stages}", f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}",
-                f"-DMD_WARPS={self.warps}", f"-DMD_EARLY={self.early}", f"-DMD_PF_DOWN={int(self.pf_mb > 0)}")
+                f"-DMD_WARPS={self.warps}", f"-DMD_EARLY={self.early}", f"-DMD_PF_DOWN={int(self.pf_mb > 0)}",
+                f"-DMD_DN_PRE={self.dn_pre}")
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -119,6 +122,8 @@ KNOB_SETS: dict[str, DecodeKnobs] = {
     # slower at batch 1, no change past it)
     "pf24": DecodeKnobs(pf_mb=24),
     "pf40": DecodeKnobs(pf_mb=40),
+    # down's expert read and prologue weight copies before its wait for gate_up (MD_DN_PRE)
+    "dnpre": DecodeKnobs(dn_pre=1),
 }
 
 
@@ -219,6 +224,9 @@ class MoEDecode:
         check_shape(self.dtype, hidden, inter, e_all, kk, ldh, ny)
         if parts not in ("both", "gate_up", "down"):
             raise ValueError(f"parts {parts!r}: 'both', 'gate_up' or 'down'")
+        if parts == "down" and self.knobs.dn_pre:
+            raise ValueError("a dn_pre build's down kernel reads the routing before its wait: it must follow its "
+                             "gate_up (parts='both')")
         kn = self.knobs
         gcap = groups_per_pass(n, kn.gmax)
         if parts in ("both", "gate_up"):

@@ -98,12 +98,12 @@ def test_shape_rules_and_knobs() -> None:
     with pytest.raises(ValueError, match="bfloat16 / float16"):
         MoEDecode(None, "float32")  # type: ignore[arg-type]
     for bad in ({"gu_cols": 12}, {"dn_rows": 128}, {"bk": 32}, {"gmax": 5}, {"warps": 3}, {"gu_stages": 1},
-                {"early": 2}, {"pf_mb": -1}):
+                {"early": 2}, {"pf_mb": -1}, {"dn_pre": 2}):
         with pytest.raises(ValueError, match="knobs"):
             DecodeKnobs(**bad)
     assert DEFAULT_KNOBS.options == ("-DMD_GU_COLS=16", "-DMD_GU_STAGES=6", "-DMD_DN_ROWS=64", "-DMD_DN_STAGES=4",
                                      "-DMD_BK=128", "-DMD_GMAX=4", "-DMD_WARPS=4", "-DMD_EARLY=0",
-                                     "-DMD_PF_DOWN=0")
+                                     "-DMD_PF_DOWN=0", "-DMD_DN_PRE=0")
 
 
 def test_groups_per_pass_grids_and_shared_memory() -> None:

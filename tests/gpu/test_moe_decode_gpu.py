@@ -250,13 +250,13 @@ def test_decode_moe_matches_a_float64_reference(dev, dtype: str, shape: str) -> 
             check_step(r, got, n, hb, lg, fold, f"{dtype} {shape} n={n} {case} fold={fold}", case)
 
 
-@pytest.mark.parametrize("knobs", ["default", "fine", "bk64", "g2", "early", "pf24", "pf40"])
+@pytest.mark.parametrize("knobs", ["default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre"])
 def test_every_knob_set_matches_the_reference(dev, knobs: str) -> None:
     """Each build the benchmark compares (KNOB_SETS), on the small shape, the one with half k tiles and the 35B
     shape in bf16 (1 token: the down weights fit the pf builds' L2 prefetch), fp16 on the small shape."""
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS
 
-    assert set(KNOB_SETS) == {"default", "fine", "bk64", "g2", "early", "pf24", "pf40"}
+    assert set(KNOB_SETS) == {"default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre"}
     for dtype, shape in [("bfloat16", "small"), ("bfloat16", "odd"), ("float16", "small"), ("bfloat16", "a35b")]:
         r = rig(dev, dtype, shape)
         moe = decoder(dev, dtype, knobs)
@@ -271,7 +271,7 @@ def test_every_knob_set_matches_the_reference(dev, knobs: str) -> None:
                 check_step(r, got, n, hb, lg, fold, f"{knobs} {dtype} {shape} n={n} {case} fold={fold}", case)
 
 
-@pytest.mark.parametrize("knobs", ["default", "g2", "pf24"])
+@pytest.mark.parametrize("knobs", ["default", "g2", "pf24", "dnpre"])
 @pytest.mark.parametrize("fold", [True, False])
 def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, fold: bool, knobs: str) -> None:
     """Batch invariance: the first tokens alone (1 and 3 tokens, one group per pass) and inside a 64-token step

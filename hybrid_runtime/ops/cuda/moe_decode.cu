@@ -93,6 +93,14 @@ typedef u16 T;
 #ifndef MD_PF_DOWN
 #define MD_PF_DOWN 0
 #endif
+// MD_DN_PRE 1: moe_dec_down reads its expert and issues its prologue weight copies BEFORE griddepcontrol.wait, so
+// its weight stream overlaps the end of moe_dec_gate_up. Legal because down always runs right after gate_up of
+// the same routing: gate_up's CTAs let down launch only after their own wait, so the routing kernel before them
+// has completed and its writes are visible; they are read from L2 (ld.global.cg: an SM's L1 may hold the previous
+// layer's routing). act, expert_off, pair_list and y are touched after the wait. Results unchanged.
+#ifndef MD_DN_PRE
+#define MD_DN_PRE 0
+#endif
 // CTAs per SM the register allocation must allow (__launch_bounds__): 3 keeps a batch-1 step's 288 CTAs resident
 // on 132 SMs, and stops ptxas from picking 64 registers (and spilling) for the small-tile builds.
 #ifndef MD_MIN_CTAS
@@ -133,6 +141,12 @@ __device__ __forceinline__ void pdl_enter() {
 }
 
 extern __shared__ __align__(128) unsigned char md_smem[];
+
+__device__ __forceinline__ int ld_cg_i32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 r;
@@ -186,10 +200,21 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   constexpr int NCH = RM * MD_CPR / MD_THREADS;  // weight chunks per thread per stage
   __shared__ long long s_src[8 * MD_GMAX];      // element offset of each B row's source in X (-1: zero row)
   __shared__ int s_pair[8 * MD_GMAX];
-  pdl_enter();
+  constexpr bool PRE = MODE == MODE_DOWN && MD_DN_PRE;
   const int j = blockIdx.y;  // < gridDim.y <= E_all: active[j] is in bounds even past n_active
-  const int n_active = active[E_all], e = active[j];
-  if (j >= n_active) return;  // past the experts with pairs: nothing to do, nothing written
+  int n_active, e;
+  if (PRE) {
+    n_active = ld_cg_i32(active + E_all);
+    e = ld_cg_i32(active + j);
+  } else {
+    pdl_enter();
+    n_active = active[E_all];
+    e = active[j];
+  }
+  if (j >= n_active) {  // past the experts with pairs: nothing to do, nothing written
+    if (PRE) pdl_enter();  // every CTA waits: the grid completes only after the one before it
+    return;
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   gcap = min(max(gcap, 1), MD_GMAX);
   const int cap = 8 * gcap;                            // pairs per pass
@@ -224,13 +249,15 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     for (int i = 0; i < NCH; ++i)
       if (wch[i] < nch) cp_async16(sW + wdst[i], wsrc[i] + k0, 16);
   };
-#if MD_EARLY
-  // The first pass's prologue weights go out now: their addresses need e alone, so the stream starts before the
-  // pair lists are read (two dependent loads fewer ahead of it). Committed with the pass's B rows below.
+  if (MD_EARLY || PRE) {
+    // The first pass's prologue weights go out now: their addresses need e alone, so the stream starts before the
+    // pair lists are read (two dependent loads fewer ahead of it); with PRE, before the wait for gate_up.
+    // Committed with the pass's B rows below.
 #pragma unroll 1
-  for (int s = 0; s < STAGES - 1; ++s)
-    if (s < KT) load_w(s, s);
-#endif
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < KT) load_w(s, s);
+  }
+  if (PRE) pdl_enter();
 #if MD_PF_DOWN
   // gate_up: while this kernel streams its weights, bring expert e's down weights (w_pf [E_all, H, I]) into L2 -
   // this CTA its 1/gridDim.x share, in 4 KB bulk prefetches - when the whole step's down weights fit pf_limit bytes
@@ -283,7 +310,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     // above, uncommitted: they join the first group committed here, with every prologue stage's B rows, and
     // STAGES-2 empty groups follow. The main loop's wait for stage kt (every group but the newest STAGES-2 done)
     // then still covers it: stages 0 .. STAGES-2 are all in the first group.
-    const bool early = MD_EARLY && base == p0;
+    const bool early = (MD_EARLY || PRE) && base == p0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < KT) {
