@@ -231,6 +231,7 @@ def _stub_backend(fused: bool, dtype: str = "bfloat16", moe_decode: str = "auto"
                                      route=lambda *a, **kw: rec.calls.append("moe_route_many")) \
         if tensor_cores else None
     be.moe_mma_decode = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_mma_decode"))
+    be.moe_mma_decode_one = be.moe_mma_decode  # the dn_pre build 1-row steps take: the same launch here
 
     class _Router:
         def launch(self, n, h, ldh, router, logits, ld, num_experts, k_, renorm, fold_shared, bufs) -> None:
