@@ -220,6 +220,7 @@ class CudaBackend:
     _fault: str | None = None  # a test-only fault for the next step (inject_fault)
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
     prefill_plans = 0  # prefill steps planned for the tensor-core prefill-attention kernel
+    moe_slots_lowp = True  # prefill MoE slots in the bundle dtype (moe); False: float32 (tests, benchmarks)
 
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
@@ -901,6 +902,10 @@ class CudaBackend:
         fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
+        # Prefill on the tensor cores writes the slots in the bundle dtype (half the bytes of the down GEMM's output
+        # and of the add + norm's biggest read: 9 slots x H per token); decode keeps float32 slots
+        ydt = self.dtype if (self.moe_slots_lowp and path == "tensor_cores" and ctx.phase == Phase.PREFILL) \
+            else "float32"
         if path == "mma_decode":
             # Decode on tensor cores with the weights as the M operand (cuda/moe_decode.py): routing by moe_route
             # (one CTA) for up to FOLD_MAX_TOKENS rows, by the prefill's moe_topk + moe_group (many CTAs; the same
@@ -931,7 +936,7 @@ class CudaBackend:
             bufs = self._moe_buffers()
             with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
-                                        self.ny, bufs, fold_shared=fold)
+                                        self.ny, bufs, fold_shared=fold, y_dtype=ydt)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
             if fused_router:
                 self._fused_route(n, h, mw, router, k, fold)
@@ -962,10 +967,10 @@ class CudaBackend:
             self._gemm(h, sgu, gu, decode=ctx.phase == Phase.DECODE)
             self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
-            slot = Mat(y.ptr + k * H * 4, n, H, self.ny * H, "float32")
+            slot = Mat(y.ptr + k * H * ITEMSIZE[ydt], n, H, self.ny * H, ydt)  # cuBLASLt rounds to ydt once
             self._gemm(act, sdn, slot, decode=ctx.phase == Phase.DECODE)
-            return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld)
-        return MoEOut(y.ptr, self.ny)
+            return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld, dtype=ydt)
+        return MoEOut(y.ptr, self.ny, dtype=ydt)
 
     def head(self, ctx: CudaCtx, x: Mat) -> Mat | None:
         if ctx.R == 0:
