@@ -139,15 +139,16 @@ def main() -> int:
                      f" |  (moe_route alone: {t_route * 1e6:.1f} us)")
         log(lines[-1])
     # ---- the norm of one decode row, by block size
-    lines += ["", "## add + RMSNorm of decode rows (x + 9 MoE slots), by threads per row", "",
-              "| rows | 256 threads (us) | 1024 threads (us) |", "|---|---|---|"]
+    lines += ["", "## add + RMSNorm of decode rows (x + 9 MoE slots), by threads per row "
+              "(benchmarks/gpu_norm.py: every row count, the kernel before)", "",
+              "| rows | 128 threads (us) | 256 threads (us) | 512 threads (us) |", "|---|---|---|---|"]
     for n in (1, 8, 64):
         x = torch.randn(n, H, device="cuda", dtype=torch.float32)
         yy = torch.randn(n, 9, H, device="cuda", dtype=torch.float32)
         w = torch.ones(H, device="cuda", dtype=torch.float32)
         hh = torch.empty(n, H, device="cuda", dtype=torch.bfloat16)
         cells = []
-        for th in (256, 1024):
+        for th in (128, 256, 512):  # rmsnorm_rows: at most 512 (its launch bound), the bits the same at each
             t = timed(dev, lambda i, th=th: base.kernel("rmsnorm_rows").launch(
                 dev, (n, 1, 1), (th, 1, 1), 0,
                 [("ptr", x.data_ptr()), ("ptr", yy.data_ptr()), ("i32", 9), ("ptr", 0), ("i64", 0),

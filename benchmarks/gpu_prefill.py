@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--sdpa", action="store_true", help="also run benchmarks.gpu_prefill_attention's table")
     ap.add_argument("--interleave", type=int, default=32768,
                     help="tokens of the long prompt of the interleaving case (0 = skip)")
+    ap.add_argument("--f32-slots", action="store_true",
+                    help="float32 MoE slots in prefill (CudaBackend.moe_slots_lowp = False): the layout before")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
@@ -246,6 +248,7 @@ def main() -> None:
     nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
     max_seq = max([*lens, bl, 64]) + 64
     be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb))
+    be.moe_slots_lowp = not a.f32_slots
     cfg = be.cfg
     log(f"built in {build_s:.0f} s: {be.w.nbytes / 1e9:.1f} GB weights, {be.num_pages} KV pages")
     peak = matmul_rate(torch)
@@ -296,7 +299,8 @@ def main() -> None:
     lines = [
         "# Prefill on the H200: Qwen3.5-35B-A3B shape, random bf16 weights", "",
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
-        f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}`  ",
+        f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}"
+        f"{' --f32-slots' if a.f32_slots else ''}`  ",
         f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
         f"**{peak / 1e12:.0f} TFLOP/s**; {when}.  ",
         f"Model: {a.layers} layers ({len(cfg.linear_layers)} GDN + {len(cfg.attention_layers)} gated attention), "

@@ -139,13 +139,38 @@ class Mat:
 
 @dataclass(frozen=True)
 class MoEOut:
-    """The MoE's output as the next add reads it: ``y [n, ny, H]`` float32 (slot sums = the FFN output;
-    the last slot times sigmoid(sg) when ``sg`` is set: a shared expert run as GEMMs)."""
+    """The MoE's output as the next add reads it: ``y [n, ny, H]`` of ``dtype`` (slot sums = the FFN output;
+    the last slot times sigmoid(sg) when ``sg`` is set: a shared expert run as GEMMs). ``dtype`` is float32, or in
+    prefill steps of bf16 / fp16 bundles the bundle dtype (``CudaBackend.moe_slots_lowp``): every slot rounded once
+    to it by the GEMM that wrote it, summed in float32 in slot order by the add."""
 
     y: int
     ny: int
     sg: int = 0
     sg_stride: int = 0
+    dtype: str = "float32"
+
+
+NORM_MAX_THREADS = 512  # ops/cuda/fused.cu rmsnorm_rows: its launch bound
+NORM_KMAX = 4  # ... and the 4-column groups a thread holds by default (-DNORM_KMAX)
+NORM_FEW_ROWS = 64  # up to this many rows a row's norm gets a thread per 4 columns (latency); past it 256 threads
+
+
+def norm_block(hidden: int, rows: int) -> tuple[int, int]:
+    """(threads per row, NORM_KMAX build) of fused.cu's ``rmsnorm_rows`` for ``rows`` rows of ``hidden``. Only speed
+    follows from it: the kernel's sum of squares is one fixed tree per row whatever the block (a row's bits never
+    depend on the rows beside it, decode or prefill). Few rows (decode, the head): one thread per 4-column group, up
+    to NORM_MAX_THREADS, every load of the row in flight at once; many rows: 256 threads (up to NORM_KMAX groups each,
+    several CTAs per SM). Rows wider than 4 * NORM_KMAX * NORM_MAX_THREADS (8192) take a build with more groups."""
+    groups = -(-hidden // 4)
+    kmax = NORM_KMAX
+    while 4 * kmax * NORM_MAX_THREADS < hidden:
+        kmax *= 2
+    one_each = min(NORM_MAX_THREADS, max(32, 1 << (groups - 1).bit_length()))
+    threads = one_each if rows <= NORM_FEW_ROWS else min(one_each, 256)
+    while threads * kmax < groups:
+        threads *= 2
+    return threads, kmax
 
 
 @dataclass
@@ -201,6 +226,7 @@ class CudaBackend:
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
     dense_tune_seconds = 0.0  # what tune_dense_decode took at load
     prefill_plans = 0  # prefill steps planned for the tensor-core prefill-attention kernel
+    moe_slots_lowp = True  # prefill MoE slots in the bundle dtype (moe); False: float32 (tests, benchmarks)
 
     def __init__(self, bundle_dir: str | Path | None, manifest: Manifest, *, device: str = "cuda",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None, cuda_device: CudaDevice | None = None,
@@ -232,8 +258,6 @@ class CudaBackend:
             raise ConfigError(f"device={device!r}: the CUDA backend cannot start: {e}") from e
         self.device = f"cuda:{self.dev.ordinal}"
         self.batch_invariant_gemm = batch_invariant_gemm
-        # one CTA per row: a decode row's norm is on the step's critical path, so as many threads as help
-        self.norm_threads = min(1024, max(32, -(-cfg.hidden_size // 2 // 32) * 32))
         self.gemv_decode = gemv_decode
         # Decode GEMMs of <= 16 rows on dense_decode.cu's tensor-core kernel (bf16 / fp16 bundles): a programmatic
         # dependent whose weight stream starts before the kernel ahead of it ends (cuda/dense_decode.py); products
@@ -454,7 +478,7 @@ class CudaBackend:
         if isinstance(t, MoEOut):
             n = rows or 0
             H = self.cfg.hidden_size
-            y = self.dev.download(DeviceArray(t.y, (n, t.ny, H), "float32", self.dev.ordinal)).astype(np.float64)
+            y = self.dev.download(DeviceArray(t.y, (n, t.ny, H), t.dtype, self.dev.ordinal)).astype(np.float64)
             if t.sg:
                 sg = self.dev.download(DeviceArray(t.sg - self.cfg.num_experts * 4, (n, t.sg_stride), "float32",
                                                    self.dev.ordinal))[:, self.cfg.num_experts]
@@ -552,18 +576,31 @@ class CudaBackend:
 
     def _rmsnorm(self, x: Mat, w: DeviceArray | None, h: Mat | None, n: int, *, y: MoEOut | Mat | None = None,
                  x_out: Mat | None = None, rows_ptr: int = 0) -> None:
+        """fused.cu's (add +) RMSNorm: ``rmsnorm_rows`` for float32 ``y`` (or none), ``rmsnorm_rows_t`` for slots in
+        the bundle dtype (prefill MoE outputs); the block by :func:`norm_block` (speed only, never the bits)."""
         H = self.cfg.hidden_size
+        ydt = "float32"
         if isinstance(y, MoEOut):
-            yp, ny, sg, sgs = y.y, y.ny, y.sg, y.sg_stride
+            yp, ny, sg, sgs, ydt = y.y, y.ny, y.sg, y.sg_stride, y.dtype
         elif y is not None:
-            yp, ny, sg, sgs = y.ptr, 1, 0, 0
+            yp, ny, sg, sgs, ydt = y.ptr, 1, 0, 0, y.dtype
         else:
             yp, ny, sg, sgs = 0, 0, 0, 0
-        self._launch("rmsnorm_rows", (n, 1, 1), self.norm_threads,
+        if ydt not in ("float32", self.dtype):
+            raise ValueError(f"an add of {ydt} slots in a {self.dtype} bundle")
+        threads, kmax = norm_block(H, n)
+        module = None
+        if kmax != NORM_KMAX:  # rows past 8192 columns: a build holding more groups per thread, loaded once
+            mods = self.__dict__.setdefault("_wide_norm", {})
+            if kmax not in mods:
+                mods[kmax] = load_module("fused.cu", (f"-DDT={DT_CODES[self.dtype]}", f"-DNORM_KMAX={kmax}"),
+                                         self.dev.arch)
+            module = mods[kmax]
+        self._launch("rmsnorm_rows" if ydt == "float32" else "rmsnorm_rows_t", (n, 1, 1), threads,
                      [("ptr", x.ptr), ("ptr", yp), ("i32", ny), ("ptr", sg), ("i64", sgs),
                       ("ptr", w.ptr if w is not None else 0), ("ptr", x_out.ptr if x_out is not None else 0),
                       ("ptr", h.ptr if h is not None else 0), ("ptr", rows_ptr), ("i32", n), ("i32", H),
-                      ("f32", self.cfg.rms_norm_eps)])
+                      ("f32", self.cfg.rms_norm_eps)], module=module)
 
     # ------------------------------------------------------------------ prepare (host only)
 
@@ -894,6 +931,10 @@ class CudaBackend:
         fold = mw.fold and ctx.phase == Phase.DECODE and n <= FOLD_MAX_TOKENS
         moe_act = A.bufs["moe_act"]
         y = A.bufs["y"]
+        # Prefill on the tensor cores writes the slots in the bundle dtype (half the bytes of the down GEMM's output
+        # and of the add + norm's biggest read: 9 slots x H per token); decode keeps float32 slots
+        ydt = self.dtype if (self.moe_slots_lowp and path == "tensor_cores" and ctx.phase == Phase.PREFILL) \
+            else "float32"
         if path == "mma_decode":
             # Decode on tensor cores with the weights as the M operand (cuda/moe_decode.py): routing by moe_route
             # (one CTA) for up to FOLD_MAX_TOKENS rows, by the prefill's moe_topk + moe_group (many CTAs; the same
@@ -930,7 +971,7 @@ class CudaBackend:
             bufs = self._moe_buffers()
             with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
-                                        self.ny, bufs, fold_shared=fold)
+                                        self.ny, bufs, fold_shared=fold, y_dtype=ydt)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
             if fused_router:
                 self._fused_route(n, h, mw, router, k, fold)
@@ -961,10 +1002,10 @@ class CudaBackend:
             self._gemm(h, sgu, gu, decode=ctx.phase == Phase.DECODE)
             self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
-            slot = Mat(y.ptr + k * H * 4, n, H, self.ny * H, "float32")
+            slot = Mat(y.ptr + k * H * ITEMSIZE[ydt], n, H, self.ny * H, ydt)  # cuBLASLt rounds to ydt once
             self._gemm(act, sdn, slot, decode=ctx.phase == Phase.DECODE)
-            return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld)
-        return MoEOut(y.ptr, self.ny)
+            return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld, dtype=ydt)
+        return MoEOut(y.ptr, self.ny, dtype=ydt)
 
     def head(self, ctx: CudaCtx, x: Mat) -> Mat | None:
         if ctx.R == 0:

@@ -11,7 +11,9 @@ Per call, five guarded launches on the device's stream, all programmatic depende
 3. ``moe_gemm_gate_up`` grid ``(I / 64, max_tiles)`` x 128, 96 KB of shared memory: per tile of up to
    :data:`GEMM_BM` pairs of one expert, ``act[p] = silu(h_t Wg^T) * (h_t Wu^T)`` (T, ``[pairs, I]``).
 4. ``moe_gemm_down`` grid ``(H / 128, max_tiles)`` x 128: ``y[t, slot] = pair_w[p] * act[p] Wd^T`` (float32
-   ``[n, ny, H]``, one slot per pair: no atomics).
+   ``[n, ny, H]``, one slot per pair: no atomics); ``moe_gemm_down_t`` (``y_dtype`` = the bundle dtype: the backend's
+   prefill steps) writes the same products rounded once to bf16 / fp16, half the bytes for the GEMM to write and
+   the next add + RMSNorm to read.
 
 ``ncta = ceil(n / chunk)`` routing CTAs of ``chunk`` tokens (:func:`route_geometry`); the GEMM grids use
 the bound :func:`max_tiles` and their CTAs past the device's tile count exit at once. Each output row
@@ -150,7 +152,7 @@ class MoEBuffers:
     """Device pointers of the MoE's scratch (the backend's arena): ``pair_w`` float32 ``[n*kk]``, ``pair_e``
     and ``pair_list`` int32 ``[n*kk]``, ``expert_off`` / ``active`` int32 ``[E_all + 1]``, ``tiles`` int32
     ``[tile_list_words]``, ``cta_counts`` int32 ``[ROUTE_MAX_CTAS, E_all]``, ``act`` T ``[n*kk, I]``, ``y``
-    float32 ``[n, ny, H]``; ``tile_capacity`` = tiles the ``tiles`` buffer holds."""
+    ``[n, ny, H]`` float32 (or T: ``experts(y_dtype=...)``); ``tile_capacity`` = tiles the ``tiles`` buffer holds."""
 
     pair_w: int
     pair_e: int
@@ -177,7 +179,7 @@ class MoEPrefill:
             raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
         self.device, self.dtype = device, dtype
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[dtype]}",), device.arch)
-        for name in ("moe_gemm_gate_up", "moe_gemm_down"):  # 96 KB: past the default 48 KB
+        for name in ("moe_gemm_gate_up", "moe_gemm_down", "moe_gemm_down_t"):  # 96 KB: past the default 48 KB
             self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
         self.wgmma_module: Module | None = None
         self.variant: WgmmaVariant | None = None
@@ -198,7 +200,7 @@ class MoEPrefill:
 
     def _load_wgmma(self, v: WgmmaVariant) -> None:
         self.wgmma_module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
-        for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
+        for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
             self.wgmma_module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
         self.variant = v
 
@@ -231,15 +233,21 @@ class MoEPrefill:
                       ("ptr", bufs.active), ("ptr", bufs.tiles), ("i32", need)])
 
     def experts(self, n: int, h: int, ldh: int, gate_up: int, down: int, hidden: int, inter: int, kk: int, ny: int,
-                e_all: int, bufs: MoEBuffers) -> None:
+                e_all: int, bufs: MoEBuffers, y_dtype: str = "float32") -> None:
         """The grouped GEMMs after :meth:`route`: h (T ``[n, ldh]``), stacked weights ``gate_up``
-        ``[E_all, 2I, H]`` and ``down`` ``[E_all, H, I]`` (device pointers) -> ``bufs.act``, ``bufs.y``."""
+        ``[E_all, 2I, H]`` and ``down`` ``[E_all, H, I]`` (device pointers) -> ``bufs.act``, ``bufs.y``.
+        ``y_dtype``: ``"float32"``, or the bundle dtype (the ``_t`` down kernels: the same float32 products, each
+        rounded once to T, round to nearest even)."""
         if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
             raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
+        if y_dtype not in ("float32", self.dtype):
+            raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
+        down_name = "down" if y_dtype == "float32" else "down_t"
         tiles = max_tiles(n * kk, e_all)
         v = self.variant
         if v is not None and self.wgmma_module is not None and v.takes(hidden, inter):
-            k_gu, k_d = self.wgmma_module.kernel("moe_wgmma_gate_up"), self.wgmma_module.kernel("moe_wgmma_down")
+            k_gu = self.wgmma_module.kernel("moe_wgmma_gate_up")
+            k_d = self.wgmma_module.kernel(f"moe_wgmma_{down_name}")
             sms = self.device.limits.sm_count
             k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
                         [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
@@ -252,20 +260,20 @@ class MoEPrefill:
         self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
                      [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
                       ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)
-        self._launch("moe_gemm_down", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
+        self._launch(f"moe_gemm_{down_name}", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
                      [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
                       ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
                      smem=GEMM_SMEM)
 
     def launch(self, n: int, logits: int, ld: int, mw: MoEWeights, h: int, ldh: int, k: int, renorm: bool, ny: int,
-               bufs: MoEBuffers, fold_shared: bool = False) -> None:
+               bufs: MoEBuffers, fold_shared: bool = False, y_dtype: str = "float32") -> None:
         """The routed experts of a step: :meth:`route` then :meth:`experts` on ``mw``'s stacks. Without
         ``fold_shared`` (prefill: the shared expert runs as GEMMs) ``y`` slots ``k .. ny-1`` are left untouched;
         with it (``mw.fold``: the shared expert is row E of the stacks) the shared expert is pair ``k`` of every
-        token, its output in slot ``k`` weighted by sigmoid(logits[:, E])."""
+        token, its output in slot ``k`` weighted by sigmoid(logits[:, E]). ``y_dtype``: see :meth:`experts`."""
         if fold_shared and not mw.fold:
             raise ValueError("fold_shared needs the shared expert stacked as expert E (MoEWeights.fold)")
         H, two_i = mw.gate_up.shape[2], mw.gate_up.shape[1]
         kk, e_all = k + int(fold_shared), mw.num_experts + int(fold_shared)
         self.route(n, logits, ld, mw.num_experts, k, renorm, bufs, fold_shared=fold_shared)
-        self.experts(n, h, ldh, mw.gate_up.ptr, mw.down.ptr, H, two_i // 2, kk, ny, e_all, bufs)
+        self.experts(n, h, ldh, mw.gate_up.ptr, mw.down.ptr, H, two_i // 2, kk, ny, e_all, bufs, y_dtype=y_dtype)

@@ -33,7 +33,7 @@ def test_moe_gemm_compiles_for_sm90_without_spills(dt: int) -> None:
 
     log = compile_log(source("moe_gemm.cu"), "moe_gemm.cu", (f"-DDT={dt}",), "sm_90")
     check_log(log)
-    for name in ("moe_topk", "moe_group", "moe_gemm_gate_up", "moe_gemm_down"):
+    for name in ("moe_topk", "moe_group", "moe_gemm_gate_up", "moe_gemm_down", "moe_gemm_down_t"):
         assert f"'{name}'" in log, log
     # two GEMM CTAs per SM: <= 255 registers x 128 threads each, static + dynamic smem <= 227 KB each
     smem = [int(m) for m in re.findall(r"(\d+) bytes smem", log)]

@@ -4,7 +4,8 @@ activation rounded to the dtype as the device stores it), for many token counts 
 shape (H 2048, I 512, 256 experts, top-8) and a small one: experts with no token, one expert with every token;
 routing == fused.cu's moe_route (pair_e / pair_w bit for bit, the same pairs per expert), the tile list == its
 numpy model, and nothing written outside the step's pairs (canaries in y and act after a larger step left a
-stale tile list and pair_list behind). The backend's own bf16 tests (test_cuda_backend.py) run this path too:
+stale tile list and pair_list behind); the slots in the bundle dtype (prefill's ``y_dtype``) == the float32 slots
+rounded once, bit for bit. The backend's own bf16 tests (test_cuda_backend.py) run this path too:
 the default model's MoE (H 128, I 128, 8 experts, top-2) is a tensor-core shape."""
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Setup:
             ("pw", (P,), "float32"), ("pe", (P,), "int32"), ("pl", (P,), "int32"), ("off", (E + 1,), "int32"),
             ("active", (E + 1,), "int32"), ("tiles", (tile_list_words(P, E),), "int32"),
             ("cta", (ROUTE_MAX_CTAS, E), "int32"), ("act", (P, inter), dtype), ("y", (n_max, self.ny, H), "float32"),
+            ("yt", (n_max, self.ny, H), dtype),  # the slots in the bundle dtype (run(y_dtype=dtype))
             # moe_route's outputs, for the comparison
             ("r_pw", (P,), "float32"), ("r_pe", (P,), "int32"), ("r_pl", (P,), "int32"),
             ("r_off", (E + 1,), "int32"), ("r_active", (E + 1,), "int32"))}
@@ -110,14 +112,20 @@ class Setup:
         self.moe = MoEPrefill(dev, dtype, impl=impl)
         assert self.moe.impl == impl and self.moe.gemm_impl(H, inter) == impl  # the build under test runs
 
-    def run(self, n: int, h_bits: np.ndarray, logits: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, n: int, h_bits: np.ndarray, logits: np.ndarray, y_dtype: str = "float32"
+            ) -> dict[str, np.ndarray]:
+        """One step; ``y_dtype`` = the bundle dtype writes the slots into ``yt`` (``y`` keeps its canaries)."""
+        from dataclasses import replace
+
         dev, b = self.dev, self.b
         hd = dev.upload(h_bits, dtype=self.dtype)
         lg = dev.upload(np.ascontiguousarray(logits, np.float32))
         self.fused.kernel("fill_f32").launch(dev, (-(-b["y"].size // 256), 1, 1), (256, 1, 1), 0,
                                              [("ptr", b["y"].ptr), ("f32", CANARY), ("i64", b["y"].size)])
         dev.memset_d8(b["act"].ptr, 0xFF, b["act"].nbytes)  # 0xFFFF: a NaN in bf16 and in fp16 (canary)
-        self.moe.launch(n, lg.ptr, self.ld, self.mw, hd.ptr, self.H, self.k, True, self.ny, self.bufs)
+        dev.memset_d8(b["yt"].ptr, 0xFF, b["yt"].nbytes)
+        bufs = self.bufs if y_dtype == "float32" else replace(self.bufs, y=b["yt"].ptr)
+        self.moe.launch(n, lg.ptr, self.ld, self.mw, hd.ptr, self.H, self.k, True, self.ny, bufs, y_dtype=y_dtype)
         self.fused.kernel("moe_route").launch(
             dev, (1, 1, 1), (1024, 1, 1), 0,
             [("ptr", lg.ptr), ("i32", self.ld), ("i32", n), ("i32", self.E), ("i32", self.k), ("i32", 1), ("i32", 0),
@@ -196,6 +204,44 @@ def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str, 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
+def test_slots_in_the_bundle_dtype_are_the_float32_products_rounded_once(dev, dtype: str, shape: str,
+                                                                         impl: str) -> None:
+    """The ``_t`` down kernels (the backend's prefill steps: y in bf16 / fp16): every slot the step owns is the
+    float32 kernel's value rounded to the dtype (round to nearest even), bit for bit; nothing else written (NaN
+    canaries); against the float64 per-token reference within the float32 kernel's bounds plus that one rounding
+    (relative 2^-8 per element for bf16, 2^-11 for fp16: per row <= 5e-3 + 2^-8 / 5e-3 + 2^-11, overall
+    <= 1e-3 + 2^-9 / 1e-3 + 2^-12)."""
+    from hybrid_runtime.cuda.backend import to_dtype
+
+    impl_or_skip(dev, impl)
+    s = Setup(dev, dtype, shape, impl=impl)
+    E, k, H = s.E, s.k, s.H
+    u = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    rng = np.random.default_rng(E + H + 1)
+    for n, case in CASES:
+        hb = host_bits(rng.standard_normal((n, H)).astype(np.float32), dtype)
+        lg = logits_for(rng, n, E, s.ld, case)
+        f32 = s.run(n, hb, lg)
+        low = s.run(n, hb, lg, y_dtype=dtype)
+        label = f"{impl} {dtype} {shape} n={n} {case}"
+        assert np.array_equal(f32["pe"], low["pe"]) and np.array_equal(f32["pl"], low["pl"]), label
+        want_bits = to_dtype(f32["y"][:n, :k], dtype).view(np.uint16)
+        got = low["yt"]  # downloaded: float32 for bf16, float16 for fp16
+        got_bits = to_dtype(got[:n, :k], dtype).view(np.uint16) if dtype == "bfloat16" else \
+            np.ascontiguousarray(got[:n, :k]).view(np.uint16)
+        assert np.array_equal(got_bits, want_bits), (label, int((got_bits != want_bits).sum()))
+        assert np.isnan(got[n:]).all() and np.isnan(got[:n, k:]).all(), label  # only the step's routed slots
+        assert (low["y"] == CANARY).all(), label  # the float32 slots untouched
+        top, w = reference_route(lg, E, k)
+        ref = reference_moe(to_f32(hb, dtype), top, w, s.gu, s.dn, dtype)
+        y = got[:n, :k].astype(np.float64)
+        err = np.linalg.norm(y - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
+        assert err.max() < 5e-3 + u, (label, float(err.max()))
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-3 + u / 2, label
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> None:
     """Batch invariance: the first 7 tokens alone and inside a 1000-token step give the same bits."""
     impl_or_skip(dev, impl)
@@ -206,6 +252,9 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> No
     big = s.run(1000, hb, lg)
     small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
     assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
+    big = s.run(1000, hb, lg, y_dtype="bfloat16")  # the bf16 slots of prefill steps, likewise
+    small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]), y_dtype="bfloat16")
+    assert np.array_equal(big["yt"][:7, :s.k].view(np.uint32), small["yt"][:7, :s.k].view(np.uint32))
 
 
 @pytest.mark.parametrize("other", ["wgmma", "wgmma_ws"])

@@ -47,7 +47,7 @@ def test_moe_wgmma_compiles_for_sm90a_without_spills(impl: str, dt: int) -> None
     v = WGMMA_VARIANTS[impl]
     log = compile_log(source(v.source), v.source, (f"-DDT={dt}", *v.options), WGMMA_ARCH)
     check_log(log)
-    for name in ("moe_wgmma_gate_up", "moe_wgmma_down"):
+    for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
         assert f"'{name}'" in log, log
     assert "wgmma.mma_async instructions are serialized" not in log, log  # C7518: no async MMA then
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]

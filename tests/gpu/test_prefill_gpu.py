@@ -142,3 +142,29 @@ def test_tensor_core_prefill_is_as_accurate_as_the_cuda_core_paths(bundle: Path,
     _record("prefill_rel_rms_err_vs_fp32_cpu", errs)
     for a, b in zip(errs["tensor_cores"], errs["cuda_cores"]):
         assert a <= 1.5 * b + 1e-3, f"tensor-core prefill error {a:.2e} vs CUDA-core {b:.2e} (relative RMS vs fp32 CPU)"
+
+
+def test_bf16_moe_slots_stay_close_to_float32_slots(bundle: Path) -> None:
+    """Prefill's MoE slots in bf16 (the default: ``CudaBackend.moe_slots_lowp``; every routed and shared-expert slot
+    rounded once to bf16, summed in float32 in slot order by the add) against float32 slots on the same prompts:
+    final prefill logits within 2e-2 of their scale (the chunked-vs-one-shot bound above; the added rounding is the
+    size of the bf16 activation roundings the MoE already has), the same first greedy token wherever the float32
+    run's top two logits are further apart than that, and both runs batch invariant (the bf16 run's bits alone ==
+    shared, by test_prompts_sharing_a_prefill_step_equal_each_alone)."""
+    m = Manifest.load(bundle)
+    lowp, f32 = ModelRunner(bundle, m), ModelRunner(bundle, m)
+    f32.backend.moe_slots_lowp = False  # type: ignore[attr-defined]
+    assert lowp.backend.moe_slots_lowp  # type: ignore[attr-defined]
+    rng = np.random.default_rng(31)
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in (600, 257, 64, 5)]
+    slots = [0, 2, 4, 6]
+    a, ta = _run(lowp, m, prompts, slots, chunk=1024, decode_steps=4)
+    b, tb = _run(f32, m, prompts, slots, chunk=1024, decode_steps=4)
+    scale = max(float(np.abs(x).max()) for x in b)
+    errs = [float(np.abs(x - y).max()) for x, y in zip(a, b)]
+    _record("bf16_vs_f32_moe_slots_max_logit_diff", {"errs": errs, "scale": scale, "tokens_equal": ta == tb})
+    assert max(errs) <= 2e-2 * scale, (errs, scale)
+    for x, y in zip(a, b):
+        top2 = np.sort(y)[-2:]
+        if top2[1] - top2[0] > 2 * max(errs):
+            assert int(np.argmax(x)) == int(np.argmax(y))

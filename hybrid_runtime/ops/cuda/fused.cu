@@ -82,22 +82,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block in a fixed order (warp sums, then warp 0 adds them in warp order). blockDim % 32 == 0.
-__device__ float block_sum(float v, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_sum(v);
-  __syncthreads();  // red may still be read by a previous call
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float s = lane < nw ? red[lane] : 0.f;
-    s = warp_sum(s);
-    if (lane == 0) red[32] = s;
-  }
-  __syncthreads();
-  return red[32];
-}
-
 // ------------------------------------------------------------------------------------------------
 // embed: x[r, :] = table[ids[r], :] (float32 out). grid (n), any block size.
 // ------------------------------------------------------------------------------------------------
@@ -112,41 +96,196 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, const T* __re
 
 // ------------------------------------------------------------------------------------------------
 // (add +) rmsnorm. Output row r reads input row s = rows ? rows[r] : r:
-//   v = x[s] + sum_{j<ny} y[s, j]       (the last y slot times sigmoid(sg[s * sg_stride]) when sg != 0)
+//   v = x[s] + y[s, 0] + y[s, 1] + ... + y[s, ny-1]   (float32, added left to right in slot order; when sg != 0 the
+//       last slot is a shared expert run as GEMMs, added as fmaf(y[s, ny-1], sigmoid(sg[s * sg_stride]), v))
 //   x_out[r] = v (float32; may be x itself), h[r] = v / sqrt(mean(v^2) + eps) * w   (T)
-// y is [n_in, ny, H] float32 (the MoE's per-expert outputs, or one tensor with ny = 1).
-// grid (n), any multiple of 32 threads (the host gives up to 1024: a decode row is one CTA, so its latency is
-// the step's). Pass 1 writes v (to x_out, or keeps x) and sums squares; pass 2 re-reads it.
+// Two entry points of one body: rmsnorm_rows reads y [n_in, ny, H] float32 (decode MoE slots; a dense FFN output
+// or any float32 tensor with ny = 1), rmsnorm_rows_t reads y [n_in, ny, H] in T (the prefill MoE's slots, bf16 /
+// fp16: each slot value was rounded once to T by the epilogue that wrote it; the sum here is float32 all the same,
+// so on slot values that T holds exactly both entry points give the same bits).
+//
+// grid (n), blockDim P = a power of two in 32 .. NORM_MAX_THREADS with 4 * NORM_KMAX * P >= H. P only sets the
+// speed (the host picks it by row count: norm_block in cuda/backend.py): a row's bits depend neither on P nor on n
+// nor on which load path ran (16-byte vectors when H % 4 == 0 and the pointers allow, else scalar), because the sum
+// of squares is one fixed tree over the row:
+//   groups g = 0 .. G-1 of 4 columns (4g .. 4g+3; columns past H count 0), group partial
+//   p_g = fma(v3, v3, fma(v2, v2, fma(v1, v1, v0 * v0))); over the partials, zero-padded to N = a power of two,
+//   halving strides: q_g = p_g + p_(g + N/2) for g < N/2, then the same over q, ... down to one value.
+// Thread t holds groups t + k P (k < NORM_KMAX: coalesced), so strides >= P are its own (the same halving tree over
+// k, in registers) and strides < P are between threads: warp 0 folds the warps' values (strides P/2 .. 32, read
+// from shared memory) and warp_sum does 16 .. 1 (its xor order). Padding with zeros never changes a sum (p + 0 ==
+// p), so the tree over N leaves is the tree over 2N and every P computes the same tree (modelled in numpy:
+// tests/unit/test_norm_tree.py). Only the rounding of v * rs * w to T is added after the sum, as before.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void rmsnorm_rows(const float* x, const float* __restrict__ y, int ny,
-                                        const float* __restrict__ sg, long long sg_stride,
-                                        const float* __restrict__ w, float* x_out, T* __restrict__ h,
-                                        const int* __restrict__ rows, int n, int H, float eps) {
-  pdl_enter();
-  __shared__ float red[33];
+#ifndef NORM_KMAX
+#define NORM_KMAX 4  // groups of 4 columns per thread at most: H <= 4 * NORM_KMAX * P (a power of two)
+#endif
+#define NORM_MAX_THREADS 512  // launch bound
+#if NORM_KMAX <= 4
+#define NORM_MIN_BLOCKS 2  // <= 64 registers a thread: 4 CTAs of 256 threads per SM (the prefill block)
+#else
+#define NORM_MIN_BLOCKS 1  // the wide builds hold 4 * NORM_KMAX columns a thread: up to 128 registers
+#endif
+
+__device__ __forceinline__ float ld1(const float* p) { return *p; }
+__device__ __forceinline__ float ld1(const u16* p) { return to_f32(*p); }
+__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 ld4(const u16* p) {  // 4 bf16 / fp16 values: one 8-byte load
+  const uint2 r = *(const uint2*)p;
+  return make_float4(to_f32((u16)(r.x & 0xffffu)), to_f32((u16)(r.x >> 16)), to_f32((u16)(r.y & 0xffffu)),
+                     to_f32((u16)(r.y >> 16)));
+}
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned int bytes) {
+  return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+// columns c .. c+3 of a row of H (c < H; columns past H read as 0)
+template <typename E>
+__device__ __forceinline__ float4 load_group(const E* row, int c, int H, bool vec) {
+  if (vec) return ld4(row + c);
+  return make_float4(ld1(row + c), c + 1 < H ? ld1(row + c + 1) : 0.f, c + 2 < H ? ld1(row + c + 2) : 0.f,
+                     c + 3 < H ? ld1(row + c + 3) : 0.f);
+}
+__device__ __forceinline__ void store_group(float* row, int c, int H, bool vec, float4 a) {
+  if (vec) {
+    *(float4*)(row + c) = a;
+    return;
+  }
+  row[c] = a.x;
+  if (c + 1 < H) row[c + 1] = a.y;
+  if (c + 2 < H) row[c + 2] = a.z;
+  if (c + 3 < H) row[c + 3] = a.w;
+}
+__device__ __forceinline__ void store_group_t(T* row, int c, int H, bool vec, float4 a) {
+#if DT == 0
+  store_group(row, c, H, vec, a);
+#else
+  if (vec) {
+    *(uint2*)(row + c) = make_uint2((u32)from_f32(a.x) | ((u32)from_f32(a.y) << 16),
+                                    (u32)from_f32(a.z) | ((u32)from_f32(a.w) << 16));
+    return;
+  }
+  row[c] = from_f32(a.x);
+  if (c + 1 < H) row[c + 1] = from_f32(a.y);
+  if (c + 2 < H) row[c + 2] = from_f32(a.z);
+  if (c + 3 < H) row[c + 3] = from_f32(a.w);
+#endif
+}
+
+// a[0] = the halving-stride tree over a[0 .. N-1] (N a power of two): a[i] += a[i + N/2] for i < N/2, then the
+// same with N/4, ... (S: the stride of this level)
+template <int N, int S = N / 2>
+__device__ __forceinline__ void tree_sum(float (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < S; ++i) a[i] = __fadd_rn(a[i], a[i + S]);
+  if constexpr (S > 1) tree_sum<N, S / 2>(a);
+}
+
+template <typename YT, bool VECTOR>
+__device__ __forceinline__ void rmsnorm_body(const float* x, const YT* __restrict__ y, int ny,
+                                             const float* __restrict__ sg, long long sg_stride,
+                                             const float* __restrict__ w, float* x_out, T* __restrict__ h,
+                                             const int* __restrict__ rows, int n, int H, float eps, float* red) {
   const int r = blockIdx.x;
-  if (r >= n) return;
   const int s = rows ? rows[r] : r;
   const float* xs = x + (size_t)s * H;
-  const float* ys = y ? y + (size_t)s * ny * H : nullptr;
-  const float gate = sg ? sigmoidf_(sg[(size_t)s * sg_stride]) : 1.f;
+  const YT* ys = y ? y + (size_t)s * ny * H : nullptr;
+  const int nslots = y ? ny : 0;
+  const bool gated = sg && nslots > 0;
+  const int nplain = gated ? nslots - 1 : nslots;  // slots added as they are; then the gated one
+  const float gate = gated ? sigmoidf_(sg[(size_t)s * sg_stride]) : 1.f;
   float* xo = x_out ? x_out + (size_t)r * H : nullptr;
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < H; c += blockDim.x) {
-    float v = xs[c];
-#pragma unroll 4
-    for (int j = 0; j < ny; ++j) {  // independent loads, added in slot order
-      const float yj = ys[(size_t)j * H + c];
-      v += (sg && j == ny - 1) ? yj * gate : yj;
+  T* ho = h ? h + (size_t)r * H : nullptr;
+  const int P = blockDim.x, t = threadIdx.x, G = (H + 3) >> 2;
+  constexpr bool vec = VECTOR;
+  float4 v[NORM_KMAX];
+  float p[NORM_KMAX];
+#pragma unroll
+  for (int k = 0; k < NORM_KMAX; ++k) {
+    const int g = t + k * P;
+    p[k] = 0.f;
+    v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < G) {
+      const int c = 4 * g;
+      float4 a = load_group(xs, c, H, vec);
+      const float4 b = gated ? load_group(ys + (size_t)nplain * H, c, H, vec) : a;  // issued with the others
+#pragma unroll 8
+      for (int j = 0; j < nplain; ++j) {  // independent loads, added in slot order
+        const float4 u = load_group(ys + (size_t)j * H, c, H, vec);
+        a.x += u.x;
+        a.y += u.y;
+        a.z += u.z;
+        a.w += u.w;
+      }
+      if (gated) {
+        a.x = fmaf(b.x, gate, a.x);
+        a.y = fmaf(b.y, gate, a.y);
+        a.z = fmaf(b.z, gate, a.z);
+        a.w = fmaf(b.w, gate, a.w);
+      }
+      if (xo) store_group(xo, c, H, vec, a);
+      p[k] = fmaf(a.w, a.w, fmaf(a.z, a.z, fmaf(a.y, a.y, __fmul_rn(a.x, a.x))));
+      v[k] = a;
     }
-    if (xo) xo[c] = v;
-    ss += v * v;
   }
   if (!h) return;  // "add" only (the whole block returns together: no barrier is skipped by some threads)
-  const float tot = block_sum(ss, red);
+  tree_sum<NORM_KMAX>(p);  // this thread's strides (k P apart), halving
+  float tot;
+  if (P > 32) {
+    red[t] = p[0];
+    __syncthreads();
+    if (t < 32) {  // lane l folds threads l + 32 w over the warps w (halving strides W/2 .. 1), in place
+      for (int st = P >> 6; st >= 1; st >>= 1)
+        for (int i = 0; i < st; ++i) red[t + 32 * i] = __fadd_rn(red[t + 32 * i], red[t + 32 * (i + st)]);
+      const float s2 = warp_sum(red[t]);
+      if (t == 0) red[NORM_MAX_THREADS] = s2;
+    }
+    __syncthreads();
+    tot = red[NORM_MAX_THREADS];
+  } else {
+    tot = warp_sum(p[0]);  // every lane holds the same sum (a + b == b + a)
+  }
   const float rs = rsqrtf(tot / (float)H + eps);
-  const float* src = xo ? xo : xs;  // each thread re-reads only what it wrote itself
-  for (int c = threadIdx.x; c < H; c += blockDim.x) h[(size_t)r * H + c] = from_f32(src[c] * rs * w[c]);
+#pragma unroll
+  for (int k = 0; k < NORM_KMAX; ++k) {
+    const int g = t + k * P;
+    if (g < G) {
+      const int c = 4 * g;
+      const float4 wv = load_group(w, c, H, vec);
+      store_group_t(ho, c, H, vec, make_float4(v[k].x * rs * wv.x, v[k].y * rs * wv.y, v[k].z * rs * wv.z,
+                                                v[k].w * rs * wv.w));
+    }
+  }
+}
+
+// 16-byte loads and stores when H % 4 == 0 and every row start is aligned for them (true of the backend's arena),
+// else scalar ones: the same arithmetic on the same groups either way.
+template <typename YT>
+__device__ __forceinline__ void rmsnorm_rows_any(const float* x, const YT* __restrict__ y, int ny,
+                                                 const float* __restrict__ sg, long long sg_stride,
+                                                 const float* __restrict__ w, float* x_out, T* __restrict__ h,
+                                                 const int* __restrict__ rows, int n, int H, float eps) {
+  __shared__ float red[NORM_MAX_THREADS + 1];  // the threads' partial sums, then the row's sum
+  pdl_enter();
+  if (blockIdx.x >= n) return;
+  if ((H & 3) == 0 && aligned_to(x, 16) && aligned_to(y, 4 * sizeof(YT)) && aligned_to(x_out, 16) &&
+      aligned_to(h, 4 * sizeof(T)) && aligned_to(w, 16))
+    rmsnorm_body<YT, true>(x, y, ny, sg, sg_stride, w, x_out, h, rows, n, H, eps, red);
+  else
+    rmsnorm_body<YT, false>(x, y, ny, sg, sg_stride, w, x_out, h, rows, n, H, eps, red);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS, NORM_MIN_BLOCKS)
+    rmsnorm_rows(const float* x, const float* __restrict__ y, int ny, const float* __restrict__ sg,
+                 long long sg_stride, const float* __restrict__ w, float* x_out, T* __restrict__ h,
+                 const int* __restrict__ rows, int n, int H, float eps) {
+  rmsnorm_rows_any(x, y, ny, sg, sg_stride, w, x_out, h, rows, n, H, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS, NORM_MIN_BLOCKS)
+    rmsnorm_rows_t(const float* x, const T* __restrict__ y, int ny, const float* __restrict__ sg,
+                   long long sg_stride, const float* __restrict__ w, float* x_out, T* __restrict__ h,
+                   const int* __restrict__ rows, int n, int H, float eps) {
+  rmsnorm_rows_any(x, y, ny, sg, sg_stride, w, x_out, h, rows, n, H, eps);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -195,7 +195,8 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 //   gate_up: A = h rows of the pairs' tokens ([n, ldh] T), B = expert e's gate rows [x*64, +64) and up rows
 //            [I + x*64, +64) of w_gu [E_all, 2I, H]; act[p, x*64 + i] = silu(gate) * up   (T, [pairs, I])
 //   down:    A = act rows of the pairs, B = rows [x*128, +128) of w_d [E_all, H, I];
-//            y[t, slot, x*128 + j] = pair_w[p] * acc   (float32, y [n, ny, H]; no atomics: one slot per pair)
+//            y[t, slot, x*128 + j] = pair_w[p] * acc   (float32, or T from moe_gemm_down_t; y [n, ny, H]; no atomics:
+//            one slot per pair)
 // 128 threads = 4 warps (2 x 2), warp tile 64 rows x 64 columns (8 n-tiles of 8; gate_up: 4 gate n-tiles
 // and the 4 up n-tiles of the same columns, so SwiGLU is thread-local). BK = 64: shared rows of 128 bytes,
 // 16-byte chunks XOR-swizzled by (row & 7); GEMM_STAGES-deep cp.async ring, one commit group per k tile.
@@ -257,6 +258,11 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 #endif
 }
 
+// Two adjacent y elements of the down epilogue: float32, or (the _t entry points) rounded once to T (round to nearest
+// even, cvt.rn: the only rounding the T slots add to the float32 products).
+__device__ __forceinline__ void store_y2(float* dst, float a, float b) { *(float2*)dst = make_float2(a, b); }
+__device__ __forceinline__ void store_y2(T* dst, float a, float b) { *(u32*)dst = pack2(a, b); }
+
 // Shared row of the B tile that n-tile pair np (n-tiles 2np, 2np+1) of warp column wn starts at.
 template <int MODE>
 __device__ __forceinline__ int b_smem_row(int wn, int np) {
@@ -298,11 +304,11 @@ __device__ __forceinline__ void mma_stage(float (&acc)[4][8][4], u32 sA, u32 sB,
   }
 }
 
-template <int MODE>
+template <int MODE, typename YT = float>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long lda, const T* __restrict__ W,
                                              int K, int I, int kk, int ny, int H, const int* __restrict__ tiles,
                                              const int* __restrict__ pair_list, const float* __restrict__ pair_w,
-                                             T* __restrict__ act, float* __restrict__ y) {
+                                             T* __restrict__ act, YT* __restrict__ y) {
   __shared__ long long s_src[GEMM_BM];  // element offset of each tile row's A row in A (-1: past the rows)
   __shared__ int s_pair[GEMM_BM];
   pdl_enter();
@@ -399,10 +405,9 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long 
       } else {
         const int t = p / kk, slot = p - t * kk;
         const float w = pair_w[p];
-        float* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * BN + wn * 64 + 2 * t4;
+        YT* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * BN + wn * 64 + 2 * t4;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *(float2*)(dst + nt * 8) = make_float2(w * acc[mt][nt][2 * hi], w * acc[mt][nt][2 * hi + 1]);
+        for (int nt = 0; nt < 8; ++nt) store_y2(dst + nt * 8, w * acc[mt][nt][2 * hi], w * acc[mt][nt][2 * hi + 1]);
       }
     }
   }
@@ -412,14 +417,22 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ A, long long 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gemm_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
                      const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
-  grouped_gemm<MODE_GATE_UP>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
+  grouped_gemm<MODE_GATE_UP, float>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
 }
 
 // grid (H / 128, max_tiles), block 128, dynamic smem GEMM_SMEM. act [pairs, I] T; w_d [E_all, H, I];
-// y [n, ny, H] float32 (ny >= kk).
+// y [n, ny, H] float32 (ny >= kk; moe_*_down_t below: in T).
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gemm_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
                   int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
                   float* __restrict__ y) {
-  grouped_gemm<MODE_DOWN>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
+  grouped_gemm<MODE_DOWN, float>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
+}
+
+// The same with y [n, ny, H] in T (prefill of bf16 / fp16 bundles: half the slot traffic of float32).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_gemm_down_t(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
+                    int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
+                    T* __restrict__ y) {
+  grouped_gemm<MODE_DOWN, T>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
 }

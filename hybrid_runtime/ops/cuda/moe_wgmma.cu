@@ -116,6 +116,10 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
 #endif
   return r;
 }
+// Two adjacent y elements of the down epilogue: float32, or (the _t entry point) rounded once to T (round to nearest
+// even, cvt.rn: the only rounding the T slots add to the float32 products).
+__device__ __forceinline__ void store_y2(float* dst, float a, float b) { *(float2*)dst = make_float2(a, b); }
+__device__ __forceinline__ void store_y2(T* dst, float a, float b) { *(u32*)dst = pack2(a, b); }
 
 // Matrix descriptor of a K-major, 128B-swizzled operand tile starting at shared address `saddr` (1024-aligned
 // for base offset 0; + 32 s for the k16 step s).
@@ -174,11 +178,11 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-template <int MODE>
+template <int MODE, typename YT = float>
 __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long long lda, const T* __restrict__ W,
                                                 int K, int I, int kk, int ny, int H, const int* __restrict__ tiles,
                                                 const int* __restrict__ pair_list, const float* __restrict__ pair_w,
-                                                T* __restrict__ act, float* __restrict__ y) {
+                                                T* __restrict__ act, YT* __restrict__ y) {
   __shared__ long long s_src[WG_BM];  // element offset of each tile row's A row in A (-1: past the rows)
   __shared__ int s_pair[WG_BM];
   pdl_enter();
@@ -275,10 +279,10 @@ __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long lo
     } else {
       const int t = p / kk, slot = p - t * kk;
       const float w = pair_w[p];
-      float* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * WG_BN + 2 * t4;
+      YT* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * WG_BN + 2 * t4;
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
-        *(float2*)(dst + j * 8) = make_float2(w * acc[4 * j + 2 * hi], w * acc[4 * j + 2 * hi + 1]);
+        store_y2(dst + j * 8, w * acc[4 * j + 2 * hi], w * acc[4 * j + 2 * hi + 1]);
     }
   }
 }
@@ -287,14 +291,22 @@ __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long lo
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB)
     moe_wgmma_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
                       const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
-  wg_grouped_gemm<MODE_GATE_UP>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
+  wg_grouped_gemm<MODE_GATE_UP, float>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
 }
 
 // grid (H / WG_BN, max_tiles), block 256, dynamic smem WG_SMEM. act [pairs, I] T; w_d [E_all, H, I];
-// y [n, ny, H] float32 (ny >= kk).
+// y [n, ny, H] float32 (ny >= kk; moe_*_down_t below: in T).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB)
     moe_wgmma_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
                    int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
                    float* __restrict__ y) {
-  wg_grouped_gemm<MODE_DOWN>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
+  wg_grouped_gemm<MODE_DOWN, float>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
+}
+
+// The same with y [n, ny, H] in T (prefill of bf16 / fp16 bundles: half the slot traffic of float32).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB)
+    moe_wgmma_down_t(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
+                     int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
+                     T* __restrict__ y) {
+  wg_grouped_gemm<MODE_DOWN, T>(act, I, w_d, I, I, kk, ny, H, tiles, pair_list, pair_w, nullptr, y);
 }

@@ -136,6 +136,10 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
 #endif
   return r;
 }
+// Two adjacent y elements of the down epilogue: float32, or (the _t entry point) rounded once to T (round to nearest
+// even, cvt.rn: the only rounding the T slots add to the float32 products).
+__device__ __forceinline__ void store_y2(float* dst, float a, float b) { *(float2*)dst = make_float2(a, b); }
+__device__ __forceinline__ void store_y2(T* dst, float a, float b) { *(u32*)dst = pack2(a, b); }
 
 // Matrix descriptor of a K-major, 128B-swizzled operand tile at shared address `saddr` (1024-aligned; + 32 s for
 // the k16 step s): moe_wgmma.cu's wg_desc.
@@ -178,12 +182,12 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // One CTA of the persistent grid. nx: column blocks per tile (gate_up I / 128, down H / 256).
-template <int MODE>
+template <int MODE, typename YT = float>
 __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long long lda, const T* __restrict__ W,
                                                 int K, int I, int kk, int ny, int H, int nx,
                                                 const int* __restrict__ tiles, const int* __restrict__ pair_list,
                                                 const float* __restrict__ pair_w, T* __restrict__ act,
-                                                float* __restrict__ y) {
+                                                YT* __restrict__ y) {
   __shared__ __align__(8) u64 full_bar[WS_STAGES], empty_bar[WS_STAGES];
   pdl_enter();
   const int tid = threadIdx.x;
@@ -308,10 +312,10 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
       } else {
         const int t = p / kk, slot = p - t * kk;
         const float w = pair_w[p];
-        float* dst = y + ((size_t)t * ny + slot) * H + x * WS_BN + 2 * t4;
+        YT* dst = y + ((size_t)t * ny + slot) * H + x * WS_BN + 2 * t4;
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
-          *(float2*)(dst + j * 8) = make_float2(w * acc[4 * j + 2 * hi], w * acc[4 * j + 2 * hi + 1]);
+          store_y2(dst + j * 8, w * acc[4 * j + 2 * hi], w * acc[4 * j + 2 * hi + 1]);
       }
     }
   }
@@ -322,15 +326,23 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_wgmma_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
                       const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
-  ws_grouped_gemm<MODE_GATE_UP>(h, ldh, w_gu, H, I, kk, 0, H, I / (WS_BN / 2), tiles, pair_list, nullptr, act,
+  ws_grouped_gemm<MODE_GATE_UP, float>(h, ldh, w_gu, H, I, kk, 0, H, I / (WS_BN / 2), tiles, pair_list, nullptr, act,
                                 nullptr);
 }
 
 // grid (min(#SMs, max_tiles * H / 256)), block 384, dynamic smem WS_SMEM. act [pairs, I] T; w_d [E_all, H, I];
-// y [n, ny, H] float32 (ny >= kk).
+// y [n, ny, H] float32 (ny >= kk; moe_*_down_t below: in T).
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_wgmma_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
                    int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
                    float* __restrict__ y) {
-  ws_grouped_gemm<MODE_DOWN>(act, I, w_d, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y);
+  ws_grouped_gemm<MODE_DOWN, float>(act, I, w_d, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y);
+}
+
+// The same with y [n, ny, H] in T (prefill of bf16 / fp16 bundles: half the slot traffic of float32).
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_wgmma_down_t(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
+                     int I, int kk, int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
+                     T* __restrict__ y) {
+  ws_grouped_gemm<MODE_DOWN, T>(act, I, w_d, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y);
 }
