@@ -236,8 +236,12 @@ def test_slots_in_the_bundle_dtype_are_the_float32_products_rounded_once(dev, dt
         top, w = reference_route(lg, E, k)
         ref = reference_moe(to_f32(hb, dtype), top, w, s.gu, s.dn, dtype)
         y = got[:n, :k].astype(np.float64)
-        err = np.linalg.norm(y - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
-        assert err.max() < 5e-3 + u, (label, float(err.max()))
+        # fp16 slots: a value below its normal range (2^-14) keeps only absolute precision (a pair weighted e^-30,
+        # as "one_takes_all" makes them, rounds to 0 or a subnormal), so a row's error may also reach that floor
+        tiny = 0.0 if dtype == "bfloat16" else np.sqrt(H) * 2.0 ** -14
+        err = np.linalg.norm(y - ref, axis=-1)
+        bound = (5e-3 + u) * np.linalg.norm(ref, axis=-1) + tiny
+        assert (err <= bound).all(), (label, float((err / np.maximum(bound, 1e-30)).max()))
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-3 + u / 2, label
 
 
