@@ -1186,7 +1186,11 @@ class CudaBackend:
         free0 = self.dev.mem_info()[0]
         cfg, lim = self.cfg, self.lim
         if self.dense is not None and len(self.dense.modules) > 1 and not self.dense.choice:
-            self.tune_dense_decode()
+            try:
+                self.tune_dense_decode()
+            except Exception as e:  # a timing run is an optimisation: the default build serves without it
+                self.dense.choice.clear()
+                log.warning("dense decode GEMM build timing failed, every shape keeps the default build: %s", e)
         for bucket in reversed([b for b in self.buckets if buckets is None or b in buckets]):
             if cfg.attention_layers:
                 L = lim.max_seq_len
