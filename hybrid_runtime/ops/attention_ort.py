@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
+from .. import onnx_proto as helper
 from ..engine.ort_session import Binding, cpu_session, session_options
 from .dispatcher import MULTI, SINGLE, Kernel, LaunchPlan
 
@@ -35,13 +34,13 @@ _MASKED = np.float32(-1e30)
 _MAX_PARTIALS = 1 << 20
 
 
-def _graph(H: int, Hkv: int, hd: int, G2: int) -> onnx.ModelProto:
+def _graph(H: int, Hkv: int, hd: int, G2: int) -> helper.Model:
     """q ``[B, Tq, H, hd]``, scale, k_rows/v_rows ``[rows, hd]`` (pool rows (page*ps + offset)*Hkv + head),
     kidx ``[B, Hkv, L]``, mask ``[B, 1, nc, CHUNK, Tq*G2]``, kv_shape = (B, Hkv, nc, CHUNK, hd),
     q_shape = (B, Tq, Hkv, G, hd) -> out ``[B, Tq, H, hd]``. ``G2`` = G, or 2G when G == 1 (queries doubled)."""
     G = H // Hkv
-    nodes: list[onnx.NodeProto] = []
-    inits = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+    nodes: list[helper.Node] = []
+    inits = [helper.from_array(np.array(v, np.int64), n) for n, v in
              (("axis3", [3]), ("axis2", [2]), ("flat_g", [0, 0, 1, hd, -1]), ("out_shape", [0, 0, H, hd]))]
 
     def op(op_type: str, inputs: list[str], output: str, **attrs) -> str:
@@ -78,18 +77,16 @@ def _graph(H: int, Hkv: int, hd: int, G2: int) -> onnx.ModelProto:
     op("Reshape", ["o4", "o_shape"], "o5")  # [B, Hkv, Tq, G2, hd]
     if G2 != G:
         op("Slice", ["o5", "zero", "one", "axis3"], "o5s")
-        inits += [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", [0]), ("one", [1]))]
+        inits += [helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", [0]), ("one", [1]))]
     op("Transpose", ["o5s" if G2 != G else "o5"], "ot", perm=[0, 2, 1, 3, 4])  # [B, Tq, Hkv, G, hd]
     op("Reshape", ["ot", "out_shape"], "out")
     vi = helper.make_tensor_value_info
-    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    f, i64 = helper.FLOAT, helper.INT64
     ins = [vi("q", f, ["B", "Tq", H, hd]), vi("scale", f, []), vi("k_rows", f, ["R", hd]), vi("v_rows", f, ["R", hd]),
            vi("kidx", i64, ["B", Hkv, "L"]), vi("mask", f, ["B", 1, "nc", CHUNK, "TqG"]), vi("kv_shape", i64, [5]),
            vi("q_shape", i64, [5]), vi("o_shape", i64, [5])]
     graph = helper.make_graph(nodes, "paged_attention", ins, [vi("out", f, ["B", "Tq", H, hd])], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hybrid-runtime")
-    m.ir_version = 8
-    return m
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 class OrtAttention:
