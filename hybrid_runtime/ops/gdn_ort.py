@@ -171,8 +171,10 @@ class OrtGdn:
         opts = session_options(intra_op_threads)
         self._decode = Binding(cpu_session(decode_graph(cfg), opts))
         self._prefill = Binding(cpu_session(prefill_graph(cfg), opts))
-        # decode outputs per (B, K-1, C): (o [B, nv*dv], o as [B, 1, nv*dv], conv_out [B, K-1, C])
+        # decode outputs per (B, pool shape): (o [B, nv*dv], o as [B, 1, nv*dv], conv_out [B, K-1, C]), views of
+        # one (o, conv_out) pair per pool shape (a buffer per batch size held 7 MiB for the 334M model's 16)
         self._out_views: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._out_base: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._last: _Plan | None = None  # the previous call's slot plan (every layer of a step shares it)
         # id(conv_w) -> (conv_w, [C, 1, K], [K, C]); holding conv_w keeps its id from being reused
         self._taps_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -226,11 +228,14 @@ class OrtGdn:
         if order is not None:  # token rows into slot order (a few KB), so the states can stay in place
             u, g, beta = u[order], g[order], beta[order]
         rec = self._gather(rec_buf, plan)
-        o = self._out_views.get((B, *conv_buf.shape[1:]))
-        if o is None:  # output buffers kept per shape, the same objects every call: no rebinding
-            o = self._out_views[(B, *conv_buf.shape[1:])] = (
-                out := np.empty((B, self.cfg.value_dim), np.float32), out.reshape(B, 1, -1),
-                np.empty((B, *conv_buf.shape[1:]), np.float32))
+        o = self._out_views.get((B, *conv_buf.shape))
+        if o is None:  # views of one buffer per pool shape, the same objects every call: no rebinding
+            base = self._out_base.get(conv_buf.shape)
+            if base is None:  # as many rows as the pool (B <= its slots): one buffer for every batch size
+                rows = conv_buf.shape[0]
+                base = self._out_base[conv_buf.shape] = (np.empty((rows, self.cfg.value_dim), np.float32),
+                                                         np.empty(conv_buf.shape, np.float32))
+            o = self._out_views[(B, *conv_buf.shape)] = (base[0][:B], base[0][:B].reshape(B, 1, -1), base[1][:B])
         conv_out = o[2]
         bd = self._decode
         for name, arr in (("u", u), ("g", g), ("beta", beta)):
