@@ -75,15 +75,17 @@ def _prepare(root: Path, name: str) -> tuple[Path, Path]:
 
 
 def _build_options() -> BuildOptions:
-    """The bundle's limits are the workload's: batch up to 16, prompts up to PREFILL_LEN, at most NEW new
-    tokens, prefill in chunks of 256 tokens. max_seq_len sizes the default KV pool (16 slots x 320 tokens:
-    60 MiB for the 334M model; with 2 x PREFILL_LEN it was 96 MiB, of which a b16 run of 128 + 64 tokens
-    uses 36); the chunk bounds a prefill step's intermediates (512-token chunks: +39 MiB peak RSS at b16 for
-    the 334M model, prefill time the same within noise, measured back to back on the 2-core machine)."""
+    """The bundle's limits are the workload's: batch up to 16, prompts up to PREFILL_LEN, sequences up to the
+    longest any workload makes (PREFILL_LEN + 1 for the prefill workload; PROMPT + NEW = 192 for decode),
+    prefill in chunks of 128 tokens. max_seq_len sizes the default KV pool, every slot at max_seq_len: 16 x 17
+    pages of 16 tokens, 51 MiB for the 334M model (60 MiB at 320 = PREFILL_LEN + NEW, a length no workload
+    makes; a b16 run of 128 + 64 tokens uses 36). The chunk bounds a prefill step's intermediates and the
+    segments' output banks: 128-token chunks put 12 MiB less on the b16 peak RSS of the 334M model than 256
+    (512: +39 more), prefill tok/s the same within noise (measured on the 2-core machine)."""
     from builder.bundle import BuildOptions
 
-    return BuildOptions(max_batch_size=max(BATCHES), max_input_len=PREFILL_LEN, max_seq_len=PREFILL_LEN + NEW,
-                        max_num_tokens=256)
+    return BuildOptions(max_batch_size=max(BATCHES), max_input_len=PREFILL_LEN,
+                        max_seq_len=max(PROMPT + NEW, PREFILL_LEN + 1), max_num_tokens=128)
 
 
 def _current(bundle: Path, options: BuildOptions) -> bool:

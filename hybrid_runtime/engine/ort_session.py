@@ -25,14 +25,11 @@ import logging
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _C
-
-if TYPE_CHECKING:
-    import onnx
 
 log = logging.getLogger("hybrid_runtime.engine")
 
@@ -109,9 +106,19 @@ _MADV_DONTNEED = 4
 _MIN_RELEASE = 1 << 20
 
 
-def cpu_session(model: str | Path | onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:
-    """An InferenceSession on the CPU execution provider from a path or an in-memory model."""
-    src = str(model) if isinstance(model, str | Path) else model.SerializeToString()
+class SerializableModel(Protocol):
+    """An in-memory model: :class:`hybrid_runtime.onnx_proto.Model`, or an ``onnx.ModelProto`` (tests)."""
+
+    def SerializeToString(self) -> bytes: ...
+
+
+def cpu_session(model: str | Path | bytes | SerializableModel, opts: ort.SessionOptions) -> ort.InferenceSession:
+    """An InferenceSession on the CPU execution provider from a path, serialised model bytes or an in-memory
+    model."""
+    if isinstance(model, str | Path):
+        src: str | bytes = str(model)
+    else:
+        src = model if isinstance(model, bytes) else model.SerializeToString()
     return ort.InferenceSession(src, sess_options=opts, providers=["CPUExecutionProvider"])
 
 

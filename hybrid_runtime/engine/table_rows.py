@@ -9,7 +9,8 @@ of everything else at the process's peak (``FileMappings.release`` dropped the p
 the peak had been reached by then).
 
 :func:`split_table_gathers` rewrites such a segment at load: the table's initializer is removed and the
-``Gather`` becomes an ``Identity`` of a new graph input ``<table>.rows`` ``[num_tokens, width]``;
+``Gather`` becomes an ``Identity`` of a new graph input ``<table>.rows`` ``[num_tokens, width]`` (at the
+protobuf wire level, :mod:`..onnx_proto`: every other field of the segment is copied as it was);
 :class:`TableLookup` fills that input with one ``pread`` per token from the table's bytes in the external
 data file into a buffer of the context (4 KB per token; the bytes stay in the page cache, not in this
 process). The segment's other initializers keep their external data (onnxruntime reads them from the
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import helper
 
+from .. import onnx_proto as pb
 from .base import ShapeError
 
 ROWS_SUFFIX = ".rows"
@@ -90,54 +90,108 @@ class TableLookup:
             self.close()
 
 
-def _external(init: onnx.TensorProto) -> dict[str, str] | None:
-    if init.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    return {e.key: e.value for e in init.external_data}
+@dataclass
+class _Node:
+    inputs: list[str]
+    outputs: list[str]
+    name: str
+    op_type: str
+    domain: str
+    axis: int
 
 
-def split_table_gathers(model_path: str | Path) -> tuple[onnx.ModelProto, list[TableLookup]] | None:
-    """The segment at ``model_path`` with every ``Gather`` of an external-data table (axis 0, at least
-    :data:`MIN_TABLE_BYTES`, indexed by a graph input) replaced by a rows input, and a lookup per table;
-    None when there is nothing to split (or the file layout is not the one this reads)."""
+def _node(buf: bytes) -> _Node:  # NodeProto: input 1, output 2, name 3, op_type 4, attribute 5, domain 7
+    axis = next((pb.integer(a, 3) for a in pb.messages(buf, 5) if pb.text(a, 1) == "axis"), 0)
+    return _Node(pb.strings(buf, 1), pb.strings(buf, 2), pb.text(buf, 3), pb.text(buf, 4), pb.text(buf, 7), axis)
+
+
+@dataclass
+class _Init:
+    name: str
+    dims: list[int]
+    data_type: int
+    external: dict[str, str] | None
+
+
+def _init(buf: bytes) -> _Init:  # TensorProto: dims 1, data_type 2, name 8, external_data 13, data_location 14
+    ext = None
+    if pb.integer(buf, 14) == pb.EXTERNAL:
+        ext = {pb.text(e, 1): pb.text(e, 2) for e in pb.messages(buf, 13)}
+    return _Init(pb.text(buf, 8), pb.ints(buf, 1), pb.integer(buf, 2), ext)
+
+
+_GRAPH, _NODE, _INIT, _INPUT = 7, 1, 5, 11  # ModelProto.graph, GraphProto.node / initializer / input
+
+
+def split_table_gathers(model_path: str | Path) -> tuple[bytes, list[TableLookup]] | None:
+    """The segment at ``model_path`` (serialised) with every ``Gather`` of an external-data table (axis 0,
+    at least :data:`MIN_TABLE_BYTES`, indexed by a graph input) replaced by a rows input, and a lookup per
+    table; None when there is nothing to split (or the file layout is not the one this reads)."""
     model_path = Path(model_path)
     if not hasattr(os, "preadv"):
         return None
-    model = onnx.load(model_path, load_external_data=False)
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    graph_inputs = {i.name: i for i in g.input}
+    model = list(pb.fields(model_path.read_bytes()))
+    at_graph = next((k for k, f in enumerate(model) if f[0] == _GRAPH), None)
+    if at_graph is None:
+        return None
+    graph: list[bytes | None] = []  # the graph's fields, encoded; None = removed
+    nodes: dict[int, _Node] = {}  # field index -> node
+    inits: dict[str, tuple[int, _Init]] = {}
+    graph_inputs: dict[str, int] = {}
+    graph_bytes = model[at_graph][2]
+    if not isinstance(graph_bytes, bytes):
+        return None
+    for k, (n, _, value, raw) in enumerate(pb.fields(graph_bytes)):
+        graph.append(raw)
+        if not isinstance(value, bytes):
+            continue
+        if n == _NODE:
+            nodes[k] = _node(value)
+        elif n == _INIT:
+            init = _init(value)
+            inits[init.name] = (k, init)
+        elif n == _INPUT:
+            graph_inputs[pb.text(value, 1)] = k
     lookups: list[TableLookup] = []
-    for node in list(g.node):
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+    added: list[bytes] = []
+    for k, node in list(nodes.items()):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
             continue
-        table, ids = node.input
-        init, ext = inits.get(table), _external(inits[table]) if table in inits else None
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if init is None or ext is None or ids not in graph_inputs or axis != 0 or len(init.dims) != 2:
+        table, ids = node.inputs
+        if table not in inits:
             continue
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
-        num_rows, width = (int(d) for d in init.dims)
+        at_init, init = inits[table]
+        ext = init.external
+        if ext is None or ids not in graph_inputs or node.axis != 0 or len(init.dims) != 2:
+            continue
+        try:
+            dtype = pb.np_dtype(init.data_type)
+        except KeyError:
+            continue
+        num_rows, width = init.dims
         nbytes = num_rows * width * dtype.itemsize
         if nbytes < MIN_TABLE_BYTES or int(ext.get("length", nbytes)) != nbytes or "location" not in ext:
             continue
-        if sum(x == table for n in g.node for x in n.input) != 1:  # the table feeds another node too: keep it
+        if sum(x == table for nd in nodes.values() for x in nd.inputs) != 1:  # the table feeds another node too
             continue
         location = (model_path.parent / ext["location"]).resolve()
         if model_path.parent.resolve() not in location.parents:
             continue
         rows = table + ROWS_SUFFIX
-        g.input.append(helper.make_tensor_value_info(rows, init.data_type, ["num_tokens", width]))
-        at = list(g.node).index(node)
-        g.node.remove(node)
-        g.node.insert(at, helper.make_node("Identity", [rows], list(node.output), name=node.name or rows))
-        g.initializer.remove(init)
+        added.append(pb.field_bytes(_INPUT, pb.make_tensor_value_info(rows, init.data_type, ["num_tokens", width])
+                                    .encode()))
+        nodes[k] = _Node([rows], node.outputs, node.name or rows, "Identity", "", 0)
+        graph[k] = pb.field_bytes(_NODE, pb.make_node("Identity", [rows], node.outputs, name=node.name or rows)
+                                  .encode())
+        graph[at_init] = None
         del inits[table]
         lookups.append(TableLookup(ids, rows, True, location, int(ext.get("offset", 0)), num_rows, width, dtype))
     if not lookups:
         return None
     for lk in lookups:  # an index input that no node reads any more leaves the graph
-        lk.keep_ids = any(lk.ids_input in n.input for n in g.node)
-        if not lk.keep_ids and graph_inputs[lk.ids_input] in g.input:
-            g.input.remove(graph_inputs[lk.ids_input])
-    return model, lookups
+        lk.keep_ids = any(lk.ids_input in nd.inputs for nd in nodes.values())
+        if not lk.keep_ids:
+            graph[graph_inputs[lk.ids_input]] = None
+    new_graph = b"".join(f for f in graph if f is not None) + b"".join(added)
+    model[at_graph] = (_GRAPH, 2, new_graph, pb.field_bytes(_GRAPH, new_graph))
+    return b"".join(f[3] for f in model), lookups

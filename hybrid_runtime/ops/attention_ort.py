@@ -22,26 +22,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
+from .. import onnx_proto as helper
 from ..engine.ort_session import Binding, cpu_session, session_options
 from .dispatcher import MULTI, SINGLE, Kernel, LaunchPlan
 
 CHUNK = 64  # key positions per partial
 _MASKED = np.float32(-1e30)
-# Bound on the largest intermediate of one run, the per-chunk outputs B * Hkv * (L / CHUNK) * queries * G * hd
-# floats (4 MB); longer prefills run in blocks of queries (a query's result does not depend on its block).
-_MAX_PARTIALS = 1 << 20
+# Bounds on the largest intermediates of one run (all come from the process's shared onnxruntime arena):
+# the per-chunk outputs B * Hkv * (L / CHUNK) * queries * G * hd floats (longer prefills run in blocks of
+# queries; a query's result does not depend on its block), and the keys and values gathered for B sequences,
+# B * Hkv * L * hd floats each (a decode step of many long sequences runs in blocks of sequences), 2 MB each.
+# Unbounded, a b16 decode step at 192 tokens gathered 2 x 6 MB per layer, and each new batch size extended the
+# arena by a region of its own (+47 MB at 128-token prefill chunks of the 334M model); partials of 4 MB put
+# 8 MB on the peak RSS of a 4 x 256 prefill.
+_MAX_PARTIALS = 1 << 19
+_MAX_GATHER = 1 << 19
 
 
-def _graph(H: int, Hkv: int, hd: int, G2: int) -> onnx.ModelProto:
+def _graph(H: int, Hkv: int, hd: int, G2: int) -> helper.Model:
     """q ``[B, Tq, H, hd]``, scale, k_rows/v_rows ``[rows, hd]`` (pool rows (page*ps + offset)*Hkv + head),
     kidx ``[B, Hkv, L]``, mask ``[B, 1, nc, CHUNK, Tq*G2]``, kv_shape = (B, Hkv, nc, CHUNK, hd),
     q_shape = (B, Tq, Hkv, G, hd) -> out ``[B, Tq, H, hd]``. ``G2`` = G, or 2G when G == 1 (queries doubled)."""
     G = H // Hkv
-    nodes: list[onnx.NodeProto] = []
-    inits = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+    nodes: list[helper.Node] = []
+    inits = [helper.from_array(np.array(v, np.int64), n) for n, v in
              (("axis3", [3]), ("axis2", [2]), ("flat_g", [0, 0, 1, hd, -1]), ("out_shape", [0, 0, H, hd]))]
 
     def op(op_type: str, inputs: list[str], output: str, **attrs) -> str:
@@ -78,18 +83,16 @@ def _graph(H: int, Hkv: int, hd: int, G2: int) -> onnx.ModelProto:
     op("Reshape", ["o4", "o_shape"], "o5")  # [B, Hkv, Tq, G2, hd]
     if G2 != G:
         op("Slice", ["o5", "zero", "one", "axis3"], "o5s")
-        inits += [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", [0]), ("one", [1]))]
+        inits += [helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", [0]), ("one", [1]))]
     op("Transpose", ["o5s" if G2 != G else "o5"], "ot", perm=[0, 2, 1, 3, 4])  # [B, Tq, Hkv, G, hd]
     op("Reshape", ["ot", "out_shape"], "out")
     vi = helper.make_tensor_value_info
-    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    f, i64 = helper.FLOAT, helper.INT64
     ins = [vi("q", f, ["B", "Tq", H, hd]), vi("scale", f, []), vi("k_rows", f, ["R", hd]), vi("v_rows", f, ["R", hd]),
            vi("kidx", i64, ["B", Hkv, "L"]), vi("mask", f, ["B", 1, "nc", CHUNK, "TqG"]), vi("kv_shape", i64, [5]),
            vi("q_shape", i64, [5]), vi("o_shape", i64, [5])]
     graph = helper.make_graph(nodes, "paged_attention", ins, [vi("out", f, ["B", "Tq", H, hd])], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hybrid-runtime")
-    m.ir_version = 8
-    return m
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 class OrtAttention:
@@ -103,8 +106,9 @@ class OrtAttention:
         self.G2 = self.G if self.G > 1 else 2
         self._bd = Binding(cpu_session(_graph(self.H, self.Hkv, self.hd, self.G2), session_options(intra_op_threads)))
         self._scale = np.array(1.0 / np.sqrt(head_dim), np.float32)
-        self._last: tuple | None = None  # (key, kidx, mask, shapes) of the last call: the layers of a step share it
-        self._outs: dict[tuple[int, int], np.ndarray] = {}  # (B, 1) -> decode output buffer, valid until the next call
+        self._last: tuple | None = None  # (key, blocks) of the last call: the layers of a step share them
+        self._outs: dict[tuple[int, int], np.ndarray] = {}  # (B, 1) -> decode output, valid until the next call
+        self._decode_out = np.empty((0, num_heads, head_dim), np.float32)  # decode outputs are views of this
         self._prefill_out = np.empty(0, np.float32)  # prefill outputs are views of this (grown, never shrunk)
 
     def kernels(self) -> dict[str, Kernel]:
@@ -164,32 +168,55 @@ class OrtAttention:
                   "o_shape": np.array([B, Hkv, Tq, self.G2, self.hd], np.int64)}
         return kidx, np.ascontiguousarray(mask), shapes
 
+    def _blocks(self, B: int, Tq: int, ps: int, page_tables: Sequence, key_lens: np.ndarray, first_pos: np.ndarray,
+                num_q: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray, dict[str, np.ndarray]]]:
+        """The sequences of a call in runs of consecutive ones whose gathered keys (``[b, Hkv, L, hd]``, L their
+        longest context in whole chunks) stay within :data:`_MAX_GATHER` floats, each with its indices."""
+        per_pos = self.Hkv * self.hd
+        chunks = np.maximum(1, -(-key_lens // CHUNK))
+        out, b0 = [], 0
+        while b0 < B:
+            b1, longest = b0 + 1, int(chunks[b0])
+            while b1 < B and (b1 + 1 - b0) * max(longest, int(chunks[b1])) * CHUNK * per_pos <= _MAX_GATHER:
+                longest = max(longest, int(chunks[b1]))
+                b1 += 1
+            out.append((b0, b1, *self._indices(b1 - b0, Tq, ps, page_tables[b0:b1], key_lens[b0:b1],
+                                               first_pos[b0:b1], num_q[b0:b1])))
+            b0 = b1
+        return out
+
     def attend(self, q: np.ndarray, k_buf: np.ndarray, v_buf: np.ndarray, page_tables: Sequence,
                key_lens: np.ndarray, first_pos: np.ndarray, num_q: np.ndarray) -> np.ndarray:
         """Queries ``q [B, Tq, H, hd]``: query ``t < num_q[b]`` of sequence b sits at ``first_pos[b] + t`` and
         sees keys ``0..min(its position, key_lens[b]-1)``; pools ``[pages, ps, Hkv, hd]`` -> ``[B, Tq, H, hd]``, a
-        buffer valid until the next call."""
+        buffer valid until the next call. One run per block of sequences (:meth:`_blocks`): a sequence's
+        result does not depend on the others of its run, so the blocks change no bit."""
         B, Tq = q.shape[:2]
         ps, Hkv, hd = k_buf.shape[1], self.Hkv, self.hd
         key = (B, Tq, ps, key_lens.tobytes(), first_pos.tobytes(), num_q.tobytes(),
                tuple(len(t) for t in page_tables), b"".join(np.asarray(t, np.int64).tobytes() for t in page_tables))
         if self._last is None or self._last[0] != key:  # the layers of a step share these
-            self._last = (key, *self._indices(B, Tq, ps, page_tables, key_lens, first_pos, num_q))
-        _, kidx, mask, shapes = self._last
+            self._last = (key, self._blocks(B, Tq, ps, list(page_tables), key_lens, first_pos, num_q))
         out = self._outs.get((B, Tq))
         if out is None and Tq > 1:  # prefill: a view of one buffer grown to the largest step (a buffer per
             n = B * Tq * self.H * hd  # (batch, chunk) shape would only grow over a server's life)
             if self._prefill_out.size < n:
                 self._prefill_out = np.empty(n, np.float32)
             out = self._prefill_out[:n].reshape(B, Tq, self.H, hd)
-        elif out is None:  # decode shapes (one per batch size): the same object every call, no rebinding
-            out = self._outs[(B, Tq)] = np.empty((B, Tq, self.H, hd), np.float32)
+        elif out is None:  # decode: a view per batch size of one buffer (the same object every call: no rebinding)
+            if len(self._decode_out) < B:  # grown by doubling; the views of the old buffer are dropped
+                self._decode_out = np.empty((max(B, 2 * len(self._decode_out)), self.H, hd), np.float32)
+                self._outs.clear()
+            out = self._outs[(B, Tq)] = self._decode_out[:B].reshape(B, Tq, self.H, hd)
         bd = self._bd
         rows = (k_buf.shape[0] * ps * Hkv, hd)
-        for name, arr in (("q", np.ascontiguousarray(q, np.float32)), ("scale", self._scale),
-                          ("k_rows", k_buf.reshape(rows)), ("v_rows", v_buf.reshape(rows)),
-                          ("kidx", kidx), ("mask", mask), *shapes.items()):
-            bd.input(name, arr)
-        bd.output("out", out)
-        bd.run()
+        q = np.ascontiguousarray(q, np.float32)
+        for b0, b1, kidx, mask, shapes in self._last[1]:
+            whole = b0 == 0 and b1 == B  # (the very arrays: nothing to rebind in a decode step of one block)
+            for name, arr in (("q", q if whole else q[b0:b1]), ("scale", self._scale),
+                              ("k_rows", k_buf.reshape(rows)), ("v_rows", v_buf.reshape(rows)),
+                              ("kidx", kidx), ("mask", mask), *shapes.items()):
+                bd.input(name, arr)
+            bd.output("out", out if whole else out[b0:b1])
+            bd.run()
         return out

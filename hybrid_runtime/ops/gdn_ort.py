@@ -30,17 +30,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
+from .. import onnx_proto as helper
 from ..config import ModelConfig
 from ..engine.ort_session import Binding, cpu_session, session_options
 from .gdn import _check, _check_slots
 
-_F, _I64 = TensorProto.FLOAT, TensorProto.INT64
+_F, _I64 = helper.FLOAT, helper.INT64
 
 
-def _vi(name: str, elem: int, shape: list) -> onnx.ValueInfoProto:
+def _vi(name: str, elem: int, shape: list) -> helper.ValueInfo:
     return helper.make_tensor_value_info(name, elem, shape)
 
 
@@ -48,23 +47,21 @@ class _Graph:
     """Node list with constants; names are unique per call site by construction."""
 
     def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
+        self.nodes: list[helper.Node] = []
+        self.inits: list[helper.Tensor] = []
 
     def op(self, op_type: str, inputs: list[str], outputs: list[str], **attrs) -> None:
         domain = "com.microsoft" if op_type == "LinearAttention" else ""
         self.nodes.append(helper.make_node(op_type, inputs, outputs, domain=domain, **attrs))
 
     def const(self, name: str, arr: np.ndarray) -> str:
-        self.inits.append(onnx.numpy_helper.from_array(np.asarray(arr), name))
+        self.inits.append(helper.from_array(np.asarray(arr), name))
         return name
 
-    def model(self, name: str, ins: list, outs: list) -> onnx.ModelProto:
+    def model(self, name: str, ins: list, outs: list) -> helper.Model:
         g = helper.make_graph(self.nodes, name, ins, outs, self.inits)
         opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-        m = helper.make_model(g, opset_imports=opsets, producer_name="hybrid-runtime")
-        m.ir_version = 8
-        return m
+        return helper.make_model(g, opset_imports=opsets, ir_version=8)
 
 
 def _silu(g: _Graph, x: str, out: str) -> None:
@@ -104,7 +101,7 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
             cfg.linear_value_head_dim)
 
 
-def decode_graph(cfg: ModelConfig) -> onnx.ModelProto:
+def decode_graph(cfg: ModelConfig) -> helper.Model:
     """u ``[B, 1, C]``, g/beta ``[B, 1, nv]``, conv_wt ``[K, C]``, conv_in ``[B, K-1, C]``, rec ``[B, nv, dk, dv]``
     -> o ``[B, 1, nv*dv]``, conv_out ``[B, K-1, C]``, rec_out (= rec's shape).
 
@@ -126,7 +123,7 @@ def decode_graph(cfg: ModelConfig) -> onnx.ModelProto:
     return g.model("gdn_decode", ins, outs)
 
 
-def prefill_graph(cfg: ModelConfig) -> onnx.ModelProto:
+def prefill_graph(cfg: ModelConfig) -> helper.Model:
     """Ragged chunks laid out ``[B, W = K-1+Tmax]`` by index (rows: ``conv_in`` rows, then the tokens, then a
     zero row): u ``[T, C]``, g/beta ``[T, nv]``, conv_w ``[C, 1, K]``, conv_in ``[B, K-1, C]``, rec, win_idx
     ``[B*W]`` (each sequence's window then tokens then zeros), state_idx ``[B*(K-1)]`` (its new window),
@@ -174,8 +171,10 @@ class OrtGdn:
         opts = session_options(intra_op_threads)
         self._decode = Binding(cpu_session(decode_graph(cfg), opts))
         self._prefill = Binding(cpu_session(prefill_graph(cfg), opts))
-        # decode outputs per (B, K-1, C): (o [B, nv*dv], o as [B, 1, nv*dv], conv_out [B, K-1, C])
+        # decode outputs per (B, pool shape): (o [B, nv*dv], o as [B, 1, nv*dv], conv_out [B, K-1, C]), views of
+        # one (o, conv_out) pair per pool shape (a buffer per batch size held 7 MiB for the 334M model's 16)
         self._out_views: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._out_base: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._last: _Plan | None = None  # the previous call's slot plan (every layer of a step shares it)
         # id(conv_w) -> (conv_w, [C, 1, K], [K, C]); holding conv_w keeps its id from being reused
         self._taps_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -229,11 +228,14 @@ class OrtGdn:
         if order is not None:  # token rows into slot order (a few KB), so the states can stay in place
             u, g, beta = u[order], g[order], beta[order]
         rec = self._gather(rec_buf, plan)
-        o = self._out_views.get((B, *conv_buf.shape[1:]))
-        if o is None:  # output buffers kept per shape, the same objects every call: no rebinding
-            o = self._out_views[(B, *conv_buf.shape[1:])] = (
-                out := np.empty((B, self.cfg.value_dim), np.float32), out.reshape(B, 1, -1),
-                np.empty((B, *conv_buf.shape[1:]), np.float32))
+        o = self._out_views.get((B, *conv_buf.shape))
+        if o is None:  # views of one buffer per pool shape, the same objects every call: no rebinding
+            base = self._out_base.get(conv_buf.shape)
+            if base is None:  # as many rows as the pool (B <= its slots): one buffer for every batch size
+                rows = conv_buf.shape[0]
+                base = self._out_base[conv_buf.shape] = (np.empty((rows, self.cfg.value_dim), np.float32),
+                                                         np.empty(conv_buf.shape, np.float32))
+            o = self._out_views[(B, *conv_buf.shape)] = (base[0][:B], base[0][:B].reshape(B, 1, -1), base[1][:B])
         conv_out = o[2]
         bd = self._decode
         for name, arr in (("u", u), ("g", g), ("beta", beta)):

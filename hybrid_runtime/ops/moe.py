@@ -30,10 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
+from .. import onnx_proto as helper
 from ..config import BundleError, ModelConfig
 from ..engine.ort_session import Binding, cpu_session, session_options
 from ..quant import nbits_dequantize
@@ -53,19 +52,17 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def _external(name: str, shape: list[int], dtype: int = TensorProto.FLOAT) -> TensorProto:
+def _external(name: str, shape: list[int], dtype: int = helper.FLOAT) -> helper.Tensor:
     """An initializer whose data comes from outside the graph (a file range, or an in-memory array)."""
-    t = TensorProto(name=name, data_type=dtype, dims=shape, data_location=TensorProto.EXTERNAL)
-    t.external_data.add(key="location", value="added-at-session-creation")
-    return t
+    return helper.external_tensor(name, shape, dtype)
 
 
-def _const(name: str, values: list, dtype: type = np.int64) -> TensorProto:
-    return onnx.numpy_helper.from_array(np.array(values, dtype), name)
+def _const(name: str, values: list, dtype: type = np.int64) -> helper.Tensor:
+    return helper.from_array(np.array(values, dtype), name)
 
 
-_QUANT_DTYPES = {"B": TensorProto.UINT8, "s": TensorProto.FLOAT, "z": TensorProto.UINT8, "p": TensorProto.INT64}
-_FILE_DTYPES = {TensorProto.FLOAT: "F32", TensorProto.UINT8: "U8", TensorProto.INT64: "I64"}
+_QUANT_DTYPES = {"B": helper.UINT8, "s": helper.FLOAT, "z": helper.UINT8, "p": helper.INT64}
+_FILE_DTYPES = {helper.FLOAT: "F32", helper.UINT8: "U8", helper.INT64: "I64"}
 _QUANT_STORED = {"B": "nbits_B", "s": "nbits_scales", "z": "nbits_zp", "p": "nbits_perm"}
 
 
@@ -109,7 +106,7 @@ def _gemm(nodes: list, inits: list, x: str, w: str, out: str, q: QuantGemm | Non
                                   block_size=q.block_size, accuracy_level=q.accuracy_level))
 
 
-def moe_graph(cfg: ModelConfig, layer: int, quant: Mapping[str, QuantGemm] | None = None) -> onnx.ModelProto:
+def moe_graph(cfg: ModelConfig, layer: int, quant: Mapping[str, QuantGemm] | None = None) -> helper.Model:
     """``h [T, H]``, ``pair_r`` = 0..T*k-1, ``num_pairs`` = [T*k] -> ``y [T, H]``. Weights are external
     initializers: ``router``, ``w1_{e}`` / ``w2_{e}`` per expert, ``s_*`` for the shared expert; a weight
     kind in ``quant`` (``w1``, ``w2``, ``s_gate``, ``s_up``, ``s_down``) is MatMulNBits parts ``<name>_B``,
@@ -176,19 +173,17 @@ def moe_graph(cfg: ModelConfig, layer: int, quant: Mapping[str, QuantGemm] | Non
                   n("Sigmoid", ["s_logit"], ["s_scale"]),
                   n("Mul", ["s_out", "s_scale"], ["shared"]),
                   n("Add", ["routed", "shared"], ["y"])]
-    ins = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["T", H]),
-           helper.make_tensor_value_info("pair_r", TensorProto.INT64, ["R"]),
-           helper.make_tensor_value_info("num_pairs", TensorProto.INT64, [1])]
-    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])]
+    ins = [helper.make_tensor_value_info("h", helper.FLOAT, ["T", H]),
+           helper.make_tensor_value_info("pair_r", helper.INT64, ["R"]),
+           helper.make_tensor_value_info("num_pairs", helper.INT64, [1])]
+    outs = [helper.make_tensor_value_info("y", helper.FLOAT, ["T", H])]
     graph = helper.make_graph(nodes, f"moe{layer}", ins, outs, inits)
     opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if quant else [])
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="hybrid-runtime")
-    model.ir_version = 8
-    return model
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-def _external_inits(model: onnx.ModelProto) -> list[TensorProto]:
-    return [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+def _external_inits(model: helper.Model) -> list[helper.Tensor]:
+    return [t for t in model.graph.initializers if t.is_external]
 
 
 def _quant_gemm(get, stored: set[str], name: str) -> QuantGemm:
@@ -239,9 +234,7 @@ class MoE:
             ranges = self._file_ranges(weights, model)
             for init in _external_inits(model):
                 offset, length = ranges[init.name]
-                del init.external_data[:]
-                for key, value in (("location", weights.path.name), ("offset", offset), ("length", length)):
-                    init.external_data.add(key=key, value=str(value))
+                init.external = [("location", weights.path.name), ("offset", str(offset)), ("length", str(length))]
         else:
             ext = _external_inits(model)
             self._values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(self._array(i.name)))
@@ -281,11 +274,11 @@ class MoE:
         arr = arr[e] if e is not None else arr
         return np.asarray(arr, np.float32) if arr.dtype.kind == "f" else np.asarray(arr)
 
-    def _dtypes_match(self, sw: SafetensorsFile, model: onnx.ModelProto) -> bool:
+    def _dtypes_match(self, sw: SafetensorsFile, model: helper.Model) -> bool:
         """Whether every initializer can be read from the file as stored (else they are copied, converted)."""
         return all(sw.dtype(self._source(i.name)[0]) == _FILE_DTYPES[i.data_type] for i in _external_inits(model))
 
-    def _file_ranges(self, sw: SafetensorsFile, model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    def _file_ranges(self, sw: SafetensorsFile, model: helper.Model) -> dict[str, tuple[int, int]]:
         """Byte ranges in the state-weights file of every initializer (one expert = one block of a tensor)."""
         E = self.cfg.num_experts
         ranges: dict[str, tuple[int, int]] = {}

@@ -9,7 +9,7 @@ import pytest
 
 from hybrid_runtime.ops import attention as A
 from hybrid_runtime.ops.attention_ort import CHUNK, OrtAttention
-from hybrid_runtime.ops.dispatcher import DecodeAttentionDispatcher
+from hybrid_runtime.ops.dispatcher import SINGLE, DecodeAttentionDispatcher
 
 LAYOUTS = [(8, 2, 32, 16), (4, 2, 16, 4), (2, 2, 16, 5)]  # (H, Hkv, hd, page size); the last has no GQA (G = 1)
 POOL = 120
@@ -62,3 +62,24 @@ def test_prefill_matches_numpy_and_any_cut_gives_the_same_bits(layout, monkeypat
 
     monkeypatch.setattr(attention_ort, "_MAX_PARTIALS", 1)  # one query per run: blocks change no bit
     np.testing.assert_array_equal(op.prefill(q, k, v, tables, starts, bounds), got)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_in_blocks_of_sequences_gives_the_same_bits(layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_MAX_GATHER splits a step's sequences into runs: every split gives every row the same bits."""
+    from hybrid_runtime.ops import attention_ort
+
+    H, Hkv, hd, ps = layout
+    rng = np.random.default_rng(3 * hd + ps)
+    k, v = _pools(rng, Hkv, hd, ps)
+    lens = np.array([1, 2 * CHUNK + 3, 40, CHUNK, 3 * CHUNK, 7])
+    tables = [rng.permutation(POOL)[: -(-int(n) // ps) + 1] for n in lens]
+    q = rng.standard_normal((len(lens), H, hd)).astype(np.float32)
+    want = OrtAttention(H, Hkv, hd).kernels()[SINGLE](None, q, k, v, tables, lens).copy()
+    for bound in (1, 2 * CHUNK * Hkv * hd, 4 * CHUNK * Hkv * hd):  # one sequence per run; mixed runs
+        monkeypatch.setattr(attention_ort, "_MAX_GATHER", bound)
+        op = OrtAttention(H, Hkv, hd)
+        got = op.kernels()[SINGLE](None, q, k, v, tables, lens)
+        np.testing.assert_array_equal(got, want)
+        assert bound > 1 or len(op._last[1]) == len(lens)
+    np.testing.assert_allclose(want, A.decode_attention_single(q, k, v, tables, lens), atol=1e-5, rtol=0)
