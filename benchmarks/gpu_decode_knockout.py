@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_on_stream, write_report
 from benchmarks.gpu_decode_step import build, qwen35_moe_config
 
 # class -> (label, which launches it removes)
@@ -81,18 +80,6 @@ def knocked_out(be: Any, cls: str | None) -> Iterator[None]:
             u()
 
 
-def replay_ms(be: Any, g: Any, reps: int = 30) -> float:
-    meas = []
-    for _ in range(5):
-        e0, e1 = be.dev.event(), be.dev.event()
-        be.dev.record(e0)
-        for _ in range(reps):
-            g.launch()
-        be.dev.record(e1)
-        meas.append(be.dev.elapsed_ms(e0, e1) / reps)
-    return statistics.median(meas)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/gpu_decode_knockout_h200.md")
@@ -139,7 +126,9 @@ def main() -> int:
                 g = CudaGraph(be.dev, body)
             g.launch()
             be.dev.synchronize()
-            times[cls] = (replay_ms(be, g), g.num_nodes)
+            # graph launches enqueue far faster than a step runs: no spin kernel needed ahead of them
+            times[cls] = (time_on_stream(be.dev, lambda i, g=g: g.launch(), 30, runs=5, warmup=(), spin_cycles=0) * 1e3,
+                          g.num_nodes)
             g.destroy()
             log(f"B={B} without {cls}: {times[cls][0]:.3f} ms, {times[cls][1]} kernels")
         full, nodes = times[None]

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_on_stream, write_report
 
 L_, A_ = "linear_attention", "full_attention"
 
@@ -128,15 +128,7 @@ def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20, profile:
     if g is not None:
         be.dev.copy_htod(be.inp.ptr, be.host_in.array[:ctx_obj.upload_bytes])
         nodes = g.num_nodes
-        meas = []
-        for _ in range(3):
-            e0, e1 = be.dev.event(), be.dev.event()
-            be.dev.record(e0)
-            for _ in range(reps):
-                g.launch()
-            be.dev.record(e1)
-            meas.append(be.dev.elapsed_ms(e0, e1) / reps / 1e3)
-        gpu = statistics.median(meas)
+        gpu = time_on_stream(be.dev, lambda i: g.launch(), reps, runs=3, warmup=(), spin_cycles=0)
     active = be.dev.download(be.arena.bufs["active"])[0, be.cfg.num_experts + 1]
     prof = None
     if profile:

@@ -35,3 +35,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason:
         for it in mine:
             it.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+@pytest.fixture(scope="module")
+def dev():
+    """The project's ``CudaDevice`` on GPU 0 (one per module; a file may define its own ``dev``)."""
+    import torch
+
+    torch.cuda.init()
+    from hybrid_runtime.cuda.driver import CudaDevice
+
+    return CudaDevice(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_bits import host_bits, to_f32
 
 pytestmark = pytest.mark.gpu
 
@@ -15,35 +16,13 @@ CANARY = -7777.0
 SHAPES = [(12352, 2048), (2048, 4096), (264, 2048), (40, 96)]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    import torch
-
-    torch.cuda.init()
-    from hybrid_runtime.cuda.driver import CudaDevice
-
-    return CudaDevice(0)
-
-
-def to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    from hybrid_runtime.weights_io import bf16_to_f32
-
-    return bf16_to_f32(bits) if dtype == "bfloat16" else bits.view(np.float16).astype(np.float32)
-
-
-def bits_of(x: np.ndarray, dtype: str) -> np.ndarray:
-    from hybrid_runtime.cuda.backend import to_dtype
-
-    return to_dtype(x, dtype)
-
-
 class Rig:
     def __init__(self, dev, dtype: str, N: int, K: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
         self.dev, self.dtype, self.N, self.K = dev, dtype, N, K
         self.ldx = K + 8  # a padded leading dimension, as the arena's
-        self.wb = bits_of((rng.standard_normal((N, K)) * 0.05).astype(np.float32), dtype)
-        self.xb = bits_of(rng.standard_normal((16, self.ldx)).astype(np.float32), dtype)
+        self.wb = host_bits((rng.standard_normal((N, K)) * 0.05).astype(np.float32), dtype)
+        self.xb = host_bits(rng.standard_normal((16, self.ldx)).astype(np.float32), dtype)
         self.w, self.x = dev.upload(self.wb, dtype=dtype), dev.upload(self.xb, dtype=dtype)
         self.bias = rng.standard_normal(N).astype(np.float32)
         self.res = rng.standard_normal((16, N + 4)).astype(np.float32)
@@ -57,7 +36,7 @@ class Rig:
         if out_f32:
             out = self.dev.upload(host)
         else:
-            out = self.dev.upload(bits_of(host, self.dtype), dtype=self.dtype)
+            out = self.dev.upload(host_bits(host, self.dtype), dtype=self.dtype)
         kern.launch(n, self.x.ptr, self.ldx, self.w.ptr, self.N, self.K, out.ptr, ldo, out_f32,
                     residual=out.ptr if residual else 0, ldr=ldo if residual else 0, bias=self.b.ptr if bias else 0)
         self.dev.synchronize()
@@ -98,7 +77,7 @@ def test_bias_residual_in_place_and_dtype_output(dev, dtype) -> None:
     assert np.array_equal(both[:n, :N], want.astype(np.float32))
     assert np.array_equal(both[n:], rig.res[n:]) and np.array_equal(both[:n, N:], rig.res[:n, N:])
     lo = rig.run(kern, n, out_f32=False)
-    want_lo = to_f32(bits_of(plain[:n, :N], dtype), dtype)
+    want_lo = to_f32(host_bits(plain[:n, :N], dtype), dtype)
     assert np.array_equal(np.asarray(lo[:n, :N], np.float32), want_lo), "T output = float32 result rounded once"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_bits import host_bits, to_f32
 
 pytestmark = pytest.mark.gpu
 
@@ -30,19 +31,6 @@ def dev():
     from hybrid_runtime.cuda.driver import CudaDevice
 
     return CudaDevice(0)
-
-
-def to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Host bits as to_dtype makes them (uint16 for bfloat16, float16) -> float32."""
-    from hybrid_runtime.weights_io import bf16_to_f32
-
-    return bf16_to_f32(bits) if dtype == "bfloat16" else bits.view(np.float16).astype(np.float32)
-
-
-def host_bits(x: np.ndarray, dtype: str) -> np.ndarray:
-    from hybrid_runtime.cuda.backend import to_dtype
-
-    return to_dtype(x, dtype)
 
 
 def reference_route(logits: np.ndarray, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,16 +12,6 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def dev():
-    import torch
-
-    torch.cuda.init()
-    from hybrid_runtime.cuda.driver import CudaDevice
-
-    return CudaDevice(0)
-
-
 def logits_with_ties(rng: np.random.Generator, n: int, E: int, ld: int) -> np.ndarray:
     lg = np.round(rng.standard_normal((n, ld)) * 2, 1).astype(np.float32)  # one decimal: many exact ties
     lg[0, :E] = 0.0

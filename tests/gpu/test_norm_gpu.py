@@ -24,16 +24,6 @@ H = 2048  # Qwen3.5-35B-A3B
 BLOCKS = (128, 256, 512)  # every block rmsnorm_rows takes at H = 2048 (512 groups of 4 columns, <= 4 per thread)
 
 
-@pytest.fixture(scope="module")
-def dev():
-    import torch
-
-    torch.cuda.init()
-    from hybrid_runtime.cuda.driver import CudaDevice
-
-    return CudaDevice(0)
-
-
 _MODS: dict = {}
 
 
