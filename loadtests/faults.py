@@ -16,6 +16,12 @@ the last two are locust failures):
 ``SOAK_PROTOCOL=grpc`` (or ``http``) keeps only the faults of that transport; ``FAULT_FILTER`` (a regex on
 the names) narrows them further.
 
+A gRPC stream that carried an error (a request the core or the model refused) is closed without a cancel
+and a new one opened, as this project's clients do (a stream per request). ``FAULT_REUSE_STREAM_AFTER_ERROR=1``
+keeps it open for the next fault instead: a ``cancel_mid_stream`` on such a stream trips a Triton 2.51 gRPC
+frontend leak (~11 KB per stream, and the model never unloads at shutdown: deploy/README.md), which a client
+that reuses a stream after an error would meet.
+
 The server must survive all of this: the valid users' failures, readiness and the drain of slots and KV
 pages afterwards are the soak runner's checks.
 """
@@ -180,6 +186,7 @@ class FaultUser(User):
         self.ctx = context(self.host)
         self.rng = user_rng(self.ctx)
         self.stream = GrpcStream(self.ctx.target.grpc)
+        self.reuse_after_error = os.environ.get("FAULT_REUSE_STREAM_AFTER_ERROR", "0") == "1"
         # cancel_after_final is on unless FAULT_CANCEL_AFTER_FINAL=0. It can trip a Triton 2.51 gRPC-frontend
         # bug (a model reference is left behind, so the server cannot unload at shutdown: deploy/README.md);
         # the soak recognises that exact shape and still checks that the model itself stays sound.
@@ -248,6 +255,8 @@ class FaultUser(User):
         except InferenceServerException as e:  # refused on the client side or the stream broke
             error = e.message()
             self.stream.reset()
+        if error is not None and not self.reuse_after_error:
+            self.stream.reset(cancel=False)  # a stream that carried an error is closed, not reused
         self._judge_error(case, t0, error, tokens)
 
     def invalid_http(self) -> None:

@@ -10,6 +10,9 @@
 * :func:`growth_verdict` — the slope after the settle period against a budget in MiB per hour. The budget
   never asks for less than ``floor_mib`` of fitted growth over the window: a 60 s run cannot resolve
   1 MiB/h (RSS moves by pages and allocator arenas), so its budget is ``floor_mib`` per window.
+* :class:`Allowance` — what the tree's budget adds for a known upstream leak the run provoked on purpose
+  (Triton 2.51's late-cancel leak: at most ``LATE_CANCEL_LEAK_KIB`` per late cancel); the stubs' own
+  slopes get no allowance.
 """
 
 from __future__ import annotations
@@ -340,32 +343,61 @@ def _grower(g: Any) -> dict[str, Any]:
     return {"where": g.where, "size_diff": g.size_diff, "count_diff": g.count_diff, "size": g.size, "count": g.count}
 
 
+# Triton 2.51's gRPC frontend keeps ~5-6 KB (heaptrack: 5.7 KB) for a stream cancelled right after its final
+# response when it loses the race described in deploy/README.md; not every late cancel loses it.
+LATE_CANCEL_LEAK_KIB = 6.0
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """Growth the tree's budget allows for a known upstream leak: ``mib_h`` MiB per hour, and why."""
+
+    mib_h: float
+    reason: str
+
+    @classmethod
+    def late_cancels(cls, count: int, duration_s: float) -> Allowance:
+        """The bound of Triton 2.51's late-cancel leak for ``count`` late cancels sent over ``duration_s``."""
+        if count <= 0 or duration_s <= 0:
+            return cls(0.0, "")
+        rate = count * LATE_CANCEL_LEAK_KIB / 1024.0 * HOUR / duration_s
+        return cls(round(rate, 3), f"{count} late cancels x {LATE_CANCEL_LEAK_KIB:g} KiB (Triton 2.51's gRPC frontend "
+                                   f"leak, deploy/README.md) = {rate:.2f} MiB/h")
+
+
 def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib: float, ratio: float,
-                floor_jump_mib: float, heap_dir: Path | None = None, t0_wall: float = 0.0) -> Report:
+                floor_jump_mib: float, heap_dir: Path | None = None, t0_wall: float = 0.0,
+                allowance: Allowance | None = None) -> Report:
     """Every memory check of a soak: the end RSS within max(ratio x start, start + floor_jump_mib) (a jump),
-    the RSS growth slope of the tree within the plan's budget (slow growth), and each stub's traced Python
-    heap slope within the same budget when the model exported it (heap debugging); with ``heap_dir``, the
-    heap snapshots compared as well."""
+    the RSS growth slope of the tree within the plan's budget plus ``allowance`` (the bound of a known upstream
+    leak the run provoked, which only the tritonserver process can show), each stub's RSS slope within the
+    plan's budget alone (the project's own process), and each stub's traced Python heap slope within it when
+    the model exported it (heap debugging); with ``heap_dir``, the heap snapshots compared as well."""
     rep = Report()
+    allowance = allowance or Allowance(0.0, "")
     bound = max(start_mib * ratio, start_mib + floor_jump_mib)
     peak = max([end_mib, start_mib, *(s.total_mib for s in samples)])
     rep.checks.append(("memory: end RSS within bound", end_mib <= bound,
                        f"{start_mib:.1f} MiB after warm-up -> {end_mib:.1f} MiB at the end (peak {peak:.1f}); bound "
                        f"max(x{ratio}, +{floor_jump_mib:.0f} MiB) = {bound:.1f} MiB"))
-    total = growth_verdict("RSS of the tritonserver tree", series_of(samples), plan.settle_s, plan.budget_mib_h,
-                           plan.floor_mib)
+    total = growth_verdict("RSS of the tritonserver tree", series_of(samples), plan.settle_s,
+                           plan.budget_mib_h + allowance.mib_h, plan.floor_mib)
     budget_text = (f"budget {plan.budget_mib_h:g} MiB/h, at least {plan.floor_mib:g} MiB over the window; "
                    f"fit after the first {plan.settle_s:.0f} s")
+    tree_text = budget_text + (f"; the tree's budget includes {allowance.reason}" if allowance.mib_h else "")
     if total is None:
         rep.checks.append(("memory: RSS growth slope within budget", False,
                            f"only {len(samples)} samples: too few after {plan.settle_s:.0f} s to fit a slope"))
     else:
-        rep.checks.append(("memory: RSS growth slope within budget", total.ok, f"{total.line()} ({budget_text})"))
+        rep.checks.append(("memory: RSS growth slope within budget", total.ok, f"{total.line()} ({tree_text})"))
     per_process = {}
     for key in sorted({k for s in samples for k in s.rss_mib}):
         g = growth_verdict(f"RSS {key}", series_of(samples, key), plan.settle_s, plan.budget_mib_h, plan.floor_mib)
         if g is not None:
             per_process[key] = g.as_dict()
+            if key.startswith("stub:"):  # the model's process: no allowance
+                rep.checks.append((f"memory: RSS growth slope of {key} within budget", g.ok,
+                                   f"{g.line()} ({budget_text})"))
             for part, label in ((0, "anon"), (1, "shmem")):
                 gp = growth_verdict(f"{label} {key}", series_of(samples, key, part=part), plan.settle_s,
                                     plan.budget_mib_h, plan.floor_mib)
@@ -388,6 +420,7 @@ def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib
         rep.checks.append((f"memory: Python heap of {key} within budget", g.ok, f"{g.line()} ({budget_text})"))
     rep.data = {"start_mib": round(start_mib, 1), "end_mib": round(end_mib, 1), "peak_mib": round(peak, 1),
                 "bound_mib": round(bound, 1), "plan": plan.as_dict(),
+                "allowance": {"mib_h": allowance.mib_h, "reason": allowance.reason},
                 "growth": None if total is None else total.as_dict(), "per_process": per_process,
                 "python_heap": heaps, "samples": len(samples),
                 "series": [[s.t_s, s.total_mib, s.rss_mib, s.heap_mib] for s in summary_rows(samples, 24)]}
@@ -418,7 +451,9 @@ def render(data: dict[str, Any]) -> list[str]:
                          + "".join(f" {row[3].get(h, float('nan')):18.2f}" for h in heaps))
     g = data.get("growth")
     if g:
-        lines.append(f"memory growth: tree {g['slope_mib_h']:+.2f} MiB/h (budget {g['budget_mib_h']:.2f}); "
+        allow = (data.get("allowance") or {}).get("mib_h") or 0.0
+        lines.append(f"memory growth: tree {g['slope_mib_h']:+.2f} MiB/h (budget {g['budget_mib_h']:.2f}"
+                     + (f", of which {allow:.2f} for Triton's late-cancel leak" if allow else "") + "); "
                      + "; ".join(f"{k} {v['slope_mib_h']:+.2f} (anon {v.get('anon_slope_mib_h', float('nan')):+.2f}, "
                                  f"shmem {v.get('shmem_slope_mib_h', float('nan')):+.2f})"
                                  for k, v in data.get("per_process", {}).items())
