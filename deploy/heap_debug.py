@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import os
@@ -24,23 +25,31 @@ import time
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("deploy.heap_debug")
 
 SNAPSHOT_GLOB = "heap-*.tracemalloc"
 
 
-def release_free_heap() -> bool:
-    """Return malloc's free memory to the system (glibc ``malloc_trim(0)``); False where there is no glibc."""
+@functools.cache
+def _malloc_trim() -> Any:
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     except OSError:
-        return False
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Return malloc's free memory to the system (glibc ``malloc_trim(0)``, called without the GIL: a ctypes
+    ``CDLL`` function); False where there is no glibc."""
+    trim = _malloc_trim()
     if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 

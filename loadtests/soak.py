@@ -521,8 +521,7 @@ def run(args: argparse.Namespace) -> Soak:
         tree_end = process_tree(pid) if pid else {}
         if mem_start and tree_end:
             mem_end = rss_mib(tree_end)
-            late = sum(sum(o.values()) for k, o in faults.items() if k.startswith("cancel_after_final"))
-            allowance = mem.Allowance.late_cancels(late, duration_s)
+            allowance = mem.Allowance.late_cancels(late_cancels(summary), duration_s)
             report = mem.soak_report(samples, mem_plan, mem_start, mem_end, MEMORY_RATIO, MEMORY_JUMP_MIB,
                                      heap_dir if args.heap_debug else None, sampler.t0_wall if sampler else 0.0,
                                      allowance)
@@ -556,6 +555,11 @@ def run(args: argparse.Namespace) -> Soak:
             _stop_server(soak, server, tree_end, ours_shm)
     soak.data["wall_s"] = round(time.monotonic() - t_begin, 1)
     return soak
+
+
+def late_cancels(summary: dict[str, Any]) -> int:
+    """How many ``cancel_after_final`` faults the locust summary counts (every outcome)."""
+    return sum(sum(o.values()) for k, o in summary.get("faults", {}).items() if k.startswith("cancel_after_final"))
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -609,11 +613,10 @@ def _stop_server(soak: Soak, server: Any, tree: dict[int, int], ours_shm: set[st
     log_text = server.log_text()
     crash = [ln.strip() for ln in log_text.splitlines() if CRASH_PATTERNS.search(ln)][:5]
     hang = unload_hang(log_text)
-    late_cancels = sum(sum(o.values()) for k, o in soak.data.get("summary", {}).get("faults", {}).items()
-                       if k.startswith("cancel_after_final"))
+    late = late_cancels(soak.data.get("summary", {}))
     soak.data["shutdown"] = {"exit_code": code, "seconds": stop_s, "processes_left": sorted(left),
                              "shm_left": leaked, "exit_timeout_expired": hang["exit_timeout_expired"],
-                             "unload_hang": hang, "late_cancels": late_cancels, "crash_lines": crash}
+                             "unload_hang": hang, "late_cancels": late, "crash_lines": crash}
     # Triton 2.51's gRPC frontend keeps a model reference when a client cancels a stream while the write of
     # its final response is still pending (deploy/README.md): the model then never unloads and the server
     # exits on its exit timeout (code 1); stop() reaps the stub and its shm region. That upstream hang is
@@ -622,11 +625,11 @@ def _stop_server(soak: Soak, server: Any, tree: dict[int, int], ours_shm: set[st
     # last live model until the timeout. A hang with inferences in flight, a crash, a survivor process or a
     # leak outside that case fails the soak.
     upstream_hang = hang["exit_timeout_expired"] and hang["no_inflight_inferences"] and hang["live_model_waits"] > 0 \
-        and code == 1 and not crash and late_cancels > 0
+        and code == 1 and not crash and late > 0
     detail = f"exit code {code} after {stop_s} s"
     if hang["exit_timeout_expired"]:
         detail += (" (the model unload hit the exit timeout with no inference in flight after "
-                   f"{late_cancels} late cancels: Triton 2.51's gRPC frontend holds the model, see deploy/README.md)"
+                   f"{late} late cancels: Triton 2.51's gRPC frontend holds the model, see deploy/README.md)"
                    if upstream_hang else " (the exit timeout expired outside the known upstream case)")
     soak.check("clean shutdown: exit 0 (or Triton's known unload hang), no process or /dev/shm region left",
                (code == 0 or upstream_hang) and not left and (not leaked or upstream_hang),
