@@ -54,41 +54,6 @@ def release_free_heap() -> bool:
     return True
 
 
-class HeapTrimmer:
-    """A daemon thread that gives malloc's free memory back to the system every ``period_s``
-    (:func:`release_free_heap`; the call runs without the GIL, so Python threads go on meanwhile).
-
-    The model's engine frees what a step allocated, but glibc keeps the freed blocks of its per-thread arenas
-    mapped, and steps of new shapes leave holes it reuses only in part: measured on the H200 (4-layer soak,
-    16 users), the stub's thread arenas grew 18 -> 29 MiB in 3 minutes with the traced Python heap flat.
-    """
-
-    def __init__(self, period_s: float = 60.0) -> None:
-        if period_s <= 0:
-            raise ValueError("period_s must be > 0")
-        self.period_s = period_s
-        self.trims = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> HeapTrimmer:
-        self._thread = threading.Thread(target=self._run, name="heap-trim", daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            if not release_free_heap():
-                log.info("malloc_trim is not available here: the heap trimmer stops")
-                return
-            self.trims += 1
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-
 class HeapMonitor:
     """tracemalloc with ``frames`` frames per trace, a snapshot every ``period_s`` into ``directory``.
 

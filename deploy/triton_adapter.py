@@ -102,7 +102,6 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
     "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
     "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
-    "malloc_trim_period_s": (_int_at_least(0), "an integer >= 0 (seconds between malloc_trim calls; 0 = never)"),
 }
 
 
@@ -122,7 +121,6 @@ class ModelParameters:
     gpu_memory_fraction: float = 0.9
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
-    malloc_trim_period_s: int = 60  # > 0: malloc's free memory given back this often (deploy.heap_debug.HeapTrimmer)
 
     def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
         """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import random
-import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from deploy.heap_debug import HeapMonitor, HeapTrimmer, compare, release_free_heap, snapshot_files
+from deploy.heap_debug import HeapMonitor, compare, release_free_heap, snapshot_files
 from loadtests import memory as mem
 
 
@@ -147,22 +146,6 @@ def test_release_free_heap_returns_freed_small_blocks_to_the_system() -> None:
     before = anon_mib()
     assert release_free_heap()
     assert anon_mib() < before - 40.0 and len(keep) == 391
-
-
-def test_heap_trimmer_trims_on_its_period_and_stops() -> None:
-    if not release_free_heap():
-        pytest.skip("no glibc malloc_trim here")
-    with pytest.raises(ValueError):
-        HeapTrimmer(0)
-    trimmer = HeapTrimmer(0.02).start()
-    deadline = time.monotonic() + 5
-    while trimmer.trims < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    trimmer.stop()
-    done = trimmer.trims
-    assert done >= 3
-    time.sleep(0.1)
-    assert trimmer.trims == done  # stopped
 
 
 def test_heap_snapshot_leaves_no_transient_memory_in_the_rss(tmp_path: Path) -> None:

@@ -68,7 +68,6 @@ def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
     ("log_level", "chatty", "debug, info, warning, error"),
     ("intra_op_threads", "1.5", "integer >= 0"),
     ("heap_snapshot_period_s", "0", "integer >= 1"),
-    ("malloc_trim_period_s", "-1", "integer >= 0"),
 ])
 def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
     with pytest.raises(ParameterError) as e:
@@ -81,9 +80,7 @@ def test_heap_debugging_parameters(tmp_path: Path) -> None:
     model_dir = tmp_path / "hybrid_llm"
     model_dir.mkdir()
     off = parse_parameters(_config(engine_dir=str(tmp_path), heap_debug_dir=""), model_dir)
-    assert off.heap_debug_dir is None and off.heap_snapshot_period_s == 300 and off.malloc_trim_period_s == 60
-    assert parse_parameters(_config(engine_dir=str(tmp_path), malloc_trim_period_s="0"),
-                            model_dir).malloc_trim_period_s == 0
+    assert off.heap_debug_dir is None and off.heap_snapshot_period_s == 300
     on = parse_parameters(_config(engine_dir=str(tmp_path), heap_debug_dir="heap", heap_snapshot_period_s="60"),
                           model_dir)
     assert on.heap_debug_dir == (model_dir / "heap").resolve() and on.heap_snapshot_period_s == 60

@@ -26,7 +26,7 @@ for _entry in reversed([p for p in os.environ.get("HYBRID_LLM_SYS_PATH", "").spl
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from deploy.heap_debug import HeapMonitor, HeapTrimmer  # noqa: E402
+from deploy.heap_debug import HeapMonitor  # noqa: E402
 from deploy.inflight import CancelWatcher, SendQueue  # noqa: E402
 from deploy.triton_adapter import (  # noqa: E402
     LogprobsEncoder,
@@ -75,8 +75,6 @@ class TritonPythonModel:
         # Heap debugging (heap_debug_dir) starts first, so that everything the model allocates is traced.
         self.heap = None if self.params.heap_debug_dir is None else \
             HeapMonitor(self.params.heap_debug_dir, self.params.heap_snapshot_period_s).start()
-        self.trimmer = None if not self.params.malloc_trim_period_s else \
-            HeapTrimmer(self.params.malloc_trim_period_s).start()
         import numpy
 
         if int(numpy.__version__.split(".")[0]) >= 2:  # measured with nvidia-pytriton 0.7.0's stub: deploy/README.md
@@ -174,8 +172,6 @@ class TritonPythonModel:
         self.sends.close()
         self.watcher.stop()
         self.metrics.stop()
-        if self.trimmer is not None:
-            self.trimmer.stop()
         if self.heap is not None:
             self.heap.stop()
         log.info("finalize: done")
