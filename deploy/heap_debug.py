@@ -6,10 +6,14 @@ data allocations to tracemalloc), exports the traced size as a gauge and writes 
 ``<dir>/heap-<pid>-<seq>.tracemalloc`` every ``period_s``. ``python -m loadtests.soak`` compares them
 (:func:`compare`). Off by default: tracing costs CPU on every Python allocation and memory per block.
 
-A snapshot copies every trace into Python objects (hundreds of MiB transiently in a soak's stub); glibc keeps
-the freed memory in its free lists, so without :func:`release_free_heap` after each snapshot the stub's RSS
-would climb at each of the first snapshots (measured: 164 -> 198 -> 231 MiB, malloc's in-use memory flat) and
-the soak would read the debugging tool's own cost as the model's growth.
+A snapshot copies every trace into Python objects (hundreds of MiB transiently in a soak's stub). Taken in the
+stub itself, it left its mark on the stub's RSS even with :func:`release_free_heap` after it: 2-5 MiB at each
+of the first snapshots (issue 21: the CPU soak's stub grew 23 MiB in its first hour, in steps within 30 s of
+each snapshot, its traced heap flat; with ``MALLOC_ARENA_MAX=1`` the steps landed in glibc's main arena and in
+pymalloc's 1 MiB arenas, i.e. memory the snapshot's objects left pinned). So the snapshot is taken in a forked
+child (``fork=True``, the default where ``os.fork`` exists): the child has a copy of tracemalloc's tables, writes
+the file and exits, and the stub's own heap never sees the snapshot's objects. The child is killed after
+``child_timeout_s`` (a lock another thread held at the fork would hang it) and the snapshot skipped.
 
 Which native allocator holds what tracemalloc cannot see (issue 21: the CPU stub's first-hour growth with its
 Python heap flat): :func:`malloc_stats` reads glibc's ``malloc_info`` (each arena's size and free memory, the
@@ -20,6 +24,7 @@ adds them up (``loadtests.memory.ort_arena_series``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -38,6 +43,8 @@ from xml.etree import ElementTree
 log = logging.getLogger("deploy.heap_debug")
 
 SNAPSHOT_GLOB = "heap-*.tracemalloc"
+SNAPSHOT_COMM = "hybrid-heapsnap"  # the forked snapshot child's name (/proc/<pid>/comm): the soak skips it
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 
 
 @functools.cache
@@ -153,10 +160,12 @@ class HeapMonitor:
     """
 
     def __init__(self, directory: Path, period_s: float = 300.0, frames: int = 12, malloc_period_s: float = 10.0,
-                 onnxruntime_arena_log: bool = False) -> None:
+                 onnxruntime_arena_log: bool = False, fork: bool = hasattr(os, "fork"),
+                 child_timeout_s: float = 300.0) -> None:
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
         self.directory, self.period_s, self.frames = Path(directory), period_s, frames
+        self.fork, self.child_timeout_s = fork, child_timeout_s
         self.malloc_period_s, self.onnxruntime_arena_log = malloc_period_s, onnxruntime_arena_log
         self._malloc: tuple[float, dict[str, float]] = (-float("inf"), {})
         self.snapshots = 0
@@ -188,12 +197,20 @@ class HeapMonitor:
                 "tracemalloc_overhead_bytes": float(tracemalloc.get_tracemalloc_memory()), **self._malloc[1]}
 
     def snapshot(self) -> Path:
-        """Write one snapshot now (atomically: a reader never sees half a file); returns its path."""
+        """Write one snapshot now (atomically: a reader never sees half a file); returns its path. With ``fork``
+        it is taken in a child process (see the module's docstring); TimeoutError / RuntimeError when that child
+        hangs or fails (no file is written then)."""
         self.snapshots += 1
         path = self.directory / f"heap-{os.getpid()}-{self.snapshots:05d}.tracemalloc"
-        t0 = time.perf_counter()
-        snap = tracemalloc.take_snapshot()
         tmp = path.with_suffix(".partial")
+        t0 = time.perf_counter()
+        if self.fork:
+            self._snapshot_in_child(tmp)
+            tmp.replace(path)
+            log.info("heap snapshot %s (forked child): %.1f MiB in %.2f s", path.name, path.stat().st_size / 2**20,
+                     time.perf_counter() - t0)
+            return path
+        snap = tracemalloc.take_snapshot()
         snap.dump(str(tmp))
         tmp.replace(path)
         n = len(snap.traces)
@@ -202,6 +219,38 @@ class HeapMonitor:
         release_free_heap()  # the snapshot's transient objects must not stay in the stub's RSS
         log.info("heap snapshot %s: %d traces in %.2f s", path.name, n, time.perf_counter() - t0)
         return path
+
+    def _snapshot_in_child(self, tmp: Path) -> None:
+        """Fork; the child (only this thread) writes the snapshot to ``tmp`` and leaves with ``os._exit``, never
+        returning into the stub's code (no atexit handler, no destructor of the parent's objects runs in it)."""
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with contextlib.suppress(OSError, AttributeError):
+                    libc = ctypes.CDLL(None)
+                    libc.prctl(_PR_SET_PDEATHSIG, 9)  # SIGKILL: never outlive the stub
+                    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(SNAPSHOT_COMM.encode()))
+                tracemalloc.take_snapshot().dump(str(tmp))
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + self.child_timeout_s
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                tmp.unlink(missing_ok=True)
+                raise TimeoutError(f"heap snapshot child {pid} still running after {self.child_timeout_s:.0f} s: "
+                                   f"killed, snapshot skipped")
+            time.sleep(0.05)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or not tmp.exists():
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"heap snapshot child {pid} exited with {code}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.heap_debug import SNAPSHOT_COMM
+
 HOUR = 3600.0
 
 
@@ -48,8 +50,18 @@ def proc_stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0], int(fields[19])
 
 
+def process_comm(pid: int) -> str:
+    """/proc/<pid>/comm ("" when the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def process_tree(root: int) -> dict[int, int]:
-    """pid -> start time of ``root`` and all its descendants (live ones)."""
+    """pid -> start time of ``root`` and all its descendants (live ones), without the model's forked heap-snapshot
+    children (``SNAPSHOT_COMM``: they live for seconds and share the stub's pages, which they would count twice;
+    they die with their stub)."""
     parents: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -66,6 +78,8 @@ def process_tree(root: int) -> dict[int, int]:
     while todo and len(out) < 10_000:
         pid = todo.pop()
         if pid in out:
+            continue
+        if pid != root and process_comm(pid) == SNAPSHOT_COMM:
             continue
         out[pid] = starts[pid]
         todo.extend(parents.get(pid, []))

@@ -183,3 +183,87 @@ def test_sampler_collects_smaps_and_allocator_figures_per_stub(monkeypatch: pyte
     assert s is not None
     figures = s.alloc_mib[f"stub:{os.getpid()}"]
     assert figures["malloc_arenas"] == 3.0 and "smaps_main_heap" in figures
+
+
+def _children_named(comm: str) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_text()
+            if int(raw[raw.rindex(")") + 2:].split()[1]) == os.getpid() and mem.process_comm(int(stat.parent.name)) \
+                    == comm:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+fork_only = pytest.mark.skipif(not hasattr(os, "fork") or platform.system() != "Linux", reason="needs fork (Linux)")
+
+
+@fork_only
+def test_forked_snapshot_leaves_this_process_heap_alone(tmp_path: Path) -> None:
+    """The snapshot's objects live in the child: this process's anonymous memory stays where it was (in-process,
+    the soak's stub kept 2-5 MiB of each of its first snapshots)."""
+    import tracemalloc
+
+    from deploy.heap_debug import compare, release_free_heap, snapshot_files
+
+    was_tracing = tracemalloc.is_tracing()
+    monitor = HeapMonitor(tmp_path, period_s=3600)
+    assert monitor.fork
+    monitor.start()
+    try:
+        kept = [str(i) * 3 for i in range(300_000)]
+        first = monitor.snapshot()
+        release_free_heap()
+        before = mem.status_kib(os.getpid(), ("RssAnon",))["RssAnon"] / 1024.0
+        for _ in range(3):
+            monitor.snapshot()
+        after = mem.status_kib(os.getpid(), ("RssAnon",))["RssAnon"] / 1024.0
+        more = _keep_lines(2000)
+        last = monitor.snapshot()
+    finally:
+        monitor.stop()
+    assert not tracemalloc.is_tracing() or was_tracing
+    assert len(kept) == 300_000 and len(more) == 2000 and len(snapshot_files(tmp_path)) == 5
+    assert after - before < 2.0, f"RSS {before:.1f} -> {after:.1f} MiB over three snapshots"
+    assert not list(tmp_path.glob("*.partial")) and not _children_named("hybrid-heapsnap")
+    total, growers = compare(first, last, 3)
+    assert total > 1_500_000 and "test_allocator_probe.py" in growers[0].where
+
+
+def _keep_lines(n: int) -> list[bytes]:
+    return [bytes(1000) + str(i).encode() for i in range(n)]
+
+
+@fork_only
+def test_a_hung_snapshot_child_is_killed_skipped_and_not_counted_in_the_tree(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    from deploy.heap_debug import SNAPSHOT_COMM
+
+    monkeypatch.setattr(tracemalloc, "take_snapshot", lambda: time.sleep(60))  # inherited by the child
+    monitor = HeapMonitor(tmp_path, period_s=3600, child_timeout_s=3.0)
+    errors: list[BaseException] = []
+
+    def snap() -> None:
+        try:
+            monitor.snapshot()
+        except BaseException as e:  # the test looks at it
+            errors.append(e)
+
+    t = threading.Thread(target=snap)
+    t.start()
+    seen: list[int] = []
+    deadline = time.monotonic() + 2.5
+    while not seen and time.monotonic() < deadline:
+        seen = _children_named(SNAPSHOT_COMM)
+        time.sleep(0.05)
+    in_tree = set(mem.process_tree(os.getpid()))
+    t.join(10)
+    assert seen, "the snapshot child did not name itself"
+    assert not in_tree & set(seen)
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
+    assert not _children_named(SNAPSHOT_COMM) and not list(tmp_path.iterdir())
