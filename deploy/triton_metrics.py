@@ -62,6 +62,16 @@ HEAP_GAUGES = {
     "python_heap_bytes": "Python heap traced by tracemalloc in this model instance's process (heap debugging)",
     "python_heap_peak_bytes": "Peak of the traced Python heap (heap debugging)",
     "tracemalloc_overhead_bytes": "tracemalloc's own memory, outside the traced heap (heap debugging)",
+    # glibc's malloc_info (deploy.heap_debug.malloc_stats): which native allocator holds the process's memory
+    "malloc_arenas": "glibc malloc arenas in this process (heap debugging)",
+    "malloc_main_arena_bytes": "Size of glibc's main arena heap (heap debugging)",
+    "malloc_thread_arenas_bytes": "Size of glibc's other (per-thread) arenas together (heap debugging)",
+    "malloc_largest_thread_arena_bytes": "Size of the largest per-thread glibc arena (heap debugging)",
+    "malloc_free_bytes": "Free memory glibc holds in its arenas (heap debugging)",
+    "malloc_mmap_bytes": "Memory of glibc's mmapped chunks, above the mmap threshold (heap debugging)",
+    "malloc_mmap_chunks": "Number of glibc's mmapped chunks (heap debugging)",
+    "malloc_in_use_bytes": "Memory the process holds through malloc: arenas plus mmapped chunks minus free (heap "
+                           "debugging)",
 }
 
 

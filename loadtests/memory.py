@@ -5,6 +5,11 @@
 * :class:`MemorySampler` — a thread that records, every ``period_s``, the RSS of every process of the tree
   and (when the model runs with ``heap_debug_dir``) each stub's traced Python heap and tracemalloc's own
   memory from the metrics port.
+* :func:`anon_by_kind` (heap debugging) — a stub's anonymous memory by who mapped it, from its smaps: glibc's
+  main arena (``[heap]``), its per-thread arenas (64 MiB-aligned anonymous mappings) and all other anonymous
+  mappings (malloc's mmapped chunks, thread stacks, pymalloc arenas); with the model's ``malloc_info`` gauges
+  and onnxruntime's arena extensions (:func:`ort_arena_series`, from the server log) it tells which allocator
+  holds a growth (:func:`allocator_report`).
 * :func:`theil_sen` — the growth slope of a series: the median of the pairwise slopes, which the transient
   peaks of long prompts in flight do not pull the way they pull a least-squares fit.
 * :func:`growth_verdict` — the slope after the settle period against a budget in MiB per hour. The budget
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import statistics
 import threading
 import time
@@ -26,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from deploy.heap_debug import SNAPSHOT_COMM
 
 HOUR = 3600.0
 
@@ -42,8 +50,18 @@ def proc_stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0], int(fields[19])
 
 
+def process_comm(pid: int) -> str:
+    """/proc/<pid>/comm ("" when the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def process_tree(root: int) -> dict[int, int]:
-    """pid -> start time of ``root`` and all its descendants (live ones)."""
+    """pid -> start time of ``root`` and all its descendants (live ones), without the model's forked heap-snapshot
+    children (``SNAPSHOT_COMM``: they live for seconds and share the stub's pages, which they would count twice;
+    they die with their stub)."""
     parents: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -60,6 +78,8 @@ def process_tree(root: int) -> dict[int, int]:
     while todo and len(out) < 10_000:
         pid = todo.pop()
         if pid in out:
+            continue
+        if pid != root and process_comm(pid) == SNAPSHOT_COMM:
             continue
         out[pid] = starts[pid]
         todo.extend(parents.get(pid, []))
@@ -106,10 +126,74 @@ class Sample:
     split_mib: dict[str, tuple[float, float]] = field(default_factory=dict)
     # stub -> tracemalloc's own memory (MiB; heap debugging): in the stub's RSS, outside its traced heap
     tracemalloc_mib: dict[str, float] = field(default_factory=dict)
+    # stub -> allocator figure -> MiB (heap debugging): anon_by_kind and the model's malloc_info gauges
+    alloc_mib: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # stub -> traced heap MiB, or (traced heap, tracemalloc's own memory or None) in MiB
 HeapReader = Callable[[], dict[str, float | tuple[float, float | None]]]
+# stub -> allocator figure -> MiB (the model's malloc_info gauges)
+AllocReader = Callable[[], dict[str, dict[str, float]]]
+
+GLIBC_HEAP_MAX = 64 << 20  # a glibc thread arena's heap: a mapping of up to 64 MiB aligned to 64 MiB (64-bit)
+
+
+def anon_by_kind(pid: int) -> dict[str, float]:
+    """Anonymous memory (MiB) of ``pid`` by the kind of mapping that holds it, from /proc/<pid>/smaps:
+    ``smaps_main_heap`` (``[heap]``: glibc's main arena), ``smaps_thread_heaps`` (writable anonymous mappings at a
+    64 MiB-aligned address and at most 64 MiB long: glibc's per-thread arenas), ``smaps_other_anon`` (every other
+    anonymous mapping: malloc's mmapped chunks, thread stacks, pymalloc's arenas, other mmap users), and
+    ``thread_heaps`` (their count). Empty when the process is gone."""
+    kinds = {"smaps_main_heap": 0, "smaps_thread_heaps": 0, "smaps_other_anon": 0}
+    heaps = 0
+    current: str | None = None
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            path = head[5] if len(head) == 6 else ""
+            if path == "[heap]":
+                current = "smaps_main_heap"
+            elif not path:
+                if lo % GLIBC_HEAP_MAX == 0 and hi - lo <= GLIBC_HEAP_MAX and head[1].startswith("rw"):
+                    current = "smaps_thread_heaps"
+                    heaps += 1
+                else:
+                    current = "smaps_other_anon"
+            else:
+                current = None
+        elif current is not None and line.startswith("Anonymous:"):
+            kinds[current] += int(line.split()[1])
+    return {**{k: round(v / 1024.0, 2) for k, v in kinds.items()}, "thread_heaps": float(heaps)}
+
+
+_ORT_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(\.\d+)? "
+                           r"\[I:onnxruntime:[^\]]*bfc_arena\.cc:\d+ Extend\] Extended allocation by (\d+) bytes")
+
+
+def ort_arena_series(log_path: Path, t0_wall: float) -> list[tuple[float, float]]:
+    """(seconds after ``t0_wall``, MiB) of every onnxruntime BFC arena extension in a server log written with
+    heap debugging (deploy.heap_debug.log_onnxruntime_arena): the arenas' total size after each one (all the
+    arenas of the log's processes together; onnxruntime's arenas never shrink unless configured to). Times are
+    the log's local wall-clock times; extensions before ``t0_wall`` get negative times."""
+    out: list[tuple[float, float]] = []
+    total = 0
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        m = _ORT_LOG_TIME.match(line)
+        if m is None:
+            continue
+        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + float(m.group(2) or 0.0)
+        total += int(m.group(3))
+        out.append((round(t - t0_wall, 3), total / 2**20))
+    return out
 
 
 class MemorySampler(threading.Thread):
@@ -117,9 +201,11 @@ class MemorySampler(threading.Thread):
     pid -> traced Python heap in MiB (read from the model's ``hybrid_llm_python_heap_bytes`` gauge), or
     pid -> (that, tracemalloc's own memory from ``hybrid_llm_tracemalloc_overhead_bytes``)."""
 
-    def __init__(self, root: int, period_s: float, heap: HeapReader | None = None) -> None:
+    def __init__(self, root: int, period_s: float, heap: HeapReader | None = None,
+                 alloc: AllocReader | None = None, smaps: bool = False) -> None:
         super().__init__(name="soak-memory", daemon=True)
         self.root, self.period_s, self.heap = root, period_s, heap
+        self.alloc, self.smaps = alloc, smaps  # heap debugging: allocator figures per stub
         self.samples: list[Sample] = []
         self.t0, self.t0_wall = time.monotonic(), time.time()
         self._halt = threading.Event()
@@ -142,7 +228,17 @@ class MemorySampler(threading.Thread):
                     heap[k] = round(traced, 3)
                     if own is not None:
                         overhead[k] = round(own, 3)
-        s = Sample(round(time.monotonic() - self.t0, 1), round(sum(per.values()), 2), per, heap, split, overhead)
+        alloc: dict[str, dict[str, float]] = {}
+        if self.smaps:
+            for k in per:
+                if k.startswith("stub:"):
+                    alloc[k] = anon_by_kind(int(k.partition(":")[2]))
+        if self.alloc is not None:
+            with contextlib.suppress(Exception):
+                for k, v in self.alloc().items():
+                    alloc.setdefault(k, {}).update(v)
+        s = Sample(round(time.monotonic() - self.t0, 1), round(sum(per.values()), 2), per, heap, split, overhead,
+                   {k: v for k, v in alloc.items() if v})
         with self._lock:
             self.samples.append(s)
         return s
@@ -250,6 +346,52 @@ def series_of(samples: Sequence[Sample], key: str | None = None, heap: bool = Fa
     return out
 
 
+def value_at(series: Sequence[tuple[float, float]], t_s: float, around: int = 2) -> float | None:
+    """Median of the ``2 * around + 1`` points of ``series`` nearest to ``t_s`` in order (None when empty)."""
+    if not series:
+        return None
+    i = min(range(len(series)), key=lambda j: abs(series[j][0] - t_s))
+    return statistics.median(v for _, v in series[max(0, i - around):i + around + 1])
+
+
+def step_at(series: Sequence[tuple[float, float]], t_s: float) -> float:
+    """The last value of a step series (such as :func:`ort_arena_series`) at or before ``t_s`` (0 before any)."""
+    out = 0.0
+    for t, v in series:
+        if t > t_s:
+            break
+        out = v
+    return out
+
+
+def allocator_report(samples: Sequence[Sample], settle_s: float,
+                     ort_arena: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """Each stub's allocator figures (heap debugging: :func:`anon_by_kind`, the model's ``malloc_info`` gauges)
+    at the first sample, at ``settle_s`` and at the end (medians of 5 samples) with their Theil-Sen slope after
+    ``settle_s``; and onnxruntime's arena total from the server log at the same times, with its extensions
+    after ``settle_s``. Empty without heap debugging."""
+    out: dict[str, Any] = {}
+    end = samples[-1].t_s if samples else 0.0
+    start = samples[0].t_s if samples else 0.0
+    for key in sorted({k for s in samples for k in s.alloc_mib}):
+        figures: dict[str, Any] = {}
+        for name in sorted({n for s in samples for n in s.alloc_mib.get(key, {})}):
+            series = [(s.t_s, s.alloc_mib[key][name]) for s in samples if name in s.alloc_mib.get(key, {})]
+            after = [(t, v) for t, v in series if t >= settle_s]
+            slope = theil_sen(after) * HOUR if len(after) >= 4 and after[-1][0] > after[0][0] else None
+            figures[name] = {"start": value_at(series, start), "settle": value_at(series, settle_s),
+                             "end": value_at(series, end), "slope_mib_h": None if slope is None else round(slope, 3)}
+        out[key] = figures
+    if ort_arena:
+        later = [(t, v) for t, v in ort_arena if t >= settle_s]
+        out["onnxruntime_arena"] = {"start": round(step_at(ort_arena, start), 2),
+                                    "settle": round(step_at(ort_arena, settle_s), 2),
+                                    "end": round(step_at(ort_arena, end), 2), "extensions": len(ort_arena),
+                                    "extensions_after_settle": len(later),
+                                    "last_extension_t_s": ort_arena[-1][0]}
+    return out
+
+
 def summary_rows(samples: Sequence[Sample], rows: int = 12) -> list[Sample]:
     """About ``rows`` evenly spaced samples (first and last included) for a printed table."""
     if len(samples) <= rows:
@@ -260,19 +402,23 @@ def summary_rows(samples: Sequence[Sample], rows: int = 12) -> list[Sample]:
 
 def write_csv(samples: Sequence[Sample], path: Path) -> None:
     """One row per sample: t_s, total_mib, then RSS per process, heap per stub, then the anonymous and shared
-    parts of each process's RSS, then tracemalloc's own memory per stub (when exported; empty when absent)."""
+    parts of each process's RSS, then tracemalloc's own memory per stub (when exported; empty when absent), then
+    each stub's allocator figures (``<figure>:<stub>``, heap debugging)."""
     procs = sorted({k for s in samples for k in s.rss_mib})
     heaps = sorted({k for s in samples for k in s.heap_mib})
     tms = sorted({k for s in samples for k in s.tracemalloc_mib})
+    allocs = sorted({(k, n) for s in samples for k, v in s.alloc_mib.items() for n in v})
     lines = [",".join(["t_s", "total_rss_mib", *(f"rss_mib:{p}" for p in procs), *(f"heap_mib:{h}" for h in heaps),
                        *(f"{part}_mib:{p}" for p in procs for part in ("anon", "shmem")),
-                       *(f"tracemalloc_mib:{t}" for t in tms)])]
+                       *(f"tracemalloc_mib:{t}" for t in tms), *(f"{n}:{k}" for k, n in allocs)])]
     for s in samples:
         split = [f"{s.split_mib[p][i]:g}" if p in s.split_mib else "" for p in procs for i in (0, 1)]
         lines.append(",".join([f"{s.t_s:g}", f"{s.total_mib:g}", *(f"{s.rss_mib[p]:g}" if p in s.rss_mib else ""
                                                                    for p in procs),
                                *(f"{s.heap_mib[h]:g}" if h in s.heap_mib else "" for h in heaps), *split,
-                               *(f"{s.tracemalloc_mib[t]:g}" if t in s.tracemalloc_mib else "" for t in tms)]))
+                               *(f"{s.tracemalloc_mib[t]:g}" if t in s.tracemalloc_mib else "" for t in tms),
+                               *(f"{s.alloc_mib[k][n]:g}" if n in s.alloc_mib.get(k, {}) else ""
+                                 for k, n in allocs)]))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -367,12 +513,13 @@ class Allowance:
 
 def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib: float, ratio: float,
                 floor_jump_mib: float, heap_dir: Path | None = None, t0_wall: float = 0.0,
-                allowance: Allowance | None = None) -> Report:
+                allowance: Allowance | None = None, ort_arena: Sequence[tuple[float, float]] = ()) -> Report:
     """Every memory check of a soak: the end RSS within max(ratio x start, start + floor_jump_mib) (a jump),
     the RSS growth slope of the tree within the plan's budget plus ``allowance`` (the bound of a known upstream
     leak the run provoked, which only the tritonserver process can show), each stub's RSS slope within the
     plan's budget alone (the project's own process), and each stub's traced Python heap slope within it when
-    the model exported it (heap debugging); with ``heap_dir``, the heap snapshots compared as well."""
+    the model exported it (heap debugging); with ``heap_dir``, the heap snapshots compared as well. Allocator
+    figures (heap debugging; ``ort_arena``: :func:`ort_arena_series`) are reported, not checked."""
     rep = Report()
     allowance = allowance or Allowance(0.0, "")
     bound = max(start_mib * ratio, start_mib + floor_jump_mib)
@@ -423,7 +570,8 @@ def soak_report(samples: Sequence[Sample], plan: Plan, start_mib: float, end_mib
                 "allowance": {"mib_h": allowance.mib_h, "reason": allowance.reason},
                 "growth": None if total is None else total.as_dict(), "per_process": per_process,
                 "python_heap": heaps, "samples": len(samples),
-                "series": [[s.t_s, s.total_mib, s.rss_mib, s.heap_mib] for s in summary_rows(samples, 24)]}
+                "series": [[s.t_s, s.total_mib, s.rss_mib, s.heap_mib] for s in summary_rows(samples, 24)],
+                "allocators": allocator_report(samples, plan.settle_s, ort_arena)}
     if heap_dir is not None and heap_dir.is_dir():
         try:
             rep.data["heap_snapshots"] = heap_report(heap_dir, t0_wall, plan.settle_s)
@@ -461,6 +609,17 @@ def render(data: dict[str, Any]) -> list[str]:
                          f" (tracemalloc's own memory {v['tracemalloc_slope_mib_h']:+.3f} MiB/h, "
                          f"{v['tracemalloc_last_mib']:.1f} MiB at the end)" if "tracemalloc_slope_mib_h" in v else "")
                                for k, v in data.get("python_heap", {}).items()))
+    allocators = data.get("allocators") or {}
+    for key, figures in allocators.items():
+        if key == "onnxruntime_arena":
+            lines.append(f"onnxruntime arena (server log): {figures['start']:.1f} MiB at the first sample, "
+                         f"{figures['settle']:.1f} after settling, {figures['end']:.1f} at the end; "
+                         f"{figures['extensions_after_settle']} of {figures['extensions']} extensions after settling")
+            continue
+        lines.append(f"allocators of {key} (MiB: first sample / after settling / end, slope after settling):")
+        for name, f in figures.items():
+            slope = "" if f["slope_mib_h"] is None else f", {f['slope_mib_h']:+.2f} MiB/h"
+            lines.append(f"    {name:34s} {f['start']:8.2f} {f['settle']:8.2f} {f['end']:8.2f}{slope}")
     for key, h in (data.get("heap_snapshots") or {}).items():
         if not isinstance(h, dict) or "diff_bytes" not in h:
             continue

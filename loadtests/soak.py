@@ -162,6 +162,21 @@ def heap_by_pid(url: str) -> dict[str, tuple[float, float | None]]:
             for labels, v in snap.get("python_heap_bytes", {}).items() if labels.startswith("pid=")}
 
 
+def malloc_by_pid(url: str) -> dict[str, dict[str, float]]:
+    """"stub:<pid>" -> glibc figure (``malloc_*`` heap-debugging gauges, deploy.heap_debug.malloc_stats) -> MiB
+    (counts as they are)."""
+    snap = scrape(url) or {}
+    out: dict[str, dict[str, float]] = {}
+    for name, values in snap.items():
+        if not name.startswith("malloc_"):
+            continue
+        for labels, v in values.items():
+            if labels.startswith("pid="):
+                counted = name in ("malloc_arenas", "malloc_mmap_chunks")
+                out.setdefault(f"stub:{labels.partition('=')[2]}", {})[name] = round(v if counted else v / 2**20, 3)
+    return out
+
+
 def metric(snap: dict[str, dict[str, float]] | None, name: str) -> float | None:
     if not snap or name not in snap:
         return None
@@ -423,7 +438,9 @@ def run(args: argparse.Namespace) -> Soak:
         log(f"locust: {args.users} users for {args.duration} (hard timeout {hard_timeout:.0f} s): {' '.join(cmd)}")
         sampler = None
         if pid:
-            sampler = mem.MemorySampler(pid, mem_plan.sample_s, lambda: heap_by_pid(target.metrics))
+            sampler = mem.MemorySampler(pid, mem_plan.sample_s, lambda: heap_by_pid(target.metrics),
+                                        alloc=(lambda: malloc_by_pid(target.metrics)) if args.heap_debug else None,
+                                        smaps=args.heap_debug)
             sampler.sample()  # t = 0: right after warm-up
             sampler.start()
         with open(reports / "soak_locust.log", "wb") as out:
@@ -524,7 +541,9 @@ def run(args: argparse.Namespace) -> Soak:
             allowance = mem.Allowance.late_cancels(late_cancels(summary), duration_s)
             report = mem.soak_report(samples, mem_plan, mem_start, mem_end, MEMORY_RATIO, MEMORY_JUMP_MIB,
                                      heap_dir if args.heap_debug else None, sampler.t0_wall if sampler else 0.0,
-                                     allowance)
+                                     allowance, mem.ort_arena_series(server.log_path, sampler.t0_wall)
+                                     if args.heap_debug and server is not None and server.log_path and sampler
+                                     else ())
             for name, ok, detail in report.checks:
                 soak.check(name, ok, detail)
             soak.data["memory"].update(report.data)

@@ -176,7 +176,7 @@ def test_heap_monitor_snapshots_and_compare_name_the_growing_line(tmp_path: Path
     monitor = HeapMonitor(tmp_path, period_s=3600).start()
     try:
         stats = monitor.stats()
-        assert set(stats) == {"python_heap_bytes", "python_heap_peak_bytes", "tracemalloc_overhead_bytes"}
+        assert {"python_heap_bytes", "python_heap_peak_bytes", "tracemalloc_overhead_bytes"} <= set(stats)
         first = monitor.snapshot()
         kept = _keep(3000)
         second = monitor.snapshot()

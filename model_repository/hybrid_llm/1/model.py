@@ -73,8 +73,10 @@ class TritonPythonModel:
         self.params = parse_parameters(config, args["model_repository"])
         configure_logging(self.params.log_level, args["model_instance_name"])
         # Heap debugging (heap_debug_dir) starts first, so that everything the model allocates is traced.
+        # On a CPU instance it also logs onnxruntime's arena extensions (into the server log; the soak adds them up).
         self.heap = None if self.params.heap_debug_dir is None else \
-            HeapMonitor(self.params.heap_debug_dir, self.params.heap_snapshot_period_s).start()
+            HeapMonitor(self.params.heap_debug_dir, self.params.heap_snapshot_period_s,
+                        onnxruntime_arena_log=args.get("model_instance_kind", "CPU") == "CPU").start()
         import numpy
 
         if int(numpy.__version__.split(".")[0]) >= 2:  # measured with nvidia-pytriton 0.7.0's stub: deploy/README.md
