@@ -268,8 +268,8 @@ def test_packed_tensors_without_a_quantization_config_are_refused(small_gptq: Pa
 
 
 def test_tensorrt_refuses_a_quantized_checkpoint(small_gptq: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not implemented for this backend; build with --backend onnxruntime .* or "
-                                          "--backend cuda"):
+    with pytest.raises(ConfigError, match=r"not implemented for this backend; build with --backend onnxruntime .* or "
+                                          r"--backend cuda"):
         build_bundle(small_gptq, tmp_path / "b", _opts(backend="tensorrt"), progress=lambda _m: None)
 
 
