@@ -186,48 +186,14 @@ def test_cuda_refuses_int8_activations(tmp_path: Path) -> None:
 
 
 def kernel_model(t: dict[str, np.ndarray], prefix: str, k_in: int, N_out: int, row0: int, dtype_round) -> np.ndarray:
-    """``nbits.cu``'s ``nbits_dequant`` in numpy, thread by thread (vectorised over the threads): the grid
-    :func:`launch_grid`, i -> (n, j), the byte / nibble of B, the zero-point's byte / nibble, the scale, the output
-    column through perm, written to ``out[e * out_estride + n * ldo + col]`` of a ``[E, N_out, k_in]`` buffer
-    (NaN where nothing is written) at rows ``row0..``."""
-    K, N, bits, bs, _, kin = (int(v) for v in t[prefix + ".nbits_meta"])
+    """One launch of ``nbits_dequant`` (:func:`kernel_writes`) into rows ``row0..`` of a ``[E, N_out, k_in]`` buffer
+    (NaN where nothing is written)."""
     B = t[prefix + ".nbits_B"]
-    E = B.shape[0] if B.ndim == 4 else 0
-    Bf, S = B.reshape(-1), t[prefix + ".nbits_scales"].reshape(-1)
-    Z = t.get(prefix + ".nbits_zp")
-    P = t.get(prefix + ".nbits_perm")
-    Z, P = (None if Z is None else Z.reshape(-1)), (None if P is None else P.reshape(-1).astype(np.int32))
-    gx, gy, _ = launch_grid(N, K, E)
-    assert gy == max(1, E) and (gx - 1) * THREADS < N * K <= gx * THREADS
-    ldo, out_estride = k_in, N_out * k_in
-    es = lambda a: a.size // max(1, E) if a is not None else 0  # noqa: E731
-    out = np.full(max(1, E) * N_out * k_in, np.nan, np.float32)
-    base = row0 * k_in
-    for e in range(max(1, E)):
-        i = np.arange(gx * THREADS, dtype=np.int64)
-        i = i[i < N * K]
-        n, j = i // K, i % K
-        nb = (K + bs - 1) // bs
-        b = j // bs
-        row_bytes = nb * bs * bits // 8
-        addr = e * es(B) + n * row_bytes + (j >> 1 if bits == 4 else j)
-        byte = Bf[addr].astype(np.int64)
-        q = np.where(j & 1, byte >> 4, byte & 15) if bits == 4 else byte
-        if Z is None:
-            z = np.full_like(q, 1 << (bits - 1))
-        elif bits == 4:
-            zb = Z[e * es(Z) + n * ((nb + 1) // 2) + (b >> 1)].astype(np.int64)
-            z = np.where(b & 1, zb >> 4, zb & 15)
-        else:
-            z = Z[e * es(Z) + n * nb + b].astype(np.int64)
-        s = S[e * es(S) + n * nb + b]
-        col = P[e * es(P) + j] if P is not None else j
-        keep = (col >= 0) & (col < kin)
-        v = dtype_round((q - z).astype(np.float32) * s)
-        dst = base + e * out_estride + n * ldo + col
-        assert len(np.unique(dst[keep])) == keep.sum(), "two threads write one element"
-        out[dst[keep]] = v[keep]
-    return out.reshape(max(1, E), N_out, k_in)
+    E = max(1, B.shape[0] if B.ndim == 4 else 0)
+    out = np.full(E * N_out * k_in, np.nan, np.float32)
+    dst, v = kernel_writes(t, prefix, k_in, N_out * k_in, dtype_round)
+    out[row0 * k_in + dst] = v
+    return out.reshape(E, N_out, k_in)
 
 
 def _rand_ql(rng: np.random.Generator, N: int, K: int, bits: int, G: int, act: bool, sym: bool) -> QuantLinear:
@@ -264,3 +230,173 @@ def test_the_launch_grid() -> None:
     assert launch_grid(151936, 2048, 0) == (151936 * 2048 // THREADS, 1, 1)
     assert launch_grid(1024, 2048, 256) == (1024 * 2048 // THREADS, 256, 1)
     assert launch_grid(3, 100, 0) == (2, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------- the load path, host-emulated
+
+
+class FakeDevice:
+    """Device memory emulated on the host (one flat byte array, allocations 256-byte aligned): enough of
+    :class:`~hybrid_runtime.cuda.driver.CudaDevice` for ``DeviceWeights.load``, so its addressing (fused rows,
+    per-part row offsets, stacked experts, the folded shared expert, the router's shared-gate row) runs on a CPU."""
+
+    def __init__(self, nbytes: int = 64 << 20) -> None:
+        from types import SimpleNamespace
+
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.top = 256
+        self.ordinal = 0
+        self.limits = SimpleNamespace(name="fake")
+        self.freed = 0
+
+    def empty(self, shape, dtype, stream_ordered: bool = False):
+        from hybrid_runtime.cuda.driver import DeviceArray, dtype_of
+
+        n = int(np.prod(shape, dtype=np.int64)) * dtype_of(dtype).itemsize
+        ptr, self.top = self.top, self.top + -(-max(n, 1) // 256) * 256
+        assert self.top <= self.mem.size
+        return DeviceArray(ptr, shape, dtype, 0, owner=self)
+
+    def free(self) -> None:
+        self.freed += 1
+
+    def zeros(self, shape, dtype):
+        return self.empty(shape, dtype)  # the arena starts zeroed and is never reused
+
+    def upload(self, host: np.ndarray, out=None, dtype=None, stream_ordered: bool = False):
+        h = np.ascontiguousarray(host)
+        out = out or self.empty(h.shape, dtype or h.dtype)
+        self.copy_htod(out.ptr, h)
+        return out
+
+    def copy_htod(self, dst: int, host: np.ndarray) -> None:
+        b = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        self.mem[dst:dst + b.size] = b
+
+    def read(self, ptr: int, shape, dtype: str) -> np.ndarray:
+        n = int(np.prod(shape))
+        if dtype == "bfloat16":
+            return bf16_to_f32(self.mem[ptr:ptr + 2 * n].view(np.uint16)).reshape(shape)
+        dt = np.dtype(dtype)
+        return self.mem[ptr:ptr + n * dt.itemsize].view(dt).reshape(shape)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDequant:
+    """``NBitsDequant`` on a :class:`FakeDevice`: the launch runs :func:`kernel_writes` (the kernel's mapping)."""
+
+    def __init__(self, device: FakeDevice, dtype: str) -> None:
+        self.device, self.dtype = device, dtype
+
+    def upload(self, hp, row0: int = 0):
+        from hybrid_runtime.cuda.quant import NBitsDequant
+
+        return NBitsDequant.upload(self, hp, row0)  # type: ignore[arg-type]
+
+    def launch(self, p, out: int, ldo: int, out_estride: int) -> None:
+        d = self.device
+        E = max(1, p.experts)
+        nb = p.n_blocks
+        t = {"w.nbits_meta": np.array([p.K, p.N, p.bits, p.block_size, 0, p.k_in]),
+             "w.nbits_B": d.read(p.B.ptr, p.B.shape, "uint8"), "w.nbits_scales": d.read(p.scales.ptr, p.scales.shape,
+                                                                                        "float32")}
+        if p.zp is not None:
+            t["w.nbits_zp"] = d.read(p.zp.ptr, p.zp.shape, "uint8")
+        if p.perm is not None:
+            t["w.nbits_perm"] = d.read(p.perm.ptr, p.perm.shape, "int32")
+        assert t["w.nbits_B"].size == E * p.N * nb * p.block_size * p.bits // 8
+        dst, v = kernel_writes(t, "w", ldo, out_estride, _ROUND[self.dtype])
+        es = 4 if self.dtype == "float32" else 2
+        raw = (f32_to_bf16_bits(v) if self.dtype == "bfloat16" else v.astype(np.float16 if es == 2 else np.float32))
+        for k in range(es):
+            d.mem[out + dst * es + k] = raw.view(np.uint8).reshape(-1, es)[:, k]
+
+
+_ROUND = {"float32": lambda v: v, "float16": lambda v: v.astype(np.float16).astype(np.float32),
+          "bfloat16": lambda v: bf16_to_f32(f32_to_bf16_bits(v))}
+
+
+def kernel_writes(t: dict[str, np.ndarray], prefix: str, ldo: int, out_estride: int, dtype_round
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(element offsets from ``out``, values) of every write of one ``nbits_dequant`` launch, thread by thread."""
+    K, N, bits, bs, _, kin = (int(v) for v in t[prefix + ".nbits_meta"])
+    B = t[prefix + ".nbits_B"]
+    E = B.shape[0] if B.ndim == 4 else 0
+    Bf, S = B.reshape(-1), t[prefix + ".nbits_scales"].reshape(-1)
+    Z, P = t.get(prefix + ".nbits_zp"), t.get(prefix + ".nbits_perm")
+    Z, P = (None if Z is None else Z.reshape(-1)), (None if P is None else P.reshape(-1).astype(np.int32))
+    gx, gy, _ = launch_grid(N, K, E)
+    assert gy == max(1, E) and (gx - 1) * THREADS < N * K <= gx * THREADS
+    es = lambda a: a.size // max(1, E) if a is not None else 0  # noqa: E731
+    dsts, vals = [], []
+    for e in range(gy):  # blockIdx.y
+        i = np.arange(gx * THREADS, dtype=np.int64)  # blockIdx.x * blockDim.x + threadIdx.x
+        i = i[i < N * K]
+        n, j = i // K, i % K
+        nb = (K + bs - 1) // bs
+        b = j // bs
+        addr = e * es(B) + n * (nb * bs * bits // 8) + (j >> 1 if bits == 4 else j)
+        byte = Bf[addr].astype(np.int64)
+        q = np.where(j & 1, byte >> 4, byte & 15) if bits == 4 else byte
+        if Z is None:
+            z = np.full_like(q, 1 << (bits - 1))
+        elif bits == 4:
+            zb = Z[e * es(Z) + n * ((nb + 1) // 2) + (b >> 1)].astype(np.int64)
+            z = np.where(b & 1, zb >> 4, zb & 15)
+        else:
+            z = Z[e * es(Z) + n * nb + b].astype(np.int64)
+        s = S[e * es(S) + n * nb + b]
+        col = P[e * es(P) + j] if P is not None else j
+        keep = (col >= 0) & (col < kin)
+        dsts.append((e * out_estride + n * ldo + col)[keep])
+        vals.append(dtype_round((q - z).astype(np.float32) * s)[keep])
+    dst = np.concatenate(dsts)
+    assert len(np.unique(dst)) == dst.size, "two threads write one element"
+    return dst, np.concatenate(vals).astype(np.float32)
+
+
+def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False):
+    from hybrid_runtime.cuda import weights as cw
+
+    monkeypatch.setattr(cw, "NBitsDequant", FakeDequant)
+    dev = FakeDevice()
+    w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep)  # type: ignore[arg-type]
+    return dev, w
+
+
+def _device_state(dev: FakeDevice, w) -> dict[str, np.ndarray]:
+    out = {n: dev.read(a.ptr, a.shape, a.dtype.name) for n, a in w.arrays.items()}
+    for layer, m in w._moe.items():
+        for k in ("router", "gate_up", "down", "shared_gate_up", "shared_down"):
+            a = getattr(m, k)
+            if a is not None:
+                out[f"moe{layer}.{k}"] = dev.read(a.ptr, a.shape, a.dtype.name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["next_folded_int4_g128_sym_act_v1", "qwen35moe_int8_g32_sym_act_parts",
+                                  "next_int4_g32_asym_act_v1"])
+def test_load_writes_the_float_bundles_device_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                     dtype: str) -> None:
+    """``DeviceWeights.load`` of the GPTQ bundle (packed weights through the kernel's mapping) leaves device memory
+    bit for bit as loading the float bundle of the dequantised weights does: every runtime array and every MoE
+    layer's stacked router / experts / shared expert; ``keep_packed`` keeps the packed copies as stored."""
+    ckpt, deq, _ = gc.checkpoints(tmp_path, name)
+    bq, bf = gc.build(ckpt, tmp_path / "bq", dtype=dtype), gc.build(deq, tmp_path / "bf", dtype=dtype)
+    dq, wq = _load_fake(bq, monkeypatch)
+    df, wf = _load_fake(bf, monkeypatch)
+    got, want = _device_state(dq, wq), _device_state(df, wf)
+    assert set(got) == set(want) and not wq.packed
+    for k in want:
+        assert got[k].shape == want[k].shape and np.array_equal(_bits(got[k]), _bits(want[k])), k
+    assert dq.freed > 0, "packed copies not freed"
+    dk, wk = _load_fake(bq, monkeypatch, keep=True)
+    assert wk.packed and dk.freed == 0
+    f = SafetensorsFile(bq / "weights.safetensors")
+    for key, p in wk.packed.items():
+        assert np.array_equal(dk.read(p.B.ptr, p.B.shape, "uint8"), f.raw(key + ".nbits_B")), key
+        assert p.perm is None or np.array_equal(dk.read(p.perm.ptr, p.perm.shape, "int32"), f.raw(key + ".nbits_perm"))
+    assert wk.nbytes == wq.nbytes + sum(p.nbytes for p in wk.packed.values())
