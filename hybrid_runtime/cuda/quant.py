@@ -253,8 +253,9 @@ class NBitsDequant:
     def launch(self, p: PackedLinear, out: int, ldo: int, out_estride: int) -> None:
         """Dequantise ``p`` into rows ``out + (e * out_estride + n * ldo + col) * itemsize`` (a guarded launch on the
         device's stream; the caller keeps ``p`` alive until the stream has run it)."""
-        if p.experts > MAX_EXPERTS or p.N * p.K // THREADS >= 2**31 - 1:
-            raise BundleError(f"packed weight of {p.experts} experts x [{p.N}, {p.K}] exceeds one launch's grid")
+        if p.experts > MAX_EXPERTS or p.N * p.K >= 2**31:  # grid y; the kernel's 32-bit index within an expert
+            raise BundleError(f"packed weight of {p.experts} experts x [{p.N}, {p.K}]: the dequantiser takes at most "
+                              f"{MAX_EXPERTS} experts of N * K < 2^31 codes each")
         if ldo < p.k_in:
             raise ValueError(f"ldo {ldo} < k_in {p.k_in}")
         E = max(1, p.experts)

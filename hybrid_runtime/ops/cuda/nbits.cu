@@ -46,11 +46,12 @@ extern "C" __global__ void __launch_bounds__(256) nbits_dequant(
     const u8* __restrict__ B, const float* __restrict__ scales, const u8* __restrict__ zp,
     const int* __restrict__ perm, T* __restrict__ out, int N, int K, int k_in, int bits, int bs, long long ldo,
     long long out_estride, long long b_estride, long long s_estride, long long z_estride, long long p_estride) {
+  // one expert's N * K < 2^31 (the host checks): 32-bit index math within an expert, 64-bit offsets across them
   const long long e = blockIdx.y;
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (long long)N * K) return;
-  const int n = (int)(i / K);
-  const int j = (int)(i - (long long)n * K);
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (u32)N * (u32)K) return;
+  const int n = (int)(i / (u32)K);
+  const int j = (int)(i - (u32)n * (u32)K);
   const int nb = (K + bs - 1) / bs;
   const int b = j / bs;
   const long long row_bytes = (long long)nb * bs * bits / 8;
