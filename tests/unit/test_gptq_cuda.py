@@ -400,3 +400,17 @@ def test_load_writes_the_float_bundles_device_layout(tmp_path: Path, monkeypatch
         assert np.array_equal(dk.read(p.B.ptr, p.B.shape, "uint8"), f.raw(key + ".nbits_B")), key
         assert p.perm is None or np.array_equal(dk.read(p.perm.ptr, p.perm.shape, "int32"), f.raw(key + ".nbits_perm"))
     assert wk.nbytes == wq.nbytes + sum(p.nbytes for p in wk.packed.values())
+
+
+def test_cuda_refuses_a_quantized_embedding_table(tmp_path: Path) -> None:
+    from builder.gptq import GPTQError
+    from hybrid_runtime.weights_io import save_safetensors
+
+    ckpt, _, _ = gc.checkpoints(tmp_path, "qwen35_dense_int4_g64_sym_v2")
+    f = SafetensorsFile(ckpt / "model.safetensors")
+    t = {k: f.raw(k).copy() for k in f.keys()}  # noqa: SIM118
+    emb = next(k for k in t if k.endswith("embed_tokens.weight"))
+    t[emb.replace(".weight", ".qweight")] = np.zeros((8, 256), np.int32)
+    save_safetensors(ckpt / "model.safetensors", t)
+    with pytest.raises(GPTQError, match=r"quantized embedding table .* not supported: embeddings stay float"):
+        build_bundle(ckpt, tmp_path / "b", BuildOptions(backend="cuda", **gc.limits()), progress=lambda _m: None)
