@@ -127,10 +127,13 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions,
     if ckpt is None:
         return _build_cuda(None, cfg, Path(checkpoint), Path(output), opts, limits, progress, t0)
     trt_target = None
-    if ckpt.quant is not None and opts.backend != "onnxruntime":
+    if ckpt.quant is not None and opts.backend == "tensorrt":
         raise ConfigError(f"--backend {opts.backend}: GPTQ int{ckpt.quant.bits} checkpoints are not implemented "
-                          f"for this backend yet (the GPU W4A16 / W8A16 kernels are the GPU part of the GPTQ "
-                          f"issue); build with --backend onnxruntime (CPU, com.microsoft.MatMulNBits)")
+                          f"for this backend; build with --backend onnxruntime (CPU, com.microsoft.MatMulNBits) or "
+                          f"--backend cuda (packed weights dequantised on the GPU at load)")
+    if ckpt.quant is not None and opts.backend == "cuda" and opts.quant_activations != "fp32":
+        raise ConfigError(f"--quant-activations {opts.quant_activations}: a cuda bundle's activations are its "
+                          f"--dtype ({opts.dtype}); --quant-activations int8 is for --backend onnxruntime")
     if opts.backend == "cuda":
         return _build_cuda(ckpt, cfg, Path(checkpoint), Path(output), opts, limits, progress, t0)
     if opts.backend == "tensorrt":  # fails here, before any work, when TensorRT is missing or cannot target
@@ -239,16 +242,17 @@ def _build_cuda(ckpt: Checkpoint | None, cfg: ModelConfig, ckpt_dir: Path, out: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        quant = None
         if ckpt is None:
             toolkit = {"format": FORMAT_VERSION, "program": str(PROGRAM_VERSION), "weights": "dummy"}
         else:
-            toolkit = write_cuda_weights(ckpt, tmp, opts.dtype, limits.max_seq_len, progress)
+            toolkit, quant = write_cuda_weights(ckpt, tmp, opts.dtype, limits.max_seq_len, progress)
         specs = tuple(SegmentSpec(p.name, "", p.inputs, p.outputs) for p in plan_segments(cfg))
         return _finish(tmp, out, ckpt_dir, dict(
             model=cfg, limits=limits, backend="cuda", dtype=opts.dtype, segments=specs,
             state_weights=WEIGHTS if ckpt else DUMMY_WEIGHTS, toolkit=toolkit,
             target={"device": "cuda", "arch": "any (NVRTC compiles the kernels at load)"},
-            workarounds=tuple(w.record() for w in applied)), progress, t0,
+            workarounds=tuple(w.record() for w in applied), quantization=quant), progress, t0,
             "cuda weights" if ckpt else "cuda, dummy weights")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -181,6 +181,33 @@ def derive_weight(cfg: ModelConfig, name: str, get: Callable[[str], np.ndarray],
     return out if is_quantized(out) else np.ascontiguousarray(out)
 
 
+# The canonical checkpoint weights each quantizable runtime weight is fused from (derive_weight's table, by rows).
+_LINEAR_SOURCES: dict[str, tuple[str, ...]] = {
+    "linear_attn.in_proj": tuple(f"linear_attn.{n}" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    "linear_attn.out_proj": ("linear_attn.out_proj",),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+    "mlp.experts.gate_up": ("mlp.experts.gate_proj", "mlp.experts.up_proj"),
+    "mlp.experts.down": ("mlp.experts.down_proj",),
+    "mlp.shared.gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared.down": ("mlp.shared_expert.down_proj",),
+}
+
+
+def linear_sources(name: str) -> tuple[str, ...]:
+    """The canonical weights a runtime weight is fused from, in row order, when it is one a GPTQ checkpoint may
+    quantize (the projections, the experts, ``lm_head``); () for the others (embeddings, router, shared-expert
+    gate, norms, conv, gates, RoPE tables: never quantized)."""
+    if name == "lm_head":
+        return ("lm_head",)
+    if not name.startswith("layers."):
+        return ()
+    _, i, rest = name.split(".", 2)
+    return tuple(f"layers.{i}.{c}" for c in _LINEAR_SOURCES.get(rest, ()))
+
+
 def experts_gate_up(gate, up):
     """``[E, I, H]`` gate and up -> ``[E, 2I, H]``, per expert the gate rows, then the up rows."""
     if isinstance(gate, QuantExperts) or isinstance(up, QuantExperts):

@@ -36,6 +36,9 @@ BLOCK_SIZES = (128, 64, 32, 16)  # MatMulNBits block sizes we emit (powers of tw
 # MatMulNBits accuracy_level: the type the activations are multiplied in. 0 = float32 (A is not
 # quantized: parity with the float model); 4 = int8 (A quantized per block, MLAS's fast integer kernels).
 ACCURACY_LEVELS = {"fp32": 0, "int8": 4}
+# A ``cuda`` bundle's activations: the bundle dtype (the packed weights are dequantised at load into it and every
+# GEMM reads activations of that type); its tensors' ``nbits_meta`` accuracy_level is 0.
+CUDA_ACTIVATIONS = ("float32", "float16", "bfloat16")
 NBITS_SUFFIXES = ("nbits_B", "nbits_scales", "nbits_zp", "nbits_perm", "nbits_meta")
 
 
@@ -271,9 +274,28 @@ def nbits_dequantize(B: np.ndarray, scales: np.ndarray, zero_points: np.ndarray 
     return w[:, :k_in]
 
 
+def _harmonize(ws: Sequence[NBitsWeight]) -> list[NBitsWeight]:
+    """Experts that differ only in having default zero-points or an identity order get them written out, so
+    they stack with the others (the same function)."""
+    with_zp, with_perm = any(w.zero_points is not None for w in ws), any(w.perm is not None for w in ws)
+    out = []
+    for w in ws:
+        zp, perm = w.zero_points, w.perm
+        if with_zp and zp is None:
+            nb = -(-w.K // w.block_size)
+            mid = 1 << (w.bits - 1)
+            zp = (np.full(w.N * -(-nb // 2), mid | (mid << 4), np.uint8) if w.bits == 4
+                  else np.full(w.N * nb, mid, np.uint8))
+        if with_perm and perm is None and w.k_in == w.K:
+            perm = np.arange(w.K, dtype=np.int64)
+        out.append(NBitsWeight(w.B, w.scales, zp, perm, w.K, w.N, w.bits, w.block_size, w.k_in))
+    return out
+
+
 def nbits_tensors(prefix: str, ws: Sequence[NBitsWeight], accuracy_level: int, stacked: bool) -> dict[str, np.ndarray]:
     """The state-weight tensors of one quantized weight (``stacked``: one per expert, stacked on axis 0).
     Every expert must share K, N, bits, block size and whether it has zero-points / a permutation."""
+    ws = _harmonize(ws)
     first = ws[0]
     key = lambda w: (w.K, w.N, w.bits, w.block_size, w.zero_points is None, w.perm is None)  # noqa: E731
     if any(key(w) != key(first) for w in ws):
@@ -297,8 +319,10 @@ class QuantRecord:
     """``manifest.json``'s ``quantization``: what the builder read and how the bundle runs it.
 
     ``modules``: canonical weight name -> bits, for every weight that runs quantized (the rest run in
-    float32); ``activations``: ``fp32`` | ``int8`` (MatMulNBits ``accuracy_level`` 0 | 4);
-    ``fallbacks``: weights the checkpoint quantizes but this bundle runs dequantized, with the reason.
+    float32); ``activations``: ``fp32`` | ``int8`` (MatMulNBits ``accuracy_level`` 0 | 4) for an onnxruntime
+    bundle, the bundle dtype (``float32`` | ``float16`` | ``bfloat16``, :data:`CUDA_ACTIVATIONS`) for a ``cuda``
+    bundle, whose ``modules`` are the weights stored packed (dequantised into that dtype at load);
+    ``fallbacks``: weights the checkpoint quantizes but this bundle stores dequantized, with the reason.
     """
 
     method: str
@@ -319,12 +343,14 @@ class QuantRecord:
         if self.bits not in SUPPORTED_BITS or any(b not in SUPPORTED_BITS for b in self.modules.values()):
             raise BundleError(f"quantization bits {self.bits} / {sorted(set(self.modules.values()))}: this runtime "
                               f"runs {SUPPORTED_BITS}")
-        if self.activations not in ACCURACY_LEVELS:
-            raise BundleError(f"quantization activations {self.activations!r}: choose {', '.join(ACCURACY_LEVELS)}")
+        if self.activations not in (*ACCURACY_LEVELS, *CUDA_ACTIVATIONS):
+            raise BundleError(f"quantization activations {self.activations!r}: choose {', '.join(ACCURACY_LEVELS)} "
+                              f"(onnxruntime) or {', '.join(CUDA_ACTIVATIONS)} (cuda: the bundle dtype)")
 
     @property
     def accuracy_level(self) -> int:
-        return ACCURACY_LEVELS[self.activations]
+        """MatMulNBits ``accuracy_level`` (0 for a cuda bundle's record)."""
+        return ACCURACY_LEVELS.get(self.activations, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "bits": self.bits, "group_size": self.group_size, "sym": self.sym,
@@ -350,6 +376,9 @@ def check_state_weights(record: QuantRecord | None, names: Sequence[str], meta: 
             raise BundleError(f"state weights hold quantized tensors ({sorted(stored_quant)[:3]} ...) but the "
                               "manifest records no quantization: rebuild the bundle")
         return
+    if record.activations not in ACCURACY_LEVELS:
+        raise BundleError(f"the quantization record says {record.activations} activations: a cuda bundle's record, "
+                          f"this runtime runs {', '.join(ACCURACY_LEVELS)}: rebuild the bundle")
     for name in stored_quant:
         m = meta[name]
         canon = _canonical_modules(name)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import mmap
 import os
+import shutil
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -241,3 +242,68 @@ class SafetensorsWriter:
         with contextlib.suppress(OSError):
             self._f.close()
         self._tmp.unlink(missing_ok=True)
+
+
+class SafetensorsSpool:
+    """Streams tensors whose shapes are not known up front (a GPTQ checkpoint's packed layouts are known only
+    once a layer is read): :meth:`write` appends each tensor's bytes to a data file beside ``path`` and notes
+    its header entry; :meth:`close` writes the header, then copies the data after it (the only way to put a
+    header first without knowing it), syncs, reads the header back and renames into place. Host memory holds
+    one tensor at a time; the disk holds the data twice until :meth:`close` ends. :meth:`abort` removes both."""
+
+    def __init__(self, path: str | Path, metadata: Mapping[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self._header: dict[str, object] = {}
+        self._offset = 0
+        self._metadata = dict(metadata or {})
+        self._data = self.path.with_name(f".{self.path.name}.{os.getpid()}.data")
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._f = open(self._data, "wb")  # noqa: SIM115 - closed in close()/abort()
+
+    def write(self, name: str, arr: np.ndarray, dtype: str | None = None) -> None:
+        """Append ``arr``: ``dtype`` ``BF16`` / ``F16`` / ``F32`` converts a float array (bfloat16
+        round-to-nearest-even); None stores it in its own dtype."""
+        if name in self._header:
+            raise WeightsFormatError(f"{self.path}: {name} written twice")
+        a = np.asarray(arr)
+        if dtype == "BF16":
+            data = f32_to_bf16_bits(a.astype(np.float32, copy=False))
+        elif dtype in ("F16", "F32"):
+            data = np.ascontiguousarray(a, np.float32 if dtype == "F32" else np.float16)
+        elif dtype is None:
+            if a.dtype not in _WRITE:
+                raise WeightsFormatError(f"cannot store {name} of dtype {a.dtype}")
+            data, dtype = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False), _WRITE[a.dtype]
+        else:
+            raise WeightsFormatError(f"cannot stream {name} as {dtype}; supported: BF16, F16, F32 or None")
+        n = data.nbytes
+        self._header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [self._offset, self._offset + n]}
+        self._f.write(memoryview(data.reshape(-1).view(np.uint8)))
+        self._offset += n
+
+    def close(self) -> None:
+        header = dict(self._header)
+        if self._metadata:
+            header["__metadata__"] = self._metadata
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        try:
+            self._f.close()
+            with open(self._tmp, "wb") as out, open(self._data, "rb") as data:
+                out.write(struct.pack("<Q", len(hb)))
+                out.write(hb)
+                shutil.copyfileobj(data, out, 64 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            if problem := _header_problem(self._tmp, header, 8 + len(hb) + self._offset, hb):
+                raise WeightsFormatError(f"{self.path}: the written file does not read back as written: {problem}")
+            os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)
+            self._data.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+        self._tmp.unlink(missing_ok=True)
+        self._data.unlink(missing_ok=True)

@@ -182,3 +182,76 @@ def write_gptq_checkpoint(float_dir: Path, gptq_dir: Path, dequant_dir: Path | N
         qc.pop("quant_method")
         (gptq_dir / "quantize_config.json").write_text(json.dumps(qc, indent=2))
     return done
+
+
+# ---------------------------------------------------------------------------------------- MatMulNBits layout
+
+
+def nbits_reference(B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, perm: np.ndarray | None,
+                    meta: np.ndarray) -> np.ndarray:
+    """The float32 ``[N, k_in]`` weight of one stored MatMulNBits-layout weight, written from the layout's
+    description (com.microsoft.MatMulNBits; ``meta`` = ``[K, N, bits, block_size, accuracy_level, k_in]``):
+
+    * ``B`` uint8 ``[N, nb, block_size * bits / 8]``, nb = ceil(K / block_size): the codes of row n along K;
+      4-bit: code k in byte k // 2, the low nibble for even k
+    * ``scales`` float32 ``[N * nb]``: row n, block b at n * nb + b
+    * ``zp`` uint8: 4-bit ``[N * ceil(nb / 2)]``, block b of row n in byte n * ceil(nb / 2) + b // 2, low nibble
+      for even b; 8-bit ``[N * nb]``; absent: every zero-point is 2^(bits - 1)
+    * ``perm`` ``[K]``: op column k is input column perm[k] (k_in: padding, no weight); absent: the identity
+
+    ``w[n, perm[k]] = (code(n, k) - zero(n, k // bs)) * scale(n, k // bs)``, computed column by column."""
+    K, N, bits, bs, _, k_in = (int(v) for v in meta)
+    nb = -(-K // bs)
+    rows = np.asarray(B, np.uint8).reshape(N, nb * bs * bits // 8)
+    s = np.asarray(scales, np.float32).reshape(N, nb)
+    out = np.zeros((N, k_in), np.float32)
+    seen = np.zeros(k_in, bool)
+    for k in range(K):
+        if bits == 4:
+            byte = rows[:, k // 2].astype(np.int64)
+            q = (byte >> 4) if k % 2 else (byte & 15)
+        else:
+            q = rows[:, k].astype(np.int64)
+        b = k // bs
+        if zp is None:
+            z = np.full(N, 1 << (bits - 1), np.int64)
+        elif bits == 4:
+            zb = np.asarray(zp, np.uint8).reshape(N, -(-nb // 2))[:, b // 2].astype(np.int64)
+            z = (zb >> 4) if b % 2 else (zb & 15)
+        else:
+            z = np.asarray(zp, np.uint8).reshape(N, nb)[:, b].astype(np.int64)
+        col = int(perm[k]) if perm is not None else k
+        if col == k_in:
+            continue
+        assert not seen[col], f"input column {col} read twice"
+        seen[col] = True
+        out[:, col] = (q - z).astype(np.float32) * s[:, b]
+    assert seen.all(), "an input column has no weight"
+    return out
+
+
+def stored_weight_reference(f: Any, name: str) -> np.ndarray | None:
+    """The float32 runtime weight ``name`` of a GPTQ ``cuda`` bundle's safetensors file ``f`` (a
+    ``SafetensorsFile``) as stored: float (widened), packed (``<name>.nbits_*``, stacked experts on axis 0) or
+    per part (``<name>.parts`` rows, ``<name>.part<i>`` float or packed); None if absent."""
+    h = f.header
+
+    def packed(prefix: str) -> np.ndarray:
+        get = lambda k: f.raw(f"{prefix}.nbits_{k}") if f"{prefix}.nbits_{k}" in h else None  # noqa: E731
+        meta, B, s, z, p = get("meta"), get("B"), get("scales"), get("zp"), get("perm")
+        N = int(meta[1])
+        if B.ndim == 3 and B.shape[0] == N:  # one weight
+            return nbits_reference(B, s, z, p, meta)
+        return np.stack([nbits_reference(B[e], s[e], None if z is None else z[e], None if p is None else p[e], meta)
+                         for e in range(B.shape[0])])
+
+    if name in h:
+        return f.get(name)
+    if f"{name}.nbits_meta" in h:
+        return packed(name)
+    if f"{name}.parts" in h:
+        parts = [f.get(f"{name}.part{i}") if f"{name}.part{i}" in h else packed(f"{name}.part{i}")
+                 for i in range(len(f.raw(f"{name}.parts")))]
+        assert [p.shape[-2] for p in parts] == f.raw(f"{name}.parts").tolist()
+        return np.concatenate(parts, axis=-2)
+    return None

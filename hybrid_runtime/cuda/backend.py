@@ -235,7 +235,7 @@ class CudaBackend:
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
                  batch_invariant_attention: bool = True, fused_router: bool = True,
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
-                 dense_decode_max_mb: float | None = None) -> None:
+                 dense_decode_max_mb: float | None = None, keep_packed: bool = False) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -303,7 +303,9 @@ class CudaBackend:
         if weights is None:
             if bundle_dir is None:
                 raise ValueError("need a bundle directory or preloaded weights")
-            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress)
+            # a GPTQ bundle's packed weights are dequantised at load; keep_packed keeps their device copies too
+            # (DeviceWeights.packed; counted in the weights' bytes and taken before the memory plan reads free memory)
+            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed)
         self.w = weights
         # Biases in the activation dtype too (cuBLASLt's bias epilogue reads the output's dtype), made here:
         # never during a graph capture.

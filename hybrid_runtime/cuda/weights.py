@@ -7,6 +7,11 @@ device; :meth:`DeviceWeights.random` fills the same layout on the device with se
 experts stacked ``[E_all, 2I, H]`` / ``[E_all, H, I]`` where, when the shared expert has the experts' width,
 it is expert ``E`` (``fold``: every token routes to it with weight sigmoid(gate)), so the routed kernels
 serve it too.
+
+A GPTQ bundle's packed weights (``cuda/quant.py``) are uploaded and dequantised on the device into the same
+layout in the bundle dtype, so every kernel runs unchanged; ``keep_packed`` keeps the device copies of the packed
+tensors in :attr:`DeviceWeights.packed` (for W4A16 / W8A16 kernels) instead of freeing them, and :attr:`nbytes`
+counts them.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import BundleError, Manifest, ModelConfig
+from ..config import Manifest, ModelConfig
 from ..program import WeightSpec, moe_layers, runtime_weight_specs, stored_weight_specs
 from ..reference import rope_tables
 from ..weights_io import SafetensorsFile
 from .driver import CudaDevice, DeviceArray
+from .quant import NBitsDequant, PackedLinear, fill_weight, plan_weights
 
 ROUTER_ALIGN = 8  # router rows padded so the logits' row stride stays 16-byte aligned
 
@@ -49,6 +55,9 @@ class DeviceWeights:
     def __init__(self, device: CudaDevice, cfg: ModelConfig, dtype: str, rope_len: int) -> None:
         self.device, self.cfg, self.dtype, self.rope_len = device, cfg, dtype, rope_len
         self.arrays: dict[str, DeviceArray] = {}
+        # packed GPTQ weights kept on the device (load(keep_packed=True)): runtime weight name, or
+        # "<name>.part<i>" for a part of a per-part weight -> PackedLinear
+        self.packed: dict[str, PackedLinear] = {}
         self._moe: dict[int, MoEWeights] = {}
         self.specs = {s.name: s for s in runtime_weight_specs(cfg, rope_len)}
 
@@ -68,7 +77,7 @@ class DeviceWeights:
             if a.ptr not in seen:
                 seen.add(a.ptr)
                 n += a.nbytes
-        return n
+        return n + sum(p.nbytes for p in self.packed.values())
 
     def moe(self, layer: int) -> MoEWeights:
         return self._moe[layer]
@@ -77,30 +86,44 @@ class DeviceWeights:
 
     @classmethod
     def load(cls, device: CudaDevice, bundle_dir: str | Path, manifest: Manifest,
-             progress: Callable[[str], None] | None = None) -> DeviceWeights:
-        """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype first)."""
+             progress: Callable[[str], None] | None = None, keep_packed: bool = False) -> DeviceWeights:
+        """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype, and a GPTQ
+        bundle's packed tensors against its quantization record, first: :func:`~.quant.plan_weights`). Packed
+        weights are dequantised on the device into the bundle dtype; ``keep_packed`` keeps their device copies
+        in :attr:`packed` (default: freed once dequantised)."""
         cfg, rope_len = manifest.model, manifest.limits.max_seq_len
         self = cls(device, cfg, manifest.dtype, rope_len)
         path = Path(bundle_dir) / manifest.state_weights
         f = SafetensorsFile(path)
-        tags = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+        stored = plan_weights(f, manifest)
+        deq = NBitsDequant(device, self.dtype) if any(w.kind != "float" for w in stored.values()) else None
+        es = 4 if self.dtype == "float32" else 2
+        keep = self.packed.__setitem__ if keep_packed else None
+
+        def put(name: str, dst: int) -> None:
+            fill_weight(device, deq, f, stored[name], dst, self.specs[name].shape, es if self.specs[name].matrix
+                        else 4, keep)
+
         for s in stored_weight_specs(cfg, rope_len):
-            if s.name not in f.header:
-                raise BundleError(f"{path}: weight {s.name} is missing; rebuild the bundle")
-            want = (tags[self._dtype(s)], list(s.shape))
-            got = (f.header[s.name]["dtype"], list(f.header[s.name]["shape"]))
-            if got != want:
-                raise BundleError(f"{path}: weight {s.name} is {got}, this runtime expects {want}; rebuild")
-        for i, s in enumerate(stored_weight_specs(cfg, rope_len)):
             if progress and s.layer >= 0 and s.name.endswith("input_norm"):
                 progress(f"loading layer {s.layer + 1}/{cfg.num_layers} to {device.limits.name}")
             if ".mlp." in s.name and cfg.ffn_types[s.layer] == "moe":
                 continue  # stacked below
-            self.arrays[s.name] = device.upload(f.raw(s.name), dtype=self._dtype(s))
-            _ = i
+            if stored[s.name].kind == "float":
+                self.arrays[s.name] = device.upload(f.raw(s.name), dtype=self._dtype(s))
+            else:
+                self.arrays[s.name] = a = device.empty(s.shape, self._dtype(s))
+                put(s.name, a.ptr)
         self._alias_head()
         for layer in moe_layers(cfg):
-            self._moe[layer] = self._stack_moe(layer, lambda n: f.raw(n))
+            self._moe[layer] = self._stack_moe(layer, put)
+        if deq is not None:
+            device.synchronize()
+            if progress:
+                kept_gb = sum(p.nbytes for p in self.packed.values()) / 1e9
+                kept = f", {kept_gb:.2f} GB packed kept" if keep_packed else ""
+                progress(f"dequantised {sum(w.kind != 'float' for w in stored.values())} packed weights to "
+                         f"{self.dtype} on {device.limits.name}{kept}")
         return self
 
     @classmethod
@@ -136,10 +159,10 @@ class DeviceWeights:
         if self.cfg.tie_word_embeddings:
             self.arrays["lm_head"] = self.arrays["embed_tokens"]
 
-    def _stack_moe(self, layer: int, raw: Callable[[str], np.ndarray] | None, fill: Callable[..., None] | None = None,
+    def _stack_moe(self, layer: int, put: Callable[[str, int], None] | None, fill: Callable[..., None] | None = None,
                    seed: int = 0, hidden: int = 0) -> MoEWeights:
-        """Router (+ shared gate row) and the stacked experts of one layer, from ``raw(name)`` host arrays
-        or (``raw`` None) filled on the device."""
+        """Router (+ shared gate row) and the stacked experts of one layer, ``put(name, device address)`` writing
+        a stored weight there, or (``put`` None) filled on the device."""
         cfg, d = self.cfg, self.device
         E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         si = cfg.shared_expert_intermediate_size
@@ -152,18 +175,20 @@ class DeviceWeights:
         down = d.empty((e_all, H, inter), self.dtype)
         sgu = sdn = None
         row = H * (4 if self.dtype == "float32" else 2)  # bytes of one router row
-        if raw is not None:
-            d.copy_htod(router.ptr, raw(p + "router"))
+        if put is not None:
+            put(p + "router", router.ptr)
             if si:
-                d.copy_htod(router.ptr + E * row, raw(p + "shared.gate"))
-            d.copy_htod(gate_up.ptr, raw(p + "experts.gate_up"))
-            d.copy_htod(down.ptr, raw(p + "experts.down"))
+                put(p + "shared.gate", router.ptr + E * row)
+            put(p + "experts.gate_up", gate_up.ptr)
+            put(p + "experts.down", down.ptr)
             if fold:
-                d.copy_htod(gate_up.row_ptr(E), raw(p + "shared.gate_up"))
-                d.copy_htod(down.row_ptr(E), raw(p + "shared.down"))
+                put(p + "shared.gate_up", gate_up.row_ptr(E))
+                put(p + "shared.down", down.row_ptr(E))
             elif si:
-                sgu = d.upload(raw(p + "shared.gate_up"), dtype=self.dtype)
-                sdn = d.upload(raw(p + "shared.down"), dtype=self.dtype)
+                sgu = d.empty((2 * si, H), self.dtype)
+                sdn = d.empty((H, si), self.dtype)
+                put(p + "shared.gate_up", sgu.ptr)
+                put(p + "shared.down", sdn.ptr)
         else:
             assert fill is not None
             fill(router.view((e_pad * H,)), seed, 1.0 / np.sqrt(hidden))

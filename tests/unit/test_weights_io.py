@@ -66,3 +66,29 @@ def test_unsupported_dtype_writes_nothing(tmp_path: Path) -> None:
     with pytest.raises(WeightsFormatError, match="cannot store"):
         save_safetensors(p, {"z": np.zeros(2, np.complex64)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_spooled_writer_streams_tensors_of_unknown_shapes(tmp_path: Path) -> None:
+    from hybrid_runtime.weights_io import SafetensorsSpool, f32_to_bf16_bits
+
+    rng = np.random.default_rng(0)
+    a, b, c = rng.standard_normal((3, 5)).astype(np.float32), rng.integers(0, 255, (7,), dtype=np.uint8), np.arange(4)
+    w = SafetensorsSpool(tmp_path / "w.safetensors", metadata={"k": "v"})
+    w.write("a_bf16", a, "BF16")
+    w.write("b", b)
+    w.write("c", c)
+    w.write("a_f16", a, "F16")
+    with pytest.raises(WeightsFormatError, match="written twice"):
+        w.write("b", b)
+    w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]  # no data or temporary file left
+    f = SafetensorsFile(tmp_path / "w.safetensors")
+    assert f.metadata == {"k": "v"} and f.keys() == ["a_bf16", "b", "c", "a_f16"]
+    assert np.array_equal(f.raw("a_bf16"), f32_to_bf16_bits(a)) and f.dtype("a_bf16") == "BF16"
+    assert np.array_equal(f.raw("b"), b) and f.dtype("b") == "U8"
+    assert np.array_equal(f.raw("c"), c) and f.dtype("c") == "I64"
+    assert np.array_equal(f.raw("a_f16"), a.astype(np.float16))
+    w2 = SafetensorsSpool(tmp_path / "x.safetensors")
+    w2.write("a", a)
+    w2.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]

@@ -1,0 +1,416 @@
+"""GPTQ checkpoints on the ``cuda`` backend, what the CPU can check (the device tests: tests/gpu/test_nbits_gpu.py):
+
+* ``--backend cuda`` stores every quantized runtime weight packed; dequantising the written safetensors with the
+  tests' own MatMulNBits-layout dequantiser (``tests/gptq_pack.nbits_reference``) gives, bit for bit, the weights
+  of the float ``cuda`` bundle built from the dequantised checkpoint (float32), for every case of
+  ``tests/gptq_cases.py`` (dense, MoE with quantized experts and shared expert, folded shared expert, act order,
+  sym / asym, int4 / int8, groups 32 / 64 / 128 / -1, per-part weights, a recorded fallback, dynamic rules);
+  a bfloat16 build stores the same packed bytes, and its float tensors are the float bundle's;
+* the manifest records the quantization; :func:`plan_weights` (what ``DeviceWeights.load`` checks first) refuses
+  a record that does not match the stored tensors, and a damaged permutation;
+* a numpy model of ``nbits.cu``'s per-thread index mapping == the project's host dequantiser.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.bundle import BuildOptions, build_bundle
+from hybrid_runtime.config import BundleError, ConfigError, Manifest
+from hybrid_runtime.cuda.quant import THREADS, launch_grid, plan_weights
+from hybrid_runtime.program import linear_sources, stored_weight_specs
+from hybrid_runtime.quant import QuantLinear, nbits_dequantize, nbits_tensors, to_nbits
+from hybrid_runtime.weights_io import SafetensorsFile, bf16_to_f32, f32_to_bf16_bits
+from tests import gptq_cases as gc
+from tests import gptq_pack as gp
+
+
+@pytest.fixture(scope="module", params=sorted(gc.CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(case name, GPTQ cuda bundle float32, float cuda bundle of the dequantised weights, packed modules)."""
+    root = tmp_path_factory.mktemp(f"gptq_cuda_{request.param}")
+    ckpt, deq, done = gc.checkpoints(root, request.param)
+    return request.param, gc.build(ckpt, root / "bq"), gc.build(deq, root / "bf"), done
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def test_packed_weights_dequantise_to_the_float_bundle_bit_for_bit(case) -> None:
+    _, bq, bf, done = case
+    m = Manifest.load(bq)
+    fq, ff = SafetensorsFile(bq / m.state_weights), SafetensorsFile(bf / m.state_weights)
+    packed = 0
+    for s in stored_weight_specs(m.model, m.limits.max_seq_len):
+        want = ff.get(s.name)
+        got = gp.stored_weight_reference(fq, s.name)
+        assert got is not None, s.name
+        assert got.shape == want.shape and np.array_equal(_bits(got), _bits(want)), s.name
+        if s.name not in fq.header:
+            packed += 1
+            assert linear_sources(s.name), f"{s.name} is never quantized but stored packed"
+    assert packed and done
+    # float tensors are the float bundle's; every key is a runtime weight's
+    prefixes = {s.name for s in stored_weight_specs(m.model, m.limits.max_seq_len)}
+    for k in fq.keys():  # noqa: SIM118 (not a dict)
+        base = k.split(".nbits_")[0].split(".part")[0].removesuffix(".parts")
+        assert base in prefixes, k
+
+
+def test_the_bundle_stays_small(case) -> None:
+    """Packed int4 weights: B at half a byte a weight plus float32 scales per group; int8: one byte."""
+    _, bq, bf, _ = case
+    fq = SafetensorsFile(bq / "weights.safetensors")
+    for k in fq.keys():  # noqa: SIM118
+        if k.endswith(".nbits_meta"):
+            p = k.removesuffix(".nbits_meta")
+            K, N, bits, bs, _, _ = (int(v) for v in fq.raw(k))
+            E = fq.raw(p + ".nbits_B").shape[0] if fq.raw(p + ".nbits_B").ndim == 4 else 1
+            stored = sum(fq.raw(f"{p}.nbits_{t}").nbytes for t in ("B", "scales", "zp")
+                         if f"{p}.nbits_{t}" in fq.header)
+            nb = -(-K // bs)  # a partial last block is padded (tiny models: K = 48, 64 with blocks of 32, 128)
+            assert stored <= E * N * nb * (bs * bits / 8 + 4 + 1) + 16, (k, stored)
+    assert (bq / "weights.safetensors").stat().st_size < (bf / "weights.safetensors").stat().st_size
+
+
+def test_manifest_records_the_quantization(case) -> None:
+    name, bq, _, done = case
+    m = Manifest.load(bq)
+    q = m.quantization
+    assert q is not None and q.method == "gptq" and q.activations == "float32" and q.accuracy_level == 0
+    assert q.modules, "nothing recorded as packed"
+    assert set(q.modules) | set(q.fallbacks) <= {c for s in stored_weight_specs(m.model, 96) for c in
+                                                 linear_sources(s.name)}
+    assert ("lm_head" in q.modules) == ("lm_head" in done)
+    if name == "qwen35moe_int8_g32_sym_act_parts":
+        assert q.bits == 8 and any(v == 4 for v in q.modules.values())
+        assert q.fallbacks and all(k.endswith("experts.down_proj") for k in q.fallbacks)
+        assert not any(k.endswith("self_attn.k_proj") for k in q.modules)
+    stored = plan_weights(SafetensorsFile(bq / m.state_weights), m)
+    kinds = {w.kind for w in stored.values()}
+    assert "packed" in kinds
+    if name == "qwen35moe_int8_g32_sym_act_parts":
+        assert "parts" in kinds
+        assert stored["layers.3.self_attn.qkv_proj"].kind == "parts"
+        assert stored["layers.0.mlp.experts.gate_up"].kind == "parts"
+        assert stored["layers.0.mlp.experts.down"].kind == "float"
+
+
+def test_bfloat16_bundle_stores_the_same_packed_bytes(tmp_path: Path) -> None:
+    ckpt, deq, _ = gc.checkpoints(tmp_path, "qwen35moe_int8_g32_sym_act_parts")
+    b32, b16, f16 = (gc.build(ckpt, tmp_path / "b32"), gc.build(ckpt, tmp_path / "b16", dtype="bfloat16"),
+                     gc.build(deq, tmp_path / "f16", dtype="bfloat16"))
+    m = Manifest.load(b16)
+    assert m.quantization.activations == "bfloat16" and m.dtype == "bfloat16"
+    a, b, fl = (SafetensorsFile(p / "weights.safetensors") for p in (b32, b16, f16))
+    assert set(a.keys()) == set(b.keys())
+    for k in b.keys():  # noqa: SIM118
+        if ".nbits_" in k or k.endswith(".parts"):
+            assert np.array_equal(a.raw(k), b.raw(k)), k
+    for s in stored_weight_specs(m.model, 96):
+        if s.name in b.header:  # float: the float bf16 bundle's bits
+            assert b.dtype(s.name) == fl.dtype(s.name) and np.array_equal(b.raw(s.name), fl.raw(s.name)), s.name
+        else:  # packed: what the device writes (float32 dequantisation rounded to nearest even) == the float bundle
+            ref = gp.stored_weight_reference(b, s.name)
+            assert np.array_equal(f32_to_bf16_bits(ref), fl.raw(s.name)), s.name
+    plan_weights(b, m)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+
+@pytest.fixture(scope="module")
+def parts_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gptq_cuda_refusals")
+    ckpt, _, _ = gc.checkpoints(root, "qwen35moe_int8_g32_sym_act_parts")
+    return gc.build(ckpt, root / "b")
+
+
+def _edited(bundle: Path, dst: Path, edit) -> tuple[SafetensorsFile, Manifest]:
+    shutil.copytree(bundle, dst)
+    d = json.loads((dst / "manifest.json").read_text())
+    edit(d)
+    (dst / "manifest.json").write_text(json.dumps(d))
+    m = Manifest.load(dst)
+    return SafetensorsFile(dst / m.state_weights), m
+
+
+@pytest.mark.parametrize("case_name,edit,match", [
+    ("no_record", lambda d: d.pop("quantization"), "records no quantization"),
+    ("other_dtype", lambda d: d.update(dtype="bfloat16"), "is \\('F32'"),
+    ("other_activations", lambda d: d["quantization"].update(activations="bfloat16"), "bfloat16 activations"),
+    ("onnxruntime_activations", lambda d: d["quantization"].update(activations="fp32"), "fp32 activations"),
+    ("other_bits", lambda d: d["quantization"]["modules"].update(
+        {k: 4 for k in d["quantization"]["modules"] if k.endswith("o_proj")}), "stored as \\[8\\]-bit"),
+    ("float_recorded_quantized", lambda d: d["quantization"]["modules"].update(
+        {"layers.0.mlp.experts.down_proj": 8}), "stored in float"),
+    ("part_recorded_float", lambda d: [d["quantization"]["modules"].pop(k) for k in list(d["quantization"]["modules"])
+                                       if k.endswith("experts.up_proj")], "packed parts are \\[4, 8\\]-bit"),
+])
+def test_a_record_that_does_not_match_is_refused(parts_bundle: Path, tmp_path: Path, case_name: str, edit,
+                                                 match: str) -> None:
+    f, m = _edited(parts_bundle, tmp_path / case_name, edit)
+    with pytest.raises(BundleError, match=match):
+        plan_weights(f, m)
+
+
+def test_a_damaged_permutation_is_refused(parts_bundle: Path, tmp_path: Path) -> None:
+    from hybrid_runtime.weights_io import save_safetensors
+
+    dst = tmp_path / "perm"
+    shutil.copytree(parts_bundle, dst)
+    f = SafetensorsFile(dst / "weights.safetensors")
+    t = {k: f.raw(k).copy() for k in f.keys()}  # noqa: SIM118
+    name = "layers.3.self_attn.o_proj.nbits_perm"
+    t[name][1] = t[name][0]  # one input column twice, another never
+    bf16 = frozenset()
+    save_safetensors(dst / "w2.safetensors", t, bf16)
+    with pytest.raises(BundleError, match="nbits_perm is not a permutation"):
+        plan_weights(SafetensorsFile(dst / "w2.safetensors"), Manifest.load(dst))
+
+
+def test_cuda_refuses_int8_activations(tmp_path: Path) -> None:
+    ckpt, _, _ = gc.checkpoints(tmp_path, "qwen35_dense_int4_g64_sym_v2")
+    with pytest.raises(ConfigError, match="a cuda bundle's activations are its --dtype"):
+        build_bundle(ckpt, tmp_path / "b", BuildOptions(backend="cuda", quant_activations="int8", **gc.limits()),
+                     progress=lambda _m: None)
+
+
+# ---------------------------------------------------------------------------------------- the kernel's mapping
+
+
+def kernel_model(t: dict[str, np.ndarray], prefix: str, k_in: int, N_out: int, row0: int, dtype_round) -> np.ndarray:
+    """One launch of ``nbits_dequant`` (:func:`kernel_writes`) into rows ``row0..`` of a ``[E, N_out, k_in]`` buffer
+    (NaN where nothing is written)."""
+    B = t[prefix + ".nbits_B"]
+    E = max(1, B.shape[0] if B.ndim == 4 else 0)
+    out = np.full(E * N_out * k_in, np.nan, np.float32)
+    dst, v = kernel_writes(t, prefix, k_in, N_out * k_in, dtype_round)
+    out[row0 * k_in + dst] = v
+    return out.reshape(E, N_out, k_in)
+
+
+def _rand_ql(rng: np.random.Generator, N: int, K: int, bits: int, G: int, act: bool, sym: bool) -> QuantLinear:
+    g = np.sort(rng.integers(0, G, K)) if not act else rng.permutation(np.arange(K) * G // K)
+    zeros = (np.full((N, G), 1 << (bits - 1), np.uint8) if sym
+             else rng.integers(0, 1 << bits, (N, G)).astype(np.uint8))
+    return QuantLinear(rng.integers(0, 1 << bits, (N, K)).astype(np.uint8),
+                       (rng.random((N, G)) * 0.05 + 1e-3).astype(np.float16).astype(np.float32), zeros,
+                       g.astype(np.int32), bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act,sym", [(False, True), (True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("experts", [0, 3])
+def test_the_kernels_index_mapping_equals_the_host_dequantiser(bits: int, act: bool, sym: bool, experts: int) -> None:
+    rng = np.random.default_rng(bits * 10 + act * 3 + sym + experts)
+    K, N, G = 200, 24, 5  # irregular groups: padded blocks (perm naming k_in), an odd block count
+    ws = [_rand_ql(rng, N, K, bits, G, act, sym) for _ in range(max(1, experts))]
+    if experts:
+        ws = [QuantLinear(w.q, w.scales, w.zeros, ws[0].g_idx, bits) for w in ws]  # a layer's experts share grouping
+    t = nbits_tensors("w", [to_nbits(w) for w in ws], 0, stacked=bool(experts))
+    want = np.stack([w.dequantize() for w in ws])
+    for e, w in enumerate(ws):  # the host dequantiser of the stored layout agrees with the unpacked weight
+        nb = to_nbits(w)
+        assert np.array_equal(nbits_dequantize(nb.B, nb.scales, nb.zero_points, nb.perm, nb.meta(0)), want[e])
+    got = kernel_model(t, "w", K, N + 7, 5, lambda v: v)  # a part: rows 5..5+N of a [N + 7, K] weight
+    assert np.isnan(got[:, :5]).all() and np.isnan(got[:, 5 + N:]).all()
+    assert np.array_equal(got[:, 5:5 + N], want)
+    bf = kernel_model(t, "w", K, N, 0, lambda v: bf16_to_f32(f32_to_bf16_bits(v)))
+    assert np.array_equal(bf, bf16_to_f32(f32_to_bf16_bits(want)))
+
+
+def test_the_launch_grid() -> None:
+    assert launch_grid(151936, 2048, 0) == (151936 * 2048 // THREADS, 1, 1)
+    assert launch_grid(1024, 2048, 256) == (1024 * 2048 // THREADS, 256, 1)
+    assert launch_grid(3, 100, 0) == (2, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------- the load path, host-emulated
+
+
+class FakeDevice:
+    """Device memory emulated on the host (one flat byte array, allocations 256-byte aligned): enough of
+    :class:`~hybrid_runtime.cuda.driver.CudaDevice` for ``DeviceWeights.load``, so its addressing (fused rows,
+    per-part row offsets, stacked experts, the folded shared expert, the router's shared-gate row) runs on a CPU."""
+
+    def __init__(self, nbytes: int = 64 << 20) -> None:
+        from types import SimpleNamespace
+
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.top = 256
+        self.ordinal = 0
+        self.limits = SimpleNamespace(name="fake")
+        self.freed = 0
+
+    def empty(self, shape, dtype, stream_ordered: bool = False):
+        from hybrid_runtime.cuda.driver import DeviceArray, dtype_of
+
+        n = int(np.prod(shape, dtype=np.int64)) * dtype_of(dtype).itemsize
+        ptr, self.top = self.top, self.top + -(-max(n, 1) // 256) * 256
+        assert self.top <= self.mem.size
+        return DeviceArray(ptr, shape, dtype, 0, owner=self)
+
+    def free(self) -> None:
+        self.freed += 1
+
+    def zeros(self, shape, dtype):
+        return self.empty(shape, dtype)  # the arena starts zeroed and is never reused
+
+    def upload(self, host: np.ndarray, out=None, dtype=None, stream_ordered: bool = False):
+        h = np.ascontiguousarray(host)
+        out = out or self.empty(h.shape, dtype or h.dtype)
+        self.copy_htod(out.ptr, h)
+        return out
+
+    def copy_htod(self, dst: int, host: np.ndarray) -> None:
+        b = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        self.mem[dst:dst + b.size] = b
+
+    def read(self, ptr: int, shape, dtype: str) -> np.ndarray:
+        n = int(np.prod(shape))
+        if dtype == "bfloat16":
+            return bf16_to_f32(self.mem[ptr:ptr + 2 * n].view(np.uint16)).reshape(shape)
+        dt = np.dtype(dtype)
+        return self.mem[ptr:ptr + n * dt.itemsize].view(dt).reshape(shape)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDequant:
+    """``NBitsDequant`` on a :class:`FakeDevice`: the launch runs :func:`kernel_writes` (the kernel's mapping)."""
+
+    def __init__(self, device: FakeDevice, dtype: str) -> None:
+        self.device, self.dtype = device, dtype
+
+    def upload(self, hp, row0: int = 0):
+        from hybrid_runtime.cuda.quant import NBitsDequant
+
+        return NBitsDequant.upload(self, hp, row0)  # type: ignore[arg-type]
+
+    def launch(self, p, out: int, ldo: int, out_estride: int) -> None:
+        d = self.device
+        E = max(1, p.experts)
+        nb = p.n_blocks
+        t = {"w.nbits_meta": np.array([p.K, p.N, p.bits, p.block_size, 0, p.k_in]),
+             "w.nbits_B": d.read(p.B.ptr, p.B.shape, "uint8"), "w.nbits_scales": d.read(p.scales.ptr, p.scales.shape,
+                                                                                        "float32")}
+        if p.zp is not None:
+            t["w.nbits_zp"] = d.read(p.zp.ptr, p.zp.shape, "uint8")
+        if p.perm is not None:
+            t["w.nbits_perm"] = d.read(p.perm.ptr, p.perm.shape, "int32")
+        assert t["w.nbits_B"].size == E * p.N * nb * p.block_size * p.bits // 8
+        dst, v = kernel_writes(t, "w", ldo, out_estride, _ROUND[self.dtype])
+        es = 4 if self.dtype == "float32" else 2
+        raw = (f32_to_bf16_bits(v) if self.dtype == "bfloat16" else v.astype(np.float16 if es == 2 else np.float32))
+        for k in range(es):
+            d.mem[out + dst * es + k] = raw.view(np.uint8).reshape(-1, es)[:, k]
+
+
+_ROUND = {"float32": lambda v: v, "float16": lambda v: v.astype(np.float16).astype(np.float32),
+          "bfloat16": lambda v: bf16_to_f32(f32_to_bf16_bits(v))}
+
+
+def kernel_writes(t: dict[str, np.ndarray], prefix: str, ldo: int, out_estride: int, dtype_round
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(element offsets from ``out``, values) of every write of one ``nbits_dequant`` launch, thread by thread."""
+    K, N, bits, bs, _, kin = (int(v) for v in t[prefix + ".nbits_meta"])
+    B = t[prefix + ".nbits_B"]
+    E = B.shape[0] if B.ndim == 4 else 0
+    Bf, S = B.reshape(-1), t[prefix + ".nbits_scales"].reshape(-1)
+    Z, P = t.get(prefix + ".nbits_zp"), t.get(prefix + ".nbits_perm")
+    Z, P = (None if Z is None else Z.reshape(-1)), (None if P is None else P.reshape(-1).astype(np.int32))
+    gx, gy, _ = launch_grid(N, K, E)
+    assert gy == max(1, E) and (gx - 1) * THREADS < N * K <= gx * THREADS
+    es = lambda a: a.size // max(1, E) if a is not None else 0  # noqa: E731
+    dsts, vals = [], []
+    for e in range(gy):  # blockIdx.y
+        i = np.arange(gx * THREADS, dtype=np.int64)  # blockIdx.x * blockDim.x + threadIdx.x
+        i = i[i < N * K]
+        n, j = i // K, i % K
+        nb = (K + bs - 1) // bs
+        b = j // bs
+        addr = e * es(B) + n * (nb * bs * bits // 8) + (j >> 1 if bits == 4 else j)
+        byte = Bf[addr].astype(np.int64)
+        q = np.where(j & 1, byte >> 4, byte & 15) if bits == 4 else byte
+        if Z is None:
+            z = np.full_like(q, 1 << (bits - 1))
+        elif bits == 4:
+            zb = Z[e * es(Z) + n * ((nb + 1) // 2) + (b >> 1)].astype(np.int64)
+            z = np.where(b & 1, zb >> 4, zb & 15)
+        else:
+            z = Z[e * es(Z) + n * nb + b].astype(np.int64)
+        s = S[e * es(S) + n * nb + b]
+        col = P[e * es(P) + j] if P is not None else j
+        keep = (col >= 0) & (col < kin)
+        dsts.append((e * out_estride + n * ldo + col)[keep])
+        vals.append(dtype_round((q - z).astype(np.float32) * s)[keep])
+    dst = np.concatenate(dsts)
+    assert len(np.unique(dst)) == dst.size, "two threads write one element"
+    return dst, np.concatenate(vals).astype(np.float32)
+
+
+def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False):
+    from hybrid_runtime.cuda import weights as cw
+
+    monkeypatch.setattr(cw, "NBitsDequant", FakeDequant)
+    dev = FakeDevice()
+    w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep)  # type: ignore[arg-type]
+    return dev, w
+
+
+def _device_state(dev: FakeDevice, w) -> dict[str, np.ndarray]:
+    out = {n: dev.read(a.ptr, a.shape, a.dtype.name) for n, a in w.arrays.items()}
+    for layer, m in w._moe.items():
+        for k in ("router", "gate_up", "down", "shared_gate_up", "shared_down"):
+            a = getattr(m, k)
+            if a is not None:
+                out[f"moe{layer}.{k}"] = dev.read(a.ptr, a.shape, a.dtype.name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["next_folded_int4_g128_sym_act_v1", "qwen35moe_int8_g32_sym_act_parts",
+                                  "next_int4_g32_asym_act_v1"])
+def test_load_writes_the_float_bundles_device_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                     dtype: str) -> None:
+    """``DeviceWeights.load`` of the GPTQ bundle (packed weights through the kernel's mapping) leaves device memory
+    bit for bit as loading the float bundle of the dequantised weights does: every runtime array and every MoE
+    layer's stacked router / experts / shared expert; ``keep_packed`` keeps the packed copies as stored."""
+    ckpt, deq, _ = gc.checkpoints(tmp_path, name)
+    bq, bf = gc.build(ckpt, tmp_path / "bq", dtype=dtype), gc.build(deq, tmp_path / "bf", dtype=dtype)
+    dq, wq = _load_fake(bq, monkeypatch)
+    df, wf = _load_fake(bf, monkeypatch)
+    got, want = _device_state(dq, wq), _device_state(df, wf)
+    assert set(got) == set(want) and not wq.packed
+    for k in want:
+        assert got[k].shape == want[k].shape and np.array_equal(_bits(got[k]), _bits(want[k])), k
+    assert dq.freed > 0, "packed copies not freed"
+    dk, wk = _load_fake(bq, monkeypatch, keep=True)
+    assert wk.packed and dk.freed == 0
+    f = SafetensorsFile(bq / "weights.safetensors")
+    for key, p in wk.packed.items():
+        assert np.array_equal(dk.read(p.B.ptr, p.B.shape, "uint8"), f.raw(key + ".nbits_B")), key
+        assert p.perm is None or np.array_equal(dk.read(p.perm.ptr, p.perm.shape, "int32"), f.raw(key + ".nbits_perm"))
+    assert wk.nbytes == wq.nbytes + sum(p.nbytes for p in wk.packed.values())
+
+
+def test_cuda_refuses_a_quantized_embedding_table(tmp_path: Path) -> None:
+    from builder.gptq import GPTQError
+    from hybrid_runtime.weights_io import save_safetensors
+
+    ckpt, _, _ = gc.checkpoints(tmp_path, "qwen35_dense_int4_g64_sym_v2")
+    f = SafetensorsFile(ckpt / "model.safetensors")
+    t = {k: f.raw(k).copy() for k in f.keys()}  # noqa: SIM118
+    emb = next(k for k in t if k.endswith("embed_tokens.weight"))
+    t[emb.replace(".weight", ".qweight")] = np.zeros((8, 256), np.int32)
+    save_safetensors(ckpt / "model.safetensors", t)
+    with pytest.raises(GPTQError, match=r"quantized embedding table .* not supported: embeddings stay float"):
+        build_bundle(ckpt, tmp_path / "b", BuildOptions(backend="cuda", **gc.limits()), progress=lambda _m: None)
