@@ -64,10 +64,10 @@ class ModelRunner:
             raise BundleError(f"head_dim={cfg.head_dim}: the decode-attention kernels support multiples of 16 "
                               f"in 16..256")
         device = resolve_device(device, manifest)
-        if manifest.quantization is not None and manifest.backend != "onnxruntime":
+        if manifest.quantization is not None and manifest.backend not in ("onnxruntime", "cuda"):
             raise BundleError(f"bundle backend {manifest.backend!r} with a {manifest.quantization.method} "
-                              f"int{manifest.quantization.bits} quantization record: quantized weights run only on "
-                              f"the onnxruntime (CPU) backend so far (GPU int4/int8 kernels are not implemented)")
+                              f"int{manifest.quantization.bits} quantization record: quantized weights run on the "
+                              f"onnxruntime (CPU) and cuda backends only; rebuild with --backend onnxruntime or cuda")
         if backend is not None:
             self.backend = backend
         elif manifest.backend == "cuda":

@@ -414,3 +414,22 @@ def test_cuda_refuses_a_quantized_embedding_table(tmp_path: Path) -> None:
     save_safetensors(ckpt / "model.safetensors", t)
     with pytest.raises(GPTQError, match=r"quantized embedding table .* not supported: embeddings stay float"):
         build_bundle(ckpt, tmp_path / "b", BuildOptions(backend="cuda", **gc.limits()), progress=lambda _m: None)
+
+
+def test_the_runner_takes_a_gptq_cuda_bundle_and_refuses_other_gpu_backends(tmp_path: Path) -> None:
+    """``ModelRunner`` hands a GPTQ ``cuda`` bundle to its backend (it refused every GPU backend before stage 1);
+    a manifest that claims another GPU backend with a quantization record is refused with what runs it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from hybrid_runtime.config import BundleError
+    from hybrid_runtime.runner import ModelRunner
+
+    ckpt, _, _ = gc.checkpoints(tmp_path, "qwen35_dense_int4_g64_sym_v2")
+    bq = gc.build(ckpt, tmp_path / "bq", dtype="bfloat16")
+    m = Manifest.load(bq)
+    assert m.quantization is not None and m.backend == "cuda"
+    be = SimpleNamespace(ops=SimpleNamespace(), device="cuda:0")
+    assert ModelRunner(bq, m, device="cuda", backend=be).backend is be  # type: ignore[arg-type]
+    with pytest.raises(BundleError, match="onnxruntime \\(CPU\\) and cuda backends only"):
+        ModelRunner(bq, dataclasses.replace(m, backend="tensorrt"), device="cpu", backend=be)  # type: ignore[arg-type]
