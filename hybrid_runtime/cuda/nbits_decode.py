@@ -143,7 +143,7 @@ def problems(dtype: str, n: int, ldx: int, x_ptr: int, w: NBitsOperand) -> list[
         out.append(f"N {w.N} < 1")
     if bs < 16 or bs % 16:
         out.append(f"block size {bs}: a multiple of 16 (>= 16)")
-    elif K < bs or K % bs:
+    elif bs > K or K % bs:
         out.append(f"K {K} is not a positive multiple of the block size {bs}")
     if K < 1 or row_bytes(K, w.bits) % CHUNK:
         out.append(f"K {K}: a row of {w.bits}-bit codes must be a multiple of {CHUNK} bytes "

@@ -52,8 +52,9 @@ def random_packed(rng: np.random.Generator, N: int, K: int, bits: int, bs: int, 
     return Packed(B, scales, zp, perm, K, N, bits, bs, K if k_in is None else k_in)
 
 
-def dequantize_op(p: Packed) -> np.ndarray:
-    """float64 [N, K]: w[n, k] = (q[n, k] - z[n, k // bs]) * s[n, k // bs], in op column order."""
+def dequantize_op(p: Packed, scales: np.ndarray | None = None) -> np.ndarray:
+    """float64 [N, K]: w[n, k] = (q[n, k] - z[n, k // bs]) * s[n, k // bs], in op column order (``scales``: other
+    scales [N, nb] instead of the operand's)."""
     N, K, bs = p.N, p.K, p.bs
     nb = K // bs
     if p.bits == 4:
@@ -72,7 +73,8 @@ def dequantize_op(p: Packed) -> np.ndarray:
     else:
         z = p.zp.astype(np.int64)
     blk = np.arange(K) // bs
-    return (q - z[:, blk]) * p.scales.astype(np.float64)[:, blk]
+    s = p.scales if scales is None else scales
+    return (q - z[:, blk]) * np.asarray(s, np.float64)[:, blk]
 
 
 def x_op(p: Packed, x: np.ndarray) -> np.ndarray:

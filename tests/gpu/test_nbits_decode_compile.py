@@ -191,8 +191,9 @@ def test_the_lanes_compute_the_dequantised_product(case: tuple) -> None:
 
 def test_the_independent_dequantiser_agrees_with_the_project_layout() -> None:
     """The test's own reading of the format == quant.nbits_dequantize on a to_nbits operand (the loader's)."""
-    from hybrid_runtime.quant import QuantLinear, nbits_dequantize, to_nbits
     from nbits_decode_model import Packed
+
+    from hybrid_runtime.quant import QuantLinear, nbits_dequantize, to_nbits
 
     rng = np.random.default_rng(5)
     for bits, g_idx in ((4, np.arange(256) // 64), (8, rng.permutation(np.arange(256) // 32))):
