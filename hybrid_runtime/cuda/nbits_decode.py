@@ -32,8 +32,9 @@ rounded to bfloat16 first in bfloat16 (a relative error of at most 2^-9 per bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .driver import CudaDevice
+from .driver import CudaDevice, DeviceArray
 from .kernels import Module, load_module
 
 SOURCE = "nbits_decode.cu"
@@ -119,6 +120,28 @@ class NBitsOperand:
     bits: int
     block_size: int
     k_in: int
+
+    @classmethod
+    def from_arrays(cls, B: DeviceArray, scales: DeviceArray, zp: DeviceArray | None, perm: DeviceArray | None,
+                    meta: Any) -> NBitsOperand:
+        """The operand of one weight's device arrays (the state weights ``<w>.nbits_B`` / ``_scales`` / ``_zp`` /
+        ``_perm`` as the loader puts them on the device) and its ``nbits_meta`` ``[K, N, bits, block_size,
+        accuracy_level, k_in]``. ValueError when an array's dtype or size does not fit the layout."""
+        K, N, bits, bs, _, k_in = (int(v) for v in meta)
+        nb = K // bs if bs > 0 and K % bs == 0 else -1
+        want = {"B": (B, "uint8", N * row_bytes(K, bits)), "scales": (scales, "float32", N * nb)}
+        if zp is not None:
+            want["zp"] = (zp, "uint8", N * ((nb + 1) // 2 if bits == 4 else nb))
+        if perm is not None:
+            want["perm"] = (perm, "int32", K)
+        bad = [f"{name}: {a.dtype.name} x {a.size}, want {dt} x {size}" for name, (a, dt, size) in want.items()
+               if a.dtype.name != dt or a.size != size]
+        if nb < 1:
+            bad.insert(0, f"block size {bs} does not divide K {K}")
+        if bad:
+            raise ValueError(f"nbits operand [N {N}, K {K}, {bits}-bit, block {bs}]: " + "; ".join(bad))
+        return cls(B.ptr, scales.ptr, zp.ptr if zp is not None else 0, perm.ptr if perm is not None else 0, K, N,
+                   bits, bs, k_in)
 
     @property
     def nbytes(self) -> int:

@@ -45,6 +45,19 @@ def test_every_build_compiles_for_sm90_without_spills(options: tuple[str, ...]) 
     assert "nb_gemm_m16" in log and "nb_gemm_m32" in log, log
 
 
+def test_the_default_build_keeps_two_8_warp_ctas_per_sm() -> None:
+    """<= 128 registers per thread in nb_gemm_m16 (65536 registers per SM / (2 x 256 threads)): the loads in flight
+    per SM the decode stream needs."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    for bits in (4, 8):
+        log = compile_log(source(SOURCE), SOURCE, DEFAULT_KNOBS.options("bfloat16", bits), "sm_90")
+        part = log[log.index("nb_gemm_m16"):]
+        regs = int(re.search(r"Used (\d+) registers", part).group(1))  # type: ignore[union-attr]
+        assert regs <= 128, (bits, regs)
+
+
 def test_the_weight_loads_go_out_before_the_programmatic_wait() -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import source
@@ -102,6 +115,29 @@ def test_knobs_and_host_rules() -> None:
 def test_refusals_name_the_rule(kw: dict, ldx: int, n: int, dtype: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check(dtype, n, ldx, 4096, _op(**kw))
+
+
+def test_operand_from_device_arrays() -> None:
+    from hybrid_runtime.cuda.driver import DeviceArray
+
+    def arr(ptr: int, n: int, dt: str) -> DeviceArray:
+        return DeviceArray(ptr, (n,), dt, 0)
+
+    meta = np.array([2048, 64, 4, 128, 0, 2000])  # K, N, bits, block size, accuracy level, k_in
+    op = NBitsOperand.from_arrays(arr(4096, 64 * 1024, "uint8"), arr(512, 64 * 16, "float32"),
+                                  arr(256, 64 * 8, "uint8"), arr(128, 2048, "int32"), meta)
+    assert op == NBitsOperand(4096, 512, 256, 128, 2048, 64, 4, 128, 2000)
+    assert op.nbytes == 64 * 1024 + 4 * 64 * 16 + 64 * 8 + 4 * 2048
+    assert NBitsOperand.from_arrays(arr(16, 64 * 2048, "uint8"), arr(32, 64 * 16, "float32"), None, None,
+                                    np.array([2048, 64, 8, 128, 0, 2048])).zp == 0
+    with pytest.raises(ValueError, match=r"scales: float16 x 1024, want float32 x 1024; perm: int64"):
+        NBitsOperand.from_arrays(arr(4096, 64 * 1024, "uint8"), arr(512, 64 * 16, "float16"), None,
+                                 arr(128, 2048, "int64"), meta)
+    with pytest.raises(ValueError, match=r"zp: uint8 x 1024, want uint8 x 512"):
+        NBitsOperand.from_arrays(arr(4096, 64 * 1024, "uint8"), arr(512, 64 * 16, "float32"),
+                                 arr(256, 64 * 16, "uint8"), None, np.array([2048, 64, 4, 128, 0, 2048]))
+    with pytest.raises(ValueError, match="block size 96 does not divide K 2048"):
+        NBitsOperand.from_arrays(arr(16, 1, "uint8"), arr(16, 1, "float32"), None, None, [2048, 64, 4, 96, 0, 2048])
 
 
 def test_launch_refuses_before_touching_the_device() -> None:
