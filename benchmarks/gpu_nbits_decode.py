@@ -6,8 +6,8 @@ the bf16 ``dense_decode`` GEMM of the same shape.
 
 Every call is queue-filled back-to-back (gpu_common.time_on_stream) and rotates over enough weight copies to exceed
 4x the L2, so the weights come from HBM as in a decode step. Cells: microseconds per call; ratio = time / floor.
-One column per build of ``nbits_decode.KNOB_SETS`` (default: float32 dequantisation; fast: packed-T arithmetic,
-4-bit only; m32: 32 weight rows per CTA; bpw512: half the warps).
+One column per build of ``nbits_decode.KNOB_SETS`` (default: 4-bit dequantised in packed bf16 arithmetic; exact: in
+float32, rounded once; u1: one super-step per register batch; m32: 32 weight rows per CTA; bpw512: half the warps).
 """
 
 # ruff: noqa: B023 - every closure below is timed (called) inside the loop iteration that defines it

@@ -16,17 +16,21 @@ bs, nb = K / bs blocks per row:
 ``out[j, r] = x[j] . w[r] (+ bias[r]) (+ R[j, r])`` for ``j < n <= 16``: x T ``[n, ldx]`` (the input's k_in
 columns), bias float32 ``[N]``, R float32 ``[n, ldr]`` (may be ``out`` itself: D = C in place), out float32 or T
 ``[n, ldo]``: the interface of :class:`hybrid_runtime.cuda.dense_decode.DenseDecode`, float32 accumulation. Grid
-``(ceil(N / rows), 1, 1)`` with ``rows`` 16 (``nb_gemm_m16``) or 32 (``nb_gemm_m32``), block ``32 *``
+``(ceil(N / rows), 1, 1)`` with ``rows`` 16 (``nb_gemm_m16``) or 32 (``nb_gemm_m32``; ``_perm``: the act-order
+builds, which gather x through ``perm``), block ``32 *``
 :func:`warps_for` warps splitting K; one guarded, programmatic-dependent launch whose first weight, scale and
 zero-point loads go out before it waits for the kernel ahead of it.
 
 Batch invariance by construction: an output element's accumulation order depends on (K, bits, warps) only, never
 on n (tests/gpu/test_nbits_decode_gpu.py checks a row's bits alone and inside a 16-row step).
 
-Dequantisation (the build's ``exact``): 1 (default) rounds ``(q - z) * s`` computed in float32 once to T, the very
-T weight a dequantise-at-load path holds; 0 (4-bit only, faster) makes ``q - z`` exactly in T and multiplies by the
-scale rounded to T in packed T arithmetic: the same bits in float16 for float16-valued scales (GPTQ's), the scale
-rounded to bfloat16 first in bfloat16 (a relative error of at most 2^-9 per block scale on top).
+Dequantisation (the build's ``exact``; 8-bit always runs the exact path): True rounds ``(q - z) * s`` computed in
+float32 once to T, the very T weight a dequantise-at-load path holds; False (the default for 4-bit) makes ``q - z``
+exactly in T (the magic-exponent trick) and multiplies it by the scale rounded to T in packed T arithmetic, about
+half the instructions per weight (SASS of the main loop: ~4 against ~7 per int4 code; an int4 decode GEMM needs
+the tensor SMs to dequantise ~30 codes per clock to keep up with HBM, so the exact path is instruction-bound). In
+float16 both give the same bits for float16-valued scales (GPTQ's); in bfloat16 the fast path rounds the scale to
+bfloat16 first (a relative error of at most 2^-8 per block scale on top of the weight's own rounding).
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ SHAPE_RULES = ("bfloat16 or float16; bits 4 or 8; block size a multiple of 16 di
 
 @dataclass(frozen=True)
 class NBitsKnobs:
-    """One build: ``u`` super-steps (a 16-byte chunk per lane and row) per register batch, two batches in flight
-    per warp; ``rows`` weight rows per CTA (16 or 32); ``exact`` the dequantisation (module docstring);
+    """One build: ``u`` super-steps (a 16-byte chunk per lane and row) per register batch (the 32-row kernels take
+    u / 2, at least 1), two batches in flight per warp; ``rows`` weight rows per CTA (16 or 32); ``exact`` the
+    4-bit dequantisation (module docstring);
     ``bytes_per_warp``: bytes of a weight row per warp the host aims for (:func:`warps_for`)."""
 
     u: int = 2
     rows: int = 16
-    exact: bool = True
+    exact: bool = False
     bytes_per_warp: int = 256
 
     def __post_init__(self) -> None:
@@ -73,16 +78,16 @@ class NBitsKnobs:
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
         return (f"-DDT={DT_CODES[dtype]}", f"-DNB_BITS={bits}", f"-DNB_U={self.u}", f"-DNB_EXACT={int(self.exact)}")
 
-    @property
-    def kernel(self) -> str:
-        return "nb_gemm_m16" if self.rows == 16 else "nb_gemm_m32"
+    def kernel(self, perm: bool = False) -> str:
+        return ("nb_gemm_m16" if self.rows == 16 else "nb_gemm_m32") + ("_perm" if perm else "")
 
 
 DEFAULT_KNOBS = NBitsKnobs()
-# The builds the benchmark compares (all compile without spills; all split K alike: the same order of sums).
+# The builds the benchmark compares (all but bpw512 split K alike: the same order of sums).
 KNOB_SETS: dict[str, NBitsKnobs] = {
     "default": DEFAULT_KNOBS,
-    "fast": NBitsKnobs(exact=False),
+    "exact": NBitsKnobs(exact=True),
+    "u1": NBitsKnobs(u=1),
     "m32": NBitsKnobs(rows=32),
     "bpw512": NBitsKnobs(bytes_per_warp=512),
 }
@@ -228,6 +233,6 @@ class NBitsDecode:
         (``Kernel.launch``)."""
         check(self.dtype, n, ldx, x, w)
         kn = self.knobs
-        self.module(w.bits).kernel(kn.kernel).launch(
+        self.module(w.bits).kernel(kn.kernel(bool(w.perm))).launch(
             self.device, grid(w.N, kn), (32 * warps_for(w.K, w.bits, kn), 1, 1), 0,
             launch_args(n, x, ldx, w, out, ldo, out_f32, residual, ldr, bias), pdl=True)

@@ -153,8 +153,9 @@ def pairs(lo: list[float], hi: list[float]) -> list[tuple[float, float]]:
 
 
 def x_word(xo: np.ndarray, j: int, k0: int, ok: bool, bits: int) -> list[tuple[float, float]]:
-    """The kernel's ``x_word``: X pairs of op columns k0 .. k0 + codes-per-word - 1 of row j. The 16-bit lanes carry
-    the column's index + 1 (0 = a zero), so that the real prmt selectors are exercised; values are looked up after."""
+    """The kernel's ``x_chunk`` + ``x_pairs`` for one word: X pairs of op columns k0 .. k0 + codes-per-word - 1 of
+    row j. The 16-bit lanes carry the column's index + 1 (0 = a zero), so that the real prmt selectors are
+    exercised; values are looked up after."""
     cw = 32 // bits
     v = [0] * (cw // 2)
     if ok:

@@ -40,8 +40,11 @@ def make_packed(rng: np.random.Generator, K: int, N: int, bits: int, group: int,
 
 
 class Rig:
-    def __init__(self, dev, dtype: str, p: Packed, seed: int = 0, fast: bool = False) -> None:
-        from hybrid_runtime.cuda.nbits_decode import NBitsOperand
+    def __init__(self, dev, dtype: str, p: Packed, seed: int = 0, fast: bool | None = None) -> None:
+        """``fast``: the reference of the fast 4-bit dequantisation (default: the default build's)."""
+        from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, NBitsOperand
+
+        fast = not DEFAULT_KNOBS.exact if fast is None else fast
 
         rng = np.random.default_rng(seed)
         self.dev, self.dtype, self.p = dev, dtype, p
@@ -154,19 +157,19 @@ def test_bias_residual_in_place_and_dtype_output(dev, dtype) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_knob_set(dev, bits) -> None:
-    """Every build of the benchmark is right; those that split K alike (rows per CTA) give the same bits; the fast
-    build against its own weights (the scale rounded to T)."""
-    from hybrid_runtime.cuda.nbits_decode import KNOB_SETS, NBitsDecode
+    """Every build of the benchmark is right (the exact and the fast dequantisation each against its own T
+    weights); those that split K alike and dequantise alike give the same bits as the default."""
+    from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, KNOB_SETS, NBitsDecode
 
     for dtype in ("bfloat16", "float16"):
         p = make_packed(np.random.default_rng(bits), 2048, 2048, bits, 64, True, False)
         rig = Rig(dev, dtype, p, seed=2)
         base = rig.run(NBitsDecode(dev, dtype), 7, out_f32=True)
         for name, kn in KNOB_SETS.items():
-            r = Rig(dev, dtype, p, seed=2, fast=not kn.exact) if not kn.exact else rig
+            r = rig if kn.exact == DEFAULT_KNOBS.exact else Rig(dev, dtype, p, seed=2, fast=not kn.exact)
             got = r.run(NBitsDecode(dev, dtype, kn), 7, out_f32=True)
             r.check(got, 7)
-            if kn.bytes_per_warp == KNOB_SETS["default"].bytes_per_warp and (kn.exact or bits == 8):
+            if kn.bytes_per_warp == DEFAULT_KNOBS.bytes_per_warp and (kn.exact == DEFAULT_KNOBS.exact or bits == 8):
                 assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (dtype, name)
 
 

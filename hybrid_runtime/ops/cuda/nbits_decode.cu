@@ -13,7 +13,8 @@
 //   [N] or null, R float32 [n, ldr] or null (may alias out: D = C in place), out float32 or T [n, ldo].
 //
 // Compiled once per (dtype, bits) with -DDT=<1 float16 | 2 bfloat16> (T), -DNB_BITS=<4 | 8>. Knobs (-D):
-//   NB_U      super-steps per register batch of weight loads; two batches in flight per warp
+//   NB_U      super-steps per register batch of weight loads (the 32-row kernels: NB_U / 2, at least 1); two
+//             batches in flight per warp
 //   NB_EXACT  4-bit only. 1: the weight is dequantised in float32, (q - z) * s, and rounded once to T, i.e. the
 //             very T weight a dequantise-at-load path would hold. 0: (q - z) is made exactly in T (the 1024.0 /
 //             128.0 magic-exponent trick) and multiplied by the scale rounded to T in packed T arithmetic: the same
@@ -70,6 +71,7 @@ typedef unsigned char u8;
 #define NB_EXACT 1
 #endif
 static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
+#define NB_U32 (NB_U > 1 ? NB_U / 2 : 1)  // the 32-row kernels: half the batch (the same chunks in flight per lane)
 #define NB_MAXW 8
 #define NB_CC (128 / NB_BITS)         // codes per 16-byte chunk
 #define NB_CW (NB_CC / 4)             // codes per 32-bit word
@@ -188,25 +190,41 @@ struct Chunk {
   u32 z[NB_HALVES];
 };
 
-__device__ __forceinline__ void load_chunk(Chunk& ch, const NbArgs& a, int r, int c, bool ok) {
+// A weight row's base pointers (computed once per CTA).
+struct Row {
+  const uint4* w;
+  const float* s;
+  const u8* z;
+};
+
+__device__ __forceinline__ Row row_ptrs(const NbArgs& a, int r) {
+  const int nb = a.K / a.bs;
+  Row row;
+  row.w = reinterpret_cast<const uint4*>(a.B + (size_t)r * (a.K * NB_BITS / 8));
+  row.s = a.scales + (size_t)r * nb;
+  row.z = a.zp == nullptr ? nullptr : a.zp + (size_t)r * (NB_BITS == 4 ? (nb + 1) >> 1 : nb);
+  return row;
+}
+
+// bi: the block of each half of chunk c (the same for every row).
+__device__ __forceinline__ void load_chunk(Chunk& ch, const Row& row, int c, const int (&bi)[NB_HALVES], bool ok) {
   if (!ok) {  // past the row's end: a zero weight (scale 0) that reads nothing
     ch.w = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int h = 0; h < NB_HALVES; ++h) ch.s[h] = 0.f, ch.z[h] = 0u;
     return;
   }
-  const int rb = a.K * NB_BITS / 8, nb = a.K / a.bs;
-  ch.w = ld_weights(reinterpret_cast<const uint4*>(a.B + (size_t)r * rb) + c);
+  ch.w = ld_weights(row.w + c);
 #pragma unroll
   for (int h = 0; h < NB_HALVES; ++h) {
-    const int b = block_of(a, c * NB_CC + h * (NB_CC / 2));
-    ch.s[h] = ld_f32(a.scales + (size_t)r * nb + b);
-    if (a.zp == nullptr) {
+    const int b = bi[h];
+    ch.s[h] = ld_f32(row.s + b);
+    if (row.z == nullptr) {
       ch.z[h] = NB_ZDEF;
     } else if (NB_BITS == 4) {
-      ch.z[h] = (ld_u8(a.zp + (size_t)r * ((nb + 1) >> 1) + (b >> 1)) >> (4 * (b & 1))) & 15u;
+      ch.z[h] = (ld_u8(row.z + (b >> 1)) >> (4 * (b & 1))) & 15u;
     } else {
-      ch.z[h] = ld_u8(a.zp + (size_t)r * nb + b);
+      ch.z[h] = ld_u8(row.z + b);
     }
   }
 }
@@ -246,88 +264,93 @@ __device__ __forceinline__ void dequant_word(u32 (&P)[NB_PAIRS], const Chunk& ch
 #endif
 }
 
-// The B fragments of word wi of chunk c for X row j (zero when the row or the chunk does not exist): the same
-// physical k as dequant_word's pairs.
-__device__ __forceinline__ void x_word(u32 (&xp)[NB_PAIRS], const NbArgs& a, int j, int k0, bool ok) {
-  u32 v[NB_CW / 2];
+// The X values of a lane's chunk (op columns k0 .. k0 + NB_CC - 1 of X row xr; zero when the row or the chunk
+// does not exist), 8 per uint4 in k order. PERM: gathered through perm (a build of its own).
+template <bool PERM>
+__device__ __forceinline__ void x_chunk(uint4 (&xv)[NB_CC / 8], const NbArgs& a, const u16* xr, int k0, bool ok) {
+  if (!PERM) {
 #pragma unroll
-  for (int i = 0; i < NB_CW / 2; ++i) v[i] = 0u;
-  if (ok) {
-    const u16* xr = a.X + (size_t)j * a.ldx;
-    if (a.perm == nullptr) {
-#if NB_BITS == 4
-      const uint4 u = *reinterpret_cast<const uint4*>(xr + k0);
-      v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-#else
-      const uint2 u = *reinterpret_cast<const uint2*>(xr + k0);
-      v[0] = u.x, v[1] = u.y;
-#endif
-    } else {
+    for (int i = 0; i < NB_CC / 8; ++i)
+      xv[i] = ok ? *reinterpret_cast<const uint4*>(xr + k0 + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    u32 v[NB_CC / 2];
 #pragma unroll
-      for (int e = 0; e < NB_CW; ++e) {
+    for (int i = 0; i < NB_CC / 2; ++i) v[i] = 0u;
+    if (ok) {
+#pragma unroll
+      for (int e = 0; e < NB_CC; ++e) {
         const int kk = ld_i32(a.perm + k0 + e);
-        const u32 xv = kk < a.k_in ? (u32)xr[kk] : 0u;  // perm[k] == k_in: the zero column
-        v[e >> 1] |= xv << (16 * (e & 1));
+        const u32 x = kk < a.k_in ? (u32)xr[kk] : 0u;  // perm[k] == k_in: the zero column
+        v[e >> 1] |= x << (16 * (e & 1));
       }
     }
+#pragma unroll
+    for (int i = 0; i < NB_CC / 8; ++i) xv[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
   }
+}
+
+// The B fragments of word wi of the chunk: the same physical k as dequant_word's pairs.
+__device__ __forceinline__ void x_pairs(u32 (&xp)[NB_PAIRS], const uint4 (&xv)[NB_CC / 8], int wi) {
 #if NB_BITS == 4
-  xp[0] = prmt(v[0], v[2], 0x5410u);  // (x0, x4)
-  xp[1] = prmt(v[0], v[2], 0x7632u);  // (x1, x5)
-  xp[2] = prmt(v[1], v[3], 0x5410u);  // (x2, x6)
-  xp[3] = prmt(v[1], v[3], 0x7632u);  // (x3, x7)
+  const uint4 u = xv[wi];  // x0 .. x7 of the word's 8 codes
+  xp[0] = prmt(u.x, u.z, 0x5410u);  // (x0, x4)
+  xp[1] = prmt(u.x, u.z, 0x7632u);  // (x1, x5)
+  xp[2] = prmt(u.y, u.w, 0x5410u);  // (x2, x6)
+  xp[3] = prmt(u.y, u.w, 0x7632u);  // (x3, x7)
 #else
-  xp[0] = v[0];  // (x0, x1)
-  xp[1] = v[1];  // (x2, x3)
+  const uint4 u = xv[wi >> 1];  // x0 .. x3 of the word's 4 codes: the low or the high half
+  xp[0] = (wi & 1) ? u.z : u.x;  // (x0, x1)
+  xp[1] = (wi & 1) ? u.w : u.y;  // (x2, x3)
 #endif
 }
 
-template <int MT>
+template <int MT, int U>
 struct Batch {
-  Chunk ch[NB_U][MT][2];
+  Chunk ch[U][MT][2];
 };
 
-// One batch of NB_U super-steps of loads: ch[i][mt][h] = rows (g + 8 h) of m-tile mt, chunk 4 (s + i) + t.
-template <int MT>
-__device__ __forceinline__ void load_batch(Batch<MT>& b, const NbArgs& a, const int (&rows)[MT][2], int t, int C,
+// One batch of U super-steps of loads: ch[i][mt][h] = rows (g + 8 h) of m-tile mt, chunk 4 (s + i) + t.
+template <int MT, int U>
+__device__ __forceinline__ void load_batch(Batch<MT, U>& b, const NbArgs& a, const Row (&rows)[MT][2], int t, int C,
                                            int s, int s1) {
 #pragma unroll
-  for (int i = 0; i < NB_U; ++i)
+  for (int i = 0; i < U; ++i)
     if (s + i < s1) {
       const int c = 4 * (s + i) + t;
+      int bi[NB_HALVES];
+#pragma unroll
+      for (int h = 0; h < NB_HALVES; ++h) bi[h] = block_of(a, c * NB_CC + h * (NB_CC / 2));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) load_chunk(b.ch[i][mt][h], a, rows[mt][h], c, c < C);
+        for (int h = 0; h < 2; ++h) load_chunk(b.ch[i][mt][h], rows[mt][h], c, bi, c < C);
     }
 }
 
-// The MMAs of one batch: X fragments of n-groups 0 .. ng-1 (zero for rows past n) against the batch's weights.
-template <int MT>
-__device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT>& b, const NbArgs& a, int g, int t,
-                                          int C, int ng, int s, int s1) {
+// The MMAs of one batch: X fragments of the NG n-groups (zero for rows past n) against the batch's weights.
+template <int MT, int U, bool PERM, int NG>
+__device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT, U>& b, const NbArgs& a,
+                                          const u16* const (&xr)[2], const bool (&xok)[2], int t, int C, int s, int s1) {
 #pragma unroll
-  for (int i = 0; i < NB_U; ++i) {
+  for (int i = 0; i < U; ++i) {
     if (s + i >= s1) break;  // warp-uniform
     const int c = 4 * (s + i) + t;
     const bool ok = c < C;
+    uint4 xv[NG][NB_CC / 8];
+#pragma unroll
+    for (int q = 0; q < NG; ++q) x_chunk<PERM>(xv[q], a, xr[q], c * NB_CC, ok && xok[q]);
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-      const int k0 = c * NB_CC + wi * NB_CW;
-      u32 xp[2][NB_PAIRS];
+      u32 xp[NG][NB_PAIRS];
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int j = 8 * q + g;
-        x_word(xp[q], a, j, k0, ok && q < ng && j < a.n);
-      }
+      for (int q = 0; q < NG; ++q) x_pairs(xp[q], xv[q], wi);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         u32 lo[NB_PAIRS], hi[NB_PAIRS];  // rows g, g + 8
         dequant_word(lo, b.ch[i][mt][0], wi);
         dequant_word(hi, b.ch[i][mt][1], wi);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (q >= ng) break;
+        for (int q = 0; q < NG; ++q) {
 #pragma unroll
           for (int m = 0; m < NB_PAIRS / 2; ++m)
             mma16816(acc[mt][q], lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1], xp[q][2 * m], xp[q][2 * m + 1]);
@@ -337,7 +360,21 @@ __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT
   }
 }
 
-template <int MT>
+// The K loop of a warp: two register batches in flight, ba already loaded.
+template <int MT, int U, bool PERM, int NG>
+__device__ __forceinline__ void k_loop(float (&acc)[MT][2][4], Batch<MT, U>& ba, Batch<MT, U>& bb, const NbArgs& a,
+                                       const Row (&rows)[MT][2], const u16* const (&xr)[2], const bool (&xok)[2],
+                                       int t, int C, int s0, int s1) {
+#pragma unroll 1
+  for (int s = s0; s < s1; s += 2 * U) {
+    load_batch<MT, U>(bb, a, rows, t, C, s + U, s1);
+    mma_batch<MT, U, PERM, NG>(acc, ba, a, xr, xok, t, C, s, s1);
+    load_batch<MT, U>(ba, a, rows, t, C, s + 2 * U, s1);
+    mma_batch<MT, U, PERM, NG>(acc, bb, a, xr, xok, t, C, s + U, s1);
+  }
+}
+
+template <int MT, int U, bool PERM>
 __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict__ bias, const float* R, long long ldr,
                                        void* out, long long ldo, int out_f32) {
   constexpr int RM = 16 * MT;
@@ -348,18 +385,26 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
   const int C = a.K / NB_CC;  // chunks per row (the host checks K * BITS / 8 % 16 == 0)
   const int S = (C + 3) >> 2;
   const int s0 = (int)((long long)S * warp / nw), s1 = (int)((long long)S * (warp + 1) / nw);
-  int rows[MT][2];
+  Row rows[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) rows[mt][h] = min(row0 + mt * 16 + g + 8 * h, a.N - 1);  // past N: clamped loads
-  Batch<MT> ba, bb;
-  load_batch<MT>(ba, a, rows, t, C, s0, s1);  // before the wait: weights do not depend on the kernel before this one
+    for (int h = 0; h < 2; ++h) rows[mt][h] = row_ptrs(a, min(row0 + mt * 16 + g + 8 * h, a.N - 1));  // clamped
+  Batch<MT, U> ba, bb;
+  load_batch<MT, U>(ba, a, rows, t, C, s0, s1);  // before the wait: weights do not depend on the kernel before this one
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   const int ng = (a.n + 7) >> 3;
+  const u16* xr[2];
+  bool xok[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int j = 8 * q + g;
+    xok[q] = j < a.n;  // rows past n (and so n-groups past ng): zero B fragments, no loads
+    xr[q] = a.X + (size_t)(j < a.n ? j : 0) * a.ldx;
+  }
   float acc[MT][2][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -367,13 +412,10 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
     for (int q = 0; q < 2; ++q)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[mt][q][c] = 0.f;
-#pragma unroll 1
-  for (int s = s0; s < s1; s += 2 * NB_U) {
-    load_batch<MT>(bb, a, rows, t, C, s + NB_U, s1);
-    mma_batch<MT>(acc, ba, a, g, t, C, ng, s, s1);
-    load_batch<MT>(ba, a, rows, t, C, s + 2 * NB_U, s1);
-    mma_batch<MT>(acc, bb, a, g, t, C, ng, s + NB_U, s1);
-  }
+  if (ng == 1)  // block-uniform: steps of <= 8 rows skip the second n-group's loads and MMAs entirely
+    k_loop<MT, U, PERM, 1>(acc, ba, bb, a, rows, xr, xok, t, C, s0, s1);
+  else
+    k_loop<MT, U, PERM, 2>(acc, ba, bb, a, rows, xr, xok, t, C, s0, s1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -413,14 +455,22 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
       const float *__restrict__ bias, const float *R, long long ldr, void *out, long long ldo, int out_f32
 #define NB_ARGS {X, ldx, B, scales, zp, perm, N, K, k_in, bs, bs_shift, n}
 
-// grid (ceil(N / 16), 1, 1), block 32 * nw (nw 1..8).
+// grid (ceil(N / 16), 1, 1), block 32 * nw (nw 1..8); _perm: with an act-order permutation (perm not null).
 extern "C" __global__ void __launch_bounds__(256) nb_gemm_m16(NB_PARAMS) {
   const NbArgs a = NB_ARGS;
-  nb_cta<1>(a, bias, R, ldr, out, ldo, out_f32);
+  nb_cta<1, NB_U, false>(a, bias, R, ldr, out, ldo, out_f32);
+}
+extern "C" __global__ void __launch_bounds__(256) nb_gemm_m16_perm(NB_PARAMS) {
+  const NbArgs a = NB_ARGS;
+  nb_cta<1, NB_U, true>(a, bias, R, ldr, out, ldo, out_f32);
 }
 
 // grid (ceil(N / 32), 1, 1), block 32 * nw (nw 1..8).
 extern "C" __global__ void __launch_bounds__(256) nb_gemm_m32(NB_PARAMS) {
   const NbArgs a = NB_ARGS;
-  nb_cta<2>(a, bias, R, ldr, out, ldo, out_f32);
+  nb_cta<2, NB_U32, false>(a, bias, R, ldr, out, ldo, out_f32);
+}
+extern "C" __global__ void __launch_bounds__(256) nb_gemm_m32_perm(NB_PARAMS) {
+  const NbArgs a = NB_ARGS;
+  nb_cta<2, NB_U32, true>(a, bias, R, ldr, out, ldo, out_f32);
 }
