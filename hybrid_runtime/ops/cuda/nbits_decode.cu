@@ -117,6 +117,18 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
 #endif
   return d;
 }
+// (a & b) | c in one LOP3. The nibble mask comes from an opaque move, so that it stays in a register: with both
+// constants as immediates ptxas re-materialised the mask before every LOP3 (one IMAD.MOV per pair of codes).
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 nib_mask() {
+  u32 m;
+  asm volatile("mov.b32 %0, 0x000f000f;" : "=r"(m));
+  return m;
+}
 #if DT == 1
 #define NB_MAGIC 0x6400u  // 1024.0: 1024 + c for c < 1024 (step 1)
 #define NB_ONE 0x3C00u
@@ -240,7 +252,7 @@ __device__ __forceinline__ void dequant_word(u32 (&P)[NB_PAIRS], const Chunk& ch
   const u32 s2 = pack2(s, s);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const u32 hm = ((w >> (4 * p)) & 0x000f000fu) | (NB_MAGIC * 0x00010001u);  // magic + code, exact
+    const u32 hm = lop3_and_or(w >> (4 * p), nib_mask(), NB_MAGIC * 0x00010001u);  // magic + code, exact
     const u32 d = fma2(hm, NB_ONE * 0x00010001u, negz);                        // code - z, exact
     P[p] = fma2(d, s2, 0x80008000u);                                            // * s, rounded once
   }
