@@ -27,8 +27,9 @@ on n (tests/gpu/test_nbits_decode_gpu.py checks a row's bits alone and inside a 
 Dequantisation (the build's ``exact``; 8-bit always runs the exact path): True rounds ``(q - z) * s`` computed in
 float32 once to T, the very T weight a dequantise-at-load path holds; False (the default for 4-bit) makes ``q - z``
 exactly in T (the magic-exponent trick) and multiplies it by the scale rounded to T in packed T arithmetic, about
-half the instructions per weight (SASS of the main loop: ~4 against ~7 per int4 code; an int4 decode GEMM needs
-the tensor SMs to dequantise ~30 codes per clock to keep up with HBM, so the exact path is instruction-bound). In
+two thirds of the instructions per weight (the main loop's SASS, NVRTC 13: ~4.9 against ~7.4 per int4 code; to keep
+up with HBM an SM must dequantise ~30 int4 codes per clock at 4 warp instructions per clock, so the exact path is
+instruction-bound at 4 bits; 8-bit codes come half as fast and always take it, ~6.7 per code). In
 float16 both give the same bits for float16-valued scales (GPTQ's); in bfloat16 the fast path rounds the scale to
 bfloat16 first (a relative error of at most 2^-8 per block scale on top of the weight's own rounding).
 """

@@ -204,6 +204,11 @@ def test_magic_exponents_make_the_integer_differences_exactly() -> None:
     d = rng.integers(-15, 16, 4096).astype(np.float16)
     assert np.array_equal((d * s).view(np.uint16),
                           (d.astype(np.float32) * s.astype(np.float32)).astype(np.float16).view(np.uint16))
+    from nbits_decode_model import prmt
+
+    for w in rng.integers(0, 1 << 32, 64, dtype=np.uint64).tolist():  # 8-bit: one prmt makes 0x4B0000 | byte
+        assert [prmt(w, 0x4B000000, 0x7440 | j) for j in range(4)] == [0x4B000000 | (w >> 8 * j) & 255
+                                                                        for j in range(4)]
     c8 = np.arange(256, dtype=np.uint32)
     f = (0x4B000000 | c8).view(np.float32)
     for z in (0, 1, 128, 255):

@@ -96,6 +96,18 @@ __device__ __forceinline__ u32 pack2(float hi, float lo) {
   return d;
 }
 
+// (a & b) | c in one LOP3. The nibble mask comes from an opaque move, so that it stays in a register: with both
+// constants as immediates ptxas re-materialised the mask before every LOP3 (one IMAD.MOV per pair of codes).
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 opaque(u32 v) {
+  u32 m;
+  asm volatile("mov.b32 %0, %1;" : "=r"(m) : "r"(v));
+  return m;
+}
 __device__ __forceinline__ u16 from_f32(float v) {
   u16 h;
 #if DT == 1
@@ -116,18 +128,6 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
 #endif
   return d;
-}
-// (a & b) | c in one LOP3. The nibble mask comes from an opaque move, so that it stays in a register: with both
-// constants as immediates ptxas re-materialised the mask before every LOP3 (one IMAD.MOV per pair of codes).
-__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
-  u32 d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ u32 nib_mask() {
-  u32 m;
-  asm volatile("mov.b32 %0, 0x000f000f;" : "=r"(m));
-  return m;
 }
 #if DT == 1
 #define NB_MAGIC 0x6400u  // 1024.0: 1024 + c for c < 1024 (step 1)
@@ -252,24 +252,25 @@ __device__ __forceinline__ void dequant_word(u32 (&P)[NB_PAIRS], const Chunk& ch
   const u32 s2 = pack2(s, s);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const u32 hm = lop3_and_or(w >> (4 * p), nib_mask(), NB_MAGIC * 0x00010001u);  // magic + code, exact
+    const u32 hm = lop3_and_or(w >> (4 * p), opaque(0x000f000fu), NB_MAGIC * 0x00010001u);  // magic + code, exact
     const u32 d = fma2(hm, NB_ONE * 0x00010001u, negz);                        // code - z, exact
     P[p] = fma2(d, s2, 0x80008000u);                                            // * s, rounded once
   }
 #else
   const float zf = 8388608.f + (float)z;  // 2^23 + z: 2^23 + code - (2^23 + z) is exact
 #if NB_BITS == 4
+  const u32 m15 = opaque(15u);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const float lo = (u2f(0x4B000000u | ((w >> (4 * p)) & 15u)) - zf) * s;
-    const float hi = (u2f(0x4B000000u | ((w >> (4 * p + 16)) & 15u)) - zf) * s;
+    const float lo = (u2f(lop3_and_or(w >> (4 * p), m15, 0x4B000000u)) - zf) * s;
+    const float hi = (u2f(lop3_and_or(w >> (4 * p + 16), m15, 0x4B000000u)) - zf) * s;
     P[p] = pack2(hi, lo);
   }
 #else
 #pragma unroll
-  for (int p = 0; p < 2; ++p) {
-    const float lo = (u2f(0x4B000000u | ((w >> (16 * p)) & 255u)) - zf) * s;
-    const float hi = (u2f(0x4B000000u | ((w >> (16 * p + 8)) & 255u)) - zf) * s;
+  for (int p = 0; p < 2; ++p) {  // prmt: bytes (code, 0, 0, 0x4B) = the float 2^23 + code, one instruction
+    const float lo = (u2f(prmt(w, 0x4B000000u, 0x7440u | (2 * p))) - zf) * s;
+    const float hi = (u2f(prmt(w, 0x4B000000u, 0x7440u | (2 * p + 1))) - zf) * s;
     P[p] = pack2(hi, lo);
   }
 #endif
