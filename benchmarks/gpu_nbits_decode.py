@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--group", type=int, default=128, help="block size (-1: one block per row)")
     ap.add_argument("--asym", action="store_true", help="with zero-points (default: symmetric GPTQ, none stored)")
+    ap.add_argument("--perm", action="store_true", help="act order: a random permutation (the _perm kernels)")
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -46,9 +47,11 @@ def main() -> int:
     kerns = {name: NBitsDecode(dev, "bfloat16", kn) for name, kn in KNOB_SETS.items()}
     dense = DenseDecode(dev, "bfloat16")
     lines = [f"# int4 / int8 decode GEMMs on the 35B-A3B shapes ({torch.cuda.get_device_name(0)})", "",
-             f"`python3 -m benchmarks.gpu_nbits_decode --group {args.group}{' --asym' if args.asym else ''}`; bf16 "
+             f"`python3 -m benchmarks.gpu_nbits_decode --group {args.group}{' --asym' if args.asym else ''}"
+             f"{' --perm' if args.perm else ''}`; bf16 "
              f"activations; copy bandwidth in this run {bw / 1e12:.2f} TB/s. Floor = the bytes one call reads (packed "
-             "codes + float32 scales" + (" + zero-points" if args.asym else "") + ") / copy bandwidth. Cells: "
+             "codes + float32 scales" + (" + zero-points" if args.asym else "") + (" + perm" if args.perm else "") +
+             ") / copy bandwidth. Cells: "
              "microseconds per call (time / floor). Builds: " +
              "; ".join(f"{n} = {kn}" for n, kn in KNOB_SETS.items()) + ".", ""]
     lines += ["| layer | K x N | bits | rows | warps | MB read | floor (us) | " +
@@ -58,7 +61,8 @@ def main() -> int:
         for bits in (int(b) for b in args.bits.split(",")):
             bs = K if args.group == -1 else args.group
             nb = K // bs
-            probe = NBitsOperand(16, 16, 16 if args.asym else 0, 0, K, N, bits, bs, K)
+            perm = torch.randperm(K, device="cuda").to(torch.int32) if args.perm else None
+            probe = NBitsOperand(16, 16, 16 if args.asym else 0, 16 if args.perm else 0, K, N, bits, bs, K)
             nbytes = probe.nbytes
             copies = int(min(16, max(1, math.ceil(4 * l2 / nbytes))))
             ws = []
@@ -67,8 +71,8 @@ def main() -> int:
                 s = torch.rand(N, nb, device="cuda", dtype=torch.float32) * 0.01
                 z = (torch.randint(0, 256, (N, (nb + 1) // 2 if bits == 4 else nb), device="cuda", dtype=torch.uint8)
                      if args.asym else None)
-                ws.append((B, s, z, NBitsOperand(B.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else 0, 0,
-                                                 K, N, bits, bs, K)))
+                ws.append((B, s, z, NBitsOperand(B.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else 0,
+                                                 perm.data_ptr() if perm is not None else 0, K, N, bits, bs, K)))
             dbytes = N * K * 2
             dcopies = int(min(16, max(1, math.ceil(4 * l2 / dbytes))))
             dws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(dcopies)]
