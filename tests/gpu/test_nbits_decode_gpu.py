@@ -57,17 +57,21 @@ class Rig:
         self.bufs += [zp, perm]
         self.op = NBitsOperand(self.bufs[0].ptr, self.bufs[1].ptr, zp.ptr if zp else 0, perm.ptr if perm else 0,
                                p.K, p.N, p.bits, p.bs, p.k_in)
-        xo = x_op(p, to_f32(self.xb, dtype).astype(np.float64))  # [16, K]
-        w = dequantize_op(p)
+        self.w = dequantize_op(p)
         s_t = p.scales if not (fast and p.bits == 4) else to_f32(host_bits(p.scales, dtype), dtype)
-        w_t = to_f32(host_bits(dequantize_op(p, s_t).astype(np.float32), dtype), dtype).astype(np.float64)
-        self.ref_t = xo @ w_t.T  # what the build multiplies, in float64
-        self.ref = xo @ w.T  # dequantise-then-GEMM, unrounded
-        self.absum = np.abs(xo) @ np.abs(w).T
+        self.w_t = to_f32(host_bits(dequantize_op(p, s_t).astype(np.float32), dtype), dtype).astype(np.float64)
+        self.references(to_f32(self.xb, dtype))
         self.unit = UNIT[dtype] * (2 if fast and dtype == "bfloat16" and p.bits == 4 else 1)
         self.bias = rng.standard_normal(p.N).astype(np.float32)
         self.res = rng.standard_normal((16, p.N + 4)).astype(np.float32)
         self.b = dev.upload(self.bias)
+
+    def references(self, x: np.ndarray) -> None:
+        """The float64 references for the input x [16, ldx] (float32 values)."""
+        xo = x_op(self.p, np.asarray(x, np.float64))  # [16, K]
+        self.ref_t = xo @ self.w_t.T  # what the build multiplies, in float64
+        self.ref = xo @ self.w.T  # dequantise-then-GEMM, unrounded
+        self.absum = np.abs(xo) @ np.abs(self.w).T
 
     def run(self, kern, n: int, out_f32: bool, bias: bool = False, residual: bool = False, row: int = 0):
         """out [16, N + 4] after one call on rows row .. row + n - 1 of x (float32 or the dtype's bits, as float32);
@@ -171,6 +175,25 @@ def test_every_knob_set(dev, bits) -> None:
             r.check(got, 7)
             if kn.bytes_per_warp == DEFAULT_KNOBS.bytes_per_warp and (kn.exact == DEFAULT_KNOBS.exact or bits == 8):
                 assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (dtype, name)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+def test_reads_x_only_after_the_kernel_before_it(dev, perm) -> None:
+    """A programmatic dependent launched right behind the kernel that writes its input: its weight loads may start
+    early, its reads of x must wait (griddepcontrol.wait)."""
+    from hybrid_runtime.cuda.backend import fill_random
+    from hybrid_runtime.cuda.kernels import load_module
+    from hybrid_runtime.cuda.nbits_decode import NBitsDecode
+
+    rig = Rig(dev, "bfloat16", make_packed(np.random.default_rng(9), 4096, 2048, 4, 128, True, perm), seed=9)
+    kern = NBitsDecode(dev, "bfloat16")
+    fused = load_module("fused.cu", ("-DDT=2",), dev.arch)
+    out = dev.upload(np.full((16, 2048 + 4), CANARY, np.float32))
+    for seed in (1, 2):
+        fill_random(dev, fused, rig.x, seed, 1.0)  # x changes on the device right before the launch
+        kern.launch(16, rig.x.ptr, rig.ldx, rig.op, out.ptr, 2048 + 4, True)
+        rig.references(dev.download(rig.x))
+        rig.check(np.asarray(dev.download(out), np.float32), 16)
 
 
 def test_refuses_bad_shapes(dev) -> None:
