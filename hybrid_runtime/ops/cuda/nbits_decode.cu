@@ -230,6 +230,10 @@ __device__ __forceinline__ void load_chunk(Chunk& ch, const Row& row, int c, con
 #pragma unroll
   for (int h = 0; h < NB_HALVES; ++h) {
     const int b = bi[h];
+    if (h > 0 && b == bi[0]) {  // the chunk in one block (4-bit, bs >= 32): no second load
+      ch.s[h] = ch.s[0], ch.z[h] = ch.z[0];
+      continue;
+    }
     ch.s[h] = ld_f32(row.s + b);
     if (row.z == nullptr) {
       ch.z[h] = NB_ZDEF;
