@@ -19,7 +19,8 @@
 //             very T weight a dequantise-at-load path would hold. 0: (q - z) is made exactly in T (the 1024.0 /
 //             128.0 magic-exponent trick) and multiplied by the scale rounded to T in packed T arithmetic: the same
 //             bits for float16 whenever the scale is a float16 value (GPTQ's are), the scale rounded to bfloat16
-//             first for bfloat16. 8-bit always runs the float32 path.
+//             first for bfloat16 (the host's default: ~2/3 of the instructions per code). 8-bit always runs the
+//             float32 path.
 //
 // Chunks. A lane's unit is a 16-byte CHUNK of one weight row: 32 codes (4-bit) or 16 (8-bit), one wide load
 // (ld.global.nc, no L1 allocation). Super-step s of a warp: lane (g = lane / 4, t = lane % 4) loads chunk c = 4 s + t
@@ -33,8 +34,9 @@
 // of a word (P_2m, P_2m+1): a0 = P_2m of row g, a1 = of row g + 8, a2 / a3 = P_2m+1; so logical k (2t, 2t + 1) is
 // P_2m's codes and (2t + 8, 2t + 9) P_2m+1's. A dot product does not care how the k of one mma are paired as long
 // as A and B agree: the lane's B fragment is the same physical k of X row g of the n-group (b0 = X at P_2m's
-// codes, b1 = at P_2m+1's), read as 16 (4-bit) or 8 (8-bit) contiguous bytes and, for 4-bit, byte-permuted into
-// the (p, p + 4) pairs (prmt). 4-bit: 2 mmas per word, 8 per chunk; 8-bit: 1 per word, 4 per chunk.
+// codes, b1 = at P_2m+1's): the chunk's X values are read once per n-group as 16-byte vectors (the _perm kernels
+// gather them through perm instead) and, for 4-bit, byte-permuted into the (p, p + 4) pairs (prmt). 4-bit: 2 mmas
+// per word, 8 per chunk; 8-bit: 1 per word, 4 per chunk. Steps of <= 8 rows run a loop without the second n-group.
 //
 // CTA = blockDim.x / 32 warps (1..8, chosen by the host from the row length) over RM = 16 MT weight rows; warp w
 // takes the super-steps [S w / nw, S (w + 1) / nw) of S = ceil(C / 4) (split K). Before griddepcontrol.wait
