@@ -1,0 +1,102 @@
+"""The int4 / int8 decode GEMM (``cuda/nbits_decode.py``) on the Qwen3.5-35B-A3B decode layers against its floor
+(the packed codes + scales (+ zero-points) read once, over the copy bandwidth measured in the same run) and against
+the bf16 ``dense_decode`` GEMM of the same shape.
+
+    python3 -m benchmarks.gpu_nbits_decode --out benchmarks/results/gpu_nbits_decode_h200.md
+
+Every call is queue-filled back-to-back (gpu_common.time_on_stream) and rotates over enough weight copies to exceed
+4x the L2, so the weights come from HBM as in a decode step. Cells: microseconds per call; ratio = time / floor.
+One column per build of ``nbits_decode.KNOB_SETS`` (default: 4-bit dequantised in packed bf16 arithmetic; exact: in
+float32, rounded once; u1: one super-step per register batch; m32: 32 weight rows per CTA; bpw512: half the warps).
+"""
+
+# ruff: noqa: B023 - every closure below is timed (called) inside the loop iteration that defines it
+from __future__ import annotations
+
+import argparse
+import math
+
+from benchmarks.gpu_common import log, measure_copy_bandwidth, time_on_stream, write_report
+
+SHAPES = [("GDN in_proj", 2048, 12288), ("2048 x 64", 2048, 64), ("out_proj / o_proj", 4096, 2048),
+          ("attention qkv", 2048, 9216), ("expert gate_up", 2048, 1024), ("expert down", 512, 2048)]  # (K, N)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/gpu_nbits_decode_h200.md")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--group", type=int, default=128, help="block size (-1: one block per row)")
+    ap.add_argument("--asym", action="store_true", help="with zero-points (default: symmetric GPTQ, none stored)")
+    ap.add_argument("--perm", action="store_true", help="act order: a random permutation (the _perm kernels)")
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    import torch
+
+    from hybrid_runtime.cuda.dense_decode import DenseDecode
+    from hybrid_runtime.cuda.driver import CudaDevice
+    from hybrid_runtime.cuda.nbits_decode import KNOB_SETS, NBitsDecode, NBitsOperand, warps_for
+
+    torch.cuda.init()
+    dev0 = CudaDevice(0, stream=0)
+    bw = measure_copy_bandwidth(torch, dev0)
+    dev = CudaDevice(0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    kerns = {name: NBitsDecode(dev, "bfloat16", kn) for name, kn in KNOB_SETS.items()}
+    dense = DenseDecode(dev, "bfloat16")
+    lines = [f"# int4 / int8 decode GEMMs on the 35B-A3B shapes ({torch.cuda.get_device_name(0)})", "",
+             f"`python3 -m benchmarks.gpu_nbits_decode --group {args.group}{' --asym' if args.asym else ''}"
+             f"{' --perm' if args.perm else ''}`; bf16 "
+             f"activations; copy bandwidth in this run {bw / 1e12:.2f} TB/s. Floor = the bytes one call reads (packed "
+             "codes + float32 scales" + (" + zero-points" if args.asym else "") + (" + perm" if args.perm else "") +
+             ") / copy bandwidth. Cells: "
+             "microseconds per call (time / floor). Builds: " +
+             "; ".join(f"{n} = {kn}" for n, kn in KNOB_SETS.items()) + ".", ""]
+    lines += ["| layer | K x N | bits | rows | warps | MB read | floor (us) | " +
+              " | ".join(f"nbits {n}" for n in kerns) + " | bf16 dense_decode (its floor) |",
+              "|" + "---|" * (8 + len(kerns))]
+    for name, K, N in SHAPES:
+        for bits in (int(b) for b in args.bits.split(",")):
+            bs = K if args.group == -1 else args.group
+            nb = K // bs
+            perm = torch.randperm(K, device="cuda").to(torch.int32) if args.perm else None
+            probe = NBitsOperand(16, 16, 16 if args.asym else 0, 16 if args.perm else 0, K, N, bits, bs, K)
+            nbytes = probe.nbytes
+            copies = int(min(16, max(1, math.ceil(4 * l2 / nbytes))))
+            ws = []
+            for _ in range(copies):
+                B = torch.randint(0, 256, (N, K * bits // 8), device="cuda", dtype=torch.uint8)
+                s = torch.rand(N, nb, device="cuda", dtype=torch.float32) * 0.01
+                z = (torch.randint(0, 256, (N, (nb + 1) // 2 if bits == 4 else nb), device="cuda", dtype=torch.uint8)
+                     if args.asym else None)
+                ws.append((B, s, z, NBitsOperand(B.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else 0,
+                                                 perm.data_ptr() if perm is not None else 0, K, N, bits, bs, K)))
+            dbytes = N * K * 2
+            dcopies = int(min(16, max(1, math.ceil(4 * l2 / dbytes))))
+            dws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(dcopies)]
+            for M in rows_list:
+                xs = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                y = torch.empty(M, N, device="cuda", dtype=torch.float32)
+                cells = []
+                floor = nbytes / bw
+                for kern in kerns.values():
+                    t = time_on_stream(dev, lambda i, kern=kern: kern.launch(
+                        M, xs.data_ptr(), K, ws[i % copies][3], y.data_ptr(), N, True), args.calls)
+                    cells.append(f"{t * 1e6:.2f} ({t / floor:.2f}x)")
+                td = time_on_stream(dev, lambda i: dense.launch(M, xs.data_ptr(), K, dws[i % dcopies].data_ptr(), N, K,
+                                                                y.data_ptr(), N, True), args.calls)
+                lines.append(f"| {name} | {K} x {N} | {bits} | {M} | {warps_for(K, bits)} | {nbytes / 1e6:.2f} | "
+                             f"{floor * 1e6:.2f} | " + " | ".join(cells) +
+                             f" | {td * 1e6:.2f} ({td / (dbytes / bw):.2f}x) |")
+                log(lines[-1])
+            ws.clear()
+            dws.clear()
+            torch.cuda.empty_cache()
+    write_report(args.out, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
