@@ -18,6 +18,14 @@ Python per call: it is not used.
 ``pin_m``: take the algorithm the heuristic picks for ``M = pin_m`` and use it for this (smaller) M too, if
 ``cublasLtMatmulAlgoCheck`` accepts it. For a fixed algorithm each output row is computed the same way
 whatever M is, which is what makes decode steps of different batch sizes give identical rows.
+
+Pinned products share ONE plan per class (``plans_by_class``, the default): the plan of ``M = pin_m``, whose
+two M-dependent layouts (x's and y's column count) are set to the call's M before each call that changes it.
+The kernel cuBLASLt runs is then the one a plan made for that M with the pinned algorithm would run (same
+descriptors but M, same algorithm), so the bits are those of the per-M plans, but a prefill step's new M creates
+no descriptors and queries nothing: a served process no longer allocates (and frees) descriptors for nearly
+every step. Whether the pinned algorithm accepts an M is asked once per M (``cublasLtMatmulAlgoCheck``) and
+remembered in a byte per M; an M it refuses gets a plan of its own from the heuristic, through the LRU cache.
 """
 
 from __future__ import annotations
@@ -91,9 +99,13 @@ class GemmShape:
 class GemmPlan:
     """Descriptors and algorithm of one :class:`GemmShape` (see the module docstring)."""
 
-    def __init__(self, blas: Blas, shape: GemmShape, pin_m: int = 0) -> None:
+    def __init__(self, blas: Blas, shape: GemmShape, pin_m: int = 0, by_class: bool = False) -> None:
         lt = _lt()
         self.blas, self.shape = blas, shape
+        # a class plan (``by_class``, shape.m == the class's pin_m) runs any M <= shape.m: its current M and, per
+        # M, 0 = not checked, 1 = the algorithm accepts it, 2 = refused (see the module docstring)
+        self.cur_m = shape.m
+        self.m_ok = bytearray(shape.m + 1) if by_class else None
         s = shape
         if reasons := s.problems():
             raise BlasError("GemmPlan", None, "CUBLAS_STATUS_INVALID_VALUE", f"{s}: {', '.join(reasons)}")
@@ -115,7 +127,7 @@ class GemmPlan:
         self.pinned = False
         if pin_m and pin_m != s.m:
             self._ref = ref = blas.plan(GemmShape(pin_m, s.n, s.k, s.dtype, s.out_dtype, max(s.ldx, s.k), s.ldy,
-                                                  s.accumulate, s.bias))
+                                                  s.accumulate, s.bias))[0]
             try:
                 lt.matmul_algo_check(blas.handle, self.desc, self.a, self.b, self.c, self.c, ref.algo_ptr,
                                      self.heuristic.ptr)
@@ -125,7 +137,7 @@ class GemmPlan:
             if ok:
                 self.algo_ptr, self.pinned = ref.algo_ptr, True
                 return
-            blas.pin_failures.append((s.m, s.n, s.k, pin_m))
+            blas.note_pin_failure(s.m, s.n, s.k, pin_m)
         count = np.zeros(1, np.int32)
         _call("cublasLtMatmulAlgoGetHeuristic", lt.matmul_algo_get_heuristic, blas.handle, self.desc, self.a, self.b,
               self.c, self.c, blas.preference, 1, self.heuristic.ptr, count.ctypes.data)
@@ -146,11 +158,42 @@ class GemmPlan:
     def workspace_size(self) -> int:
         return int(self.heuristic.workspace_size)
 
-    def run(self, x: int, w: int, y: int, c: int = 0, bias: int = 0) -> None:
+    def _set_m(self, m: int) -> None:
+        """Point the M-dependent layouts (x: K x M, y and c: N x M, column-major) at ``m`` rows."""
+        if m != self.cur_m:
+            lt = _lt()
+            buf = np.array([m], np.uint64)
+            for lay in (self.b, self.c):
+                _call("cublasLtMatrixLayoutSetAttribute", lt.matrix_layout_set_attribute, lay,
+                      lt.MatrixLayoutAttribute.COLS, buf.ctypes.data, 8)
+            self.cur_m = m
+
+    def accepts(self, m: int) -> bool:
+        """Whether this class plan runs ``m`` rows with its algorithm (checked once per M, then remembered)."""
+        assert self.m_ok is not None and 1 <= m <= self.shape.m
+        if not self.m_ok[m]:
+            if m == self.shape.m:
+                self.m_ok[m] = 1
+            else:
+                lt = _lt()
+                self._set_m(m)
+                probe = lt.MatmulHeuristicResult(1)
+                try:
+                    lt.matmul_algo_check(self.blas.handle, self.desc, self.a, self.b, self.c, self.c, self.algo_ptr,
+                                         probe.ptr)
+                    ok = int(probe.state) == 0 and int(probe.workspace_size) <= self.blas.workspace_bytes
+                except Exception:
+                    ok = False
+                self.m_ok[m] = 1 if ok else 2
+        return self.m_ok[m] == 1
+
+    def run(self, x: int, w: int, y: int, c: int = 0, bias: int = 0, m: int = 0) -> None:
         """Enqueue ``y = x @ W.T (+ bias) (+ c)`` on the device's stream (pointers are device addresses;
-        ``c`` may equal ``y``)."""
+        ``c`` may equal ``y``). ``m``: the rows of this call, for a class plan (default: the plan's M)."""
         lt = _lt()
         s, blas = self.shape, self.blas
+        if m and m != s.m and self.m_ok is None:
+            raise ValueError(f"{s}: a plan of M = {s.m} cannot run {m} rows (not a class plan)")
         if s.bias:
             if not bias:
                 raise ValueError("this plan adds a bias: pass its pointer")
@@ -162,6 +205,8 @@ class GemmPlan:
         if self.destroyed:
             raise BlasError("GemmPlan.run", None, "CUBLAS_STATUS_NOT_INITIALIZED", f"{s}: plan was evicted")
         blas.device.activate()
+        if self.m_ok is not None:
+            self._set_m(m or s.m)
         _call("cublasLtMatmul", lt.matmul, blas.handle, self.desc, self.alpha.ctypes.data, w, self.a, x, self.b,
               self.beta.ctypes.data, c or y, self.c, y, self.c, self.algo_ptr, blas.workspace.ptr,
               blas.workspace_bytes, blas.stream_handle)
@@ -184,6 +229,7 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 MAX_PLANS = 256  # GEMM plans a Blas keeps (least recently used dropped first): see Blas
+PIN_FAILURES_KEPT = 64  # refused pins a Blas lists (all are counted)
 
 
 class LruCache(Generic[K, V]):
@@ -228,7 +274,8 @@ class Blas:
     memory slope in a GPU soak). Decode steps replay graphs, which hold no descriptors; a plan whose algorithm
     another plan borrows (``pin_m``) stays alive through that plan's reference to its heuristic result."""
 
-    def __init__(self, device: CudaDevice, workspace_bytes: int = 32 << 20, max_plans: int = MAX_PLANS) -> None:
+    def __init__(self, device: CudaDevice, workspace_bytes: int = 32 << 20, max_plans: int = MAX_PLANS,
+                 plans_by_class: bool = True) -> None:
         lt = _lt()
         self.device = device
         device.activate()
@@ -244,23 +291,45 @@ class Blas:
         self._lock = threading.Lock()
         self.calls = 0
         self.version = int(lt.get_version())
-        # (m, n, k, pin_m) of plans whose pinned algorithm cublasLtMatmulAlgoCheck refused (heuristic used instead)
+        self.plans_by_class = plans_by_class
+        self._classes: dict[GemmShape, GemmPlan] = {}  # class plans by their pin_m shape (a few per model)
+        # (m, n, k, pin_m) of the first PIN_FAILURES_KEPT products whose pinned algorithm cublasLtMatmulAlgoCheck
+        # refused (the heuristic's plan used instead); pin_failure_count counts them all
         self.pin_failures: list[tuple[int, int, int, int]] = []
+        self.pin_failure_count = 0
 
-    def plan(self, shape: GemmShape, pin_m: int = 0) -> GemmPlan:
-        """The cached plan of ``shape`` (``pin_m``: see the module docstring)."""
-        key = (shape, pin_m if pin_m and pin_m != shape.m else 0)
+    def note_pin_failure(self, m: int, n: int, k: int, pin_m: int) -> None:
+        self.pin_failure_count += 1
+        if len(self.pin_failures) < PIN_FAILURES_KEPT:
+            self.pin_failures.append((m, n, k, pin_m))
+
+    def plan(self, shape: GemmShape, pin_m: int = 0) -> tuple[GemmPlan, int]:
+        """The plan that runs ``shape`` and the ``m`` to pass to its :meth:`GemmPlan.run` (``pin_m``: see the
+        module docstring)."""
+        pin = pin_m if pin_m and pin_m != shape.m else 0
+        if self.plans_by_class and pin_m and shape.m <= pin_m:
+            cshape = GemmShape(pin_m, shape.n, shape.k, shape.dtype, shape.out_dtype, shape.ldx, shape.ldy,
+                               shape.accumulate, shape.bias)
+            cp = self._classes.get(cshape)
+            if cp is None:
+                cp = self._classes[cshape] = GemmPlan(self, cshape, 0, by_class=True)
+            if cp.accepts(shape.m):
+                return cp, shape.m
+            self.note_pin_failure(shape.m, shape.n, shape.k, pin_m)
+            pin = 0  # this M gets the heuristic's own plan
+        key = (shape, pin)
         with self._lock:
             p = self._plans.get(key)
         if p is None:
             p = GemmPlan(self, shape, key[1])
             with self._lock:
                 self._plans.put(key, p)
-        return p
+        return p, 0
 
     @property
     def num_plans(self) -> int:
-        return len(self._plans)
+        """Plans alive: the LRU cache's and the class plans."""
+        return len(self._plans) + len(self._classes)
 
     @property
     def plan_evictions(self) -> int:
@@ -269,6 +338,6 @@ class Blas:
     def gemm(self, m: int, n: int, k: int, x: int, w: int, y: int, *, dtype: str, out_dtype: str, ldx: int = 0,
              ldy: int = 0, c: int = 0, bias: int = 0, pin_m: int = 0) -> GemmPlan:
         """Plan (cached) and enqueue one product; returns the plan (tests read ``pinned``)."""
-        p = self.plan(GemmShape(m, n, k, dtype, out_dtype, ldx or k, ldy or n, bool(c), bool(bias)), pin_m)
-        p.run(x, w, y, c, bias)
+        p, rows = self.plan(GemmShape(m, n, k, dtype, out_dtype, ldx or k, ldy or n, bool(c), bool(bias)), pin_m)
+        p.run(x, w, y, c, bias, m=rows)
         return p

@@ -93,12 +93,12 @@ def test_cublaslt_gemm_shapes_strides_bias_residual(dev, dtype: str) -> None:
 
 
 def test_gemm_plan_cache_stays_bounded_and_evicted_plans_give_the_same_bits(dev) -> None:
-    """A plan cache of 4 over 40 prefill-like M values: never more than 4 plans, evictions counted, and the
-    products (pinned to the algorithm of M = 64, whose own plan is evicted over and over) bit-identical to a
-    cache that keeps everything; a destroyed plan refuses to run."""
+    """A per-M plan cache of 4 over 40 prefill-like M values (``plans_by_class=False``): never more than 4 plans,
+    evictions counted, and the products (pinned to the algorithm of M = 64, whose own plan is evicted over and
+    over) bit-identical to a cache that keeps everything; a destroyed plan refuses to run."""
     from hybrid_runtime.cuda.blas import Blas, BlasError
 
-    small, full = Blas(dev, max_plans=4), Blas(dev, max_plans=1024)
+    small, full = Blas(dev, max_plans=4, plans_by_class=False), Blas(dev, max_plans=1024, plans_by_class=False)
     rng = np.random.default_rng(4)
     N, K = 384, 256
     x = rounded(rng.standard_normal((64, K)), "bfloat16")
@@ -118,6 +118,30 @@ def test_gemm_plan_cache_stays_bounded_and_evicted_plans_give_the_same_bits(dev)
         first.run(xd.ptr, wd.ptr, dev.empty((1, N), "float32").ptr)
 
 
+def test_class_plans_give_the_bits_of_per_m_plans_with_one_plan(dev) -> None:
+    """Pinned products through one class plan (the default): every M in 1..64 (in an order that goes back and
+    forth) gives the bits of a per-M plan with the same pinned algorithm, one plan serves them all, and the
+    M-dependent layouts follow each call (a smaller M after a larger one writes only its rows)."""
+    from hybrid_runtime.cuda.blas import Blas
+
+    cls, per_m = Blas(dev), Blas(dev, plans_by_class=False)
+    rng = np.random.default_rng(5)
+    N, K = 384, 256
+    x = rounded(rng.standard_normal((64, K)), "bfloat16")
+    w = rounded(rng.standard_normal((N, K)) * 0.05, "bfloat16")
+    xd, wd = up(dev, x, "bfloat16"), up(dev, w, "bfloat16")
+    for m in [64, 1, 33, 2, 64, 17, *range(3, 12), 40, 5]:
+        ya = dev.upload(np.full((64, N), 7.0, np.float32))
+        yb = dev.empty((m, N), "float32")
+        cls.gemm(m, N, K, xd.ptr, wd.ptr, ya.ptr, dtype="bfloat16", out_dtype="float32", pin_m=64)
+        per_m.gemm(m, N, K, xd.ptr, wd.ptr, yb.ptr, dtype="bfloat16", out_dtype="float32", pin_m=64)
+        got = dev.download(ya)
+        assert np.array_equal(got[:m], dev.download(yb)), m
+        assert np.all(got[m:] == 7.0), m  # rows past M untouched
+    assert cls.num_plans == 1 and cls.pin_failure_count == 0
+    assert per_m.num_plans > 10
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemm_rows_do_not_depend_on_m(dev, dtype: str) -> None:
     """cuBLASLt with a pinned algorithm and the fused gemv: row r of an M-row product is bit-identical to the
@@ -134,7 +158,7 @@ def test_gemm_rows_do_not_depend_on_m(dev, dtype: str) -> None:
     for m in (1, 3, 16):
         y = dev.empty((m, N), "float32")
         p = blas.gemm(m, N, K, xd.ptr, wd.ptr, y.ptr, dtype=dtype, out_dtype="float32", pin_m=16)
-        assert p.pinned == (m != 16)
+        assert p.shape.m == 16 and p.m_ok is not None  # the class plan of M = 16 ran it
         outs[m] = dev.download(y)
     assert np.array_equal(outs[1][0], outs[16][0]) and np.array_equal(outs[3], outs[16][:3])
     # prefill sizes: the algorithm of M = 256 used at 20 and 250 rows

