@@ -62,11 +62,10 @@ from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
+from .moe_router import supported as router_supported
 from .nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
 from .nbits_decode import NBitsDecode, NBitsOperand
 from .nbits_decode import problems as nbits_problems
-from .quant import NBitsDequant, PackedLinear
-from .moe_router import supported as router_supported
 from .prefill_attention import (
     CudaPrefillAttention,
     PrefillAttentionError,
@@ -74,6 +73,7 @@ from .prefill_attention import (
     pack_prefill_inputs,
     plan_prefill,
 )
+from .quant import NBitsDequant, PackedLinear
 from .sampler import DeviceSampler, row_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
