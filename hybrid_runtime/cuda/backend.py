@@ -321,6 +321,7 @@ class CudaBackend:
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None
         self._nbits_ops: dict[int, NBitsOperand] = {}
+        self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
         if self.w.packed_only:
             self.nbits = NBitsDecode(self.dev, self.dtype)
             self.nbits_deq = NBitsDequant(self.dev, self.dtype)
@@ -575,12 +576,14 @@ class CudaBackend:
             assert self.nbits is not None and self.nbits_deq is not None and self.nbits_scratch is not None
             op = self._nbits_ops[weight.B.ptr]
             if decode and x.rows <= NBITS_MAX_ROWS and not nbits_problems(self.dtype, x.rows, x.ld, x.ptr, op):
+                self.nbits_calls += 1
                 with self._prof("nbits_decode"):
                     self.nbits.launch(x.rows, x.ptr, x.ld, op, out.ptr, out.ld, out.dtype == "float32",
                                       residual=residual.ptr if residual is not None else 0,
                                       ldr=residual.ld if residual is not None else 0,
                                       bias=bias.ptr if bias is not None else 0)
                 return
+            self.nbits_fallbacks += 1
             with self._prof("nbits_dequant"):
                 self.nbits_deq.launch(weight, self.nbits_scratch.ptr, weight.k_in, 0)
             sc = self.nbits_scratch
