@@ -326,6 +326,8 @@ class CudaBackend:
             self.nbits = NBitsDecode(self.dev, self.dtype)
             self.nbits_deq = NBitsDequant(self.dev, self.dtype)
             self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)
+            for bits in sorted({p.bits for p in self.w.packed_only.values()}):
+                self.nbits.module(bits)  # compiled now, never during a graph capture
             for p in self.w.packed_only.values():
                 self._nbits_ops[p.B.ptr] = NBitsOperand(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0,
                                                          p.perm.ptr if p.perm is not None else 0, p.K, p.N, p.bits,
