@@ -63,6 +63,9 @@ from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
 from .moe_router import supported as router_supported
+from .nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
+from .nbits_decode import NBitsDecode, NBitsOperand
+from .nbits_decode import problems as nbits_problems
 from .prefill_attention import (
     CudaPrefillAttention,
     PrefillAttentionError,
@@ -70,6 +73,7 @@ from .prefill_attention import (
     pack_prefill_inputs,
     plan_prefill,
 )
+from .quant import NBitsDequant, PackedLinear
 from .sampler import DeviceSampler, row_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
@@ -235,7 +239,8 @@ class CudaBackend:
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
                  batch_invariant_attention: bool = True, fused_router: bool = True,
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
-                 dense_decode_max_mb: float | None = None, keep_packed: bool = False) -> None:
+                 dense_decode_max_mb: float | None = None, keep_packed: bool = False,
+                 packed_linears: bool = True) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -305,8 +310,28 @@ class CudaBackend:
                 raise ValueError("need a bundle directory or preloaded weights")
             # a GPTQ bundle's packed weights are dequantised at load; keep_packed keeps their device copies too
             # (DeviceWeights.packed; counted in the weights' bytes and taken before the memory plan reads free memory)
-            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed)
+            # packed_linears (bf16 / fp16 GPTQ bundles): the dense linear weights stored packed stay only packed; decode
+            # GEMMs of <= NBITS_MAX_ROWS rows read them with the int4 / int8 kernel, the others dequantise them into
+            # a scratch buffer first (_gemm). float32 bundles (the parity configuration) dequantise everything.
+            packed_linears = packed_linears and self.dtype in ("bfloat16", "float16")
+            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
+                                         packed_linears=packed_linears)
         self.w = weights
+        self.nbits: NBitsDecode | None = None
+        self.nbits_deq: NBitsDequant | None = None
+        self.nbits_scratch: DeviceArray | None = None
+        self._nbits_ops: dict[int, NBitsOperand] = {}
+        self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
+        if self.w.packed_only:
+            self.nbits = NBitsDecode(self.dev, self.dtype)
+            self.nbits_deq = NBitsDequant(self.dev, self.dtype)
+            self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)
+            for bits in sorted({p.bits for p in self.w.packed_only.values()}):
+                self.nbits.module(bits)  # compiled now, never during a graph capture
+            for p in self.w.packed_only.values():
+                self._nbits_ops[p.B.ptr] = NBitsOperand(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0,
+                                                         p.perm.ptr if p.perm is not None else 0, p.K, p.N, p.bits,
+                                                         p.block_size, p.k_in)
         # Biases in the activation dtype too (cuBLASLt's bias epilogue reads the output's dtype), made here:
         # never during a graph capture.
         self._bias_t: dict[int, DeviceArray] = {}
@@ -536,14 +561,35 @@ class CudaBackend:
             self._profile = None
             ctx.graph = graph
 
-    def _gemm(self, x: Mat, weight: DeviceArray, out: Mat, residual: Mat | None = None,
+    def _gemm(self, x: Mat, weight: DeviceArray | PackedLinear, out: Mat, residual: Mat | None = None,
               bias: DeviceArray | None = None, decode: bool = False) -> None:
         """``out = x @ weight.T (+ bias) (+ residual)`` through cuBLASLt, its algorithm pinned (when
         ``batch_invariant_gemm``) to the one chosen for the largest M of its class — decode steps of <= 16 rows,
         larger decode steps, prefill — so a row's result does not depend on how many rows share the product.
         ``gemv_decode`` uses the fused ``gemv`` kernel for decode steps of <= GEMV_MAX_M rows instead (batch
         invariant by construction, but on the H200 it reads at 1.8-2.8 TB/s where cuBLASLt reaches 1.8-4.1:
-        benchmarks/results/gpu_kernel_tune_h200.md)."""
+        benchmarks/results/gpu_kernel_tune_h200.md).
+
+        A weight kept only packed (:class:`PackedLinear`, a GPTQ bundle's dense linear): decode steps of <=
+        NBITS_MAX_ROWS rows run the int4 / int8 decode GEMM on it (``nbits_decode``, batch invariant); any other
+        product first dequantises it into ``nbits_scratch`` (the load's kernel: the same bits as a dequantised
+        bundle's weight) and continues below on that copy."""
+        if isinstance(weight, PackedLinear):
+            assert self.nbits is not None and self.nbits_deq is not None and self.nbits_scratch is not None
+            op = self._nbits_ops[weight.B.ptr]
+            if decode and x.rows <= NBITS_MAX_ROWS and not nbits_problems(self.dtype, x.rows, x.ld, x.ptr, op):
+                self.nbits_calls += 1
+                with self._prof("nbits_decode"):
+                    self.nbits.launch(x.rows, x.ptr, x.ld, op, out.ptr, out.ld, out.dtype == "float32",
+                                      residual=residual.ptr if residual is not None else 0,
+                                      ldr=residual.ld if residual is not None else 0,
+                                      bias=bias.ptr if bias is not None else 0)
+                return
+            self.nbits_fallbacks += 1
+            with self._prof("nbits_dequant"):
+                self.nbits_deq.launch(weight, self.nbits_scratch.ptr, weight.k_in, 0)
+            sc = self.nbits_scratch
+            weight = DeviceArray(sc.ptr, (weight.N, weight.k_in), self.dtype, sc.device, sc)
         N, K = weight.shape[0], weight.shape[-1]
         vec = 16 // self.es
         if decode and self.gemv_decode and x.rows <= GEMV_MAX_M and K % vec == 0 and x.ld % vec == 0:
@@ -734,7 +780,8 @@ class CudaBackend:
     def _op(self, op: Op, ctx: CudaCtx, env: dict[str, Any], exit_: tuple[str, int]) -> None:
         cfg, a, n, A = self.cfg, op.attrs, ctx.n, self.arena
         decode = ctx.phase == Phase.DECODE
-        W = [self.w[name] for name in op.weights]
+        W: list[Any] = [self.w.weight(name) if op.kind == "linear" and i == 0 else self.w[name]
+                        for i, name in enumerate(op.weights)]
         if op.kind == "embed":
             x = A.mat("x", n)
             self._launch("embed_rows", (n, 1, 1), 256,
@@ -761,7 +808,7 @@ class CudaBackend:
                 env[op.outputs[0]] = res
             else:
                 name = {"proj": "proj", "gu": "gu"}[op.outputs[0]]
-                out = A.mat(name, n, W[0].shape[0])
+                out = A.mat(name, n, W[0].N if isinstance(W[0], PackedLinear) else W[0].shape[0])
                 self._gemm(inp, W[0], out, bias=bias, decode=decode)
                 env[op.outputs[0]] = out
         elif op.kind == "gdn_gates":
@@ -1015,7 +1062,7 @@ class CudaBackend:
         h = self.arena.mat("h_out", ctx.R)
         self._rmsnorm(x, self.w["final_norm"], h, ctx.R, rows_ptr=self._ptr(self.in_layout.logit_rows))
         logits = self.arena.mat("logits", ctx.R)
-        self._gemm(h, self.w["lm_head"], logits, decode=ctx.phase == Phase.DECODE)
+        self._gemm(h, self.w.weight("lm_head"), logits, decode=ctx.phase == Phase.DECODE)
         return logits
 
     def _sample(self, ctx: CudaCtx, logits: Mat | None) -> None:
@@ -1149,7 +1196,7 @@ class CudaBackend:
         shapes: dict[tuple[int, int], list[int]] = {}
         for _, program in self.programs:
             for op in program:
-                if op.kind == "linear":
+                if op.kind == "linear" and op.weights[0] in self.w.arrays:  # (packed-only ones: nbits_decode)
                     w = self.w[op.weights[0]]
                     N, K = w.shape[0], w.shape[-1]
                     if self.dense_max_bytes is None or N * K * self.es <= self.dense_max_bytes:

@@ -11,7 +11,9 @@ serve it too.
 A GPTQ bundle's packed weights (``cuda/quant.py``) are uploaded and dequantised on the device into the same
 layout in the bundle dtype, so every kernel runs unchanged; ``keep_packed`` keeps the device copies of the packed
 tensors in :attr:`DeviceWeights.packed` (for W4A16 / W8A16 kernels) instead of freeing them, and :attr:`nbytes`
-counts them.
+counts them. ``packed_linears`` keeps the segments' dense linear weights that are stored packed whole (not MoE
+weights, not per-part ones) ONLY packed (:attr:`DeviceWeights.packed_only`, no float copy): the backend runs them
+with the int4 / int8 decode GEMM and, for prefill, dequantises them into a scratch buffer per GEMM.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class DeviceWeights:
         # packed GPTQ weights kept on the device (load(keep_packed=True)): runtime weight name, or
         # "<name>.part<i>" for a part of a per-part weight -> PackedLinear
         self.packed: dict[str, PackedLinear] = {}
+        # dense linear weights kept only packed (load(packed_linears=True)): runtime weight name -> PackedLinear
+        self.packed_only: dict[str, PackedLinear] = {}
         self._moe: dict[int, MoEWeights] = {}
         self.specs = {s.name: s for s in runtime_weight_specs(cfg, rope_len)}
 
@@ -77,7 +81,12 @@ class DeviceWeights:
             if a.ptr not in seen:
                 seen.add(a.ptr)
                 n += a.nbytes
-        return n + sum(p.nbytes for p in self.packed.values())
+        return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values()])
+
+    def weight(self, name: str) -> DeviceArray | PackedLinear:
+        """A linear weight: its float array, or its packed form when it is kept only packed."""
+        a = self.arrays.get(name)
+        return a if a is not None else self.packed_only[name]
 
     def moe(self, layer: int) -> MoEWeights:
         return self._moe[layer]
@@ -86,11 +95,13 @@ class DeviceWeights:
 
     @classmethod
     def load(cls, device: CudaDevice, bundle_dir: str | Path, manifest: Manifest,
-             progress: Callable[[str], None] | None = None, keep_packed: bool = False) -> DeviceWeights:
+             progress: Callable[[str], None] | None = None, keep_packed: bool = False,
+             packed_linears: bool = False) -> DeviceWeights:
         """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype, and a GPTQ
         bundle's packed tensors against its quantization record, first: :func:`~.quant.plan_weights`). Packed
         weights are dequantised on the device into the bundle dtype; ``keep_packed`` keeps their device copies
-        in :attr:`packed` (default: freed once dequantised)."""
+        in :attr:`packed` (default: freed once dequantised). ``packed_linears``: the dense linear weights stored
+        packed whole are kept only packed, in :attr:`packed_only` (module docstring)."""
         cfg, rope_len = manifest.model, manifest.limits.max_seq_len
         self = cls(device, cfg, manifest.dtype, rope_len)
         path = Path(bundle_dir) / manifest.state_weights
@@ -111,6 +122,9 @@ class DeviceWeights:
                 continue  # stacked below
             if stored[s.name].kind == "float":
                 self.arrays[s.name] = device.upload(f.raw(s.name), dtype=self._dtype(s))
+            elif packed_linears and stored[s.name].kind == "packed" and len(s.shape) == 2:
+                assert deq is not None and stored[s.name].packed is not None
+                self.packed_only[s.name] = deq.upload(stored[s.name].packed)  # type: ignore[arg-type]
             else:
                 self.arrays[s.name] = a = device.empty(s.shape, self._dtype(s))
                 put(s.name, a.ptr)
@@ -122,6 +136,9 @@ class DeviceWeights:
             if progress:
                 kept_gb = sum(p.nbytes for p in self.packed.values()) / 1e9
                 kept = f", {kept_gb:.2f} GB packed kept" if keep_packed else ""
+                if self.packed_only:
+                    only_gb = sum(p.nbytes for p in self.packed_only.values()) / 1e9
+                    kept += f", {len(self.packed_only)} dense linear weights kept only packed ({only_gb:.2f} GB)"
                 progress(f"dequantised {sum(w.kind != 'float' for w in stored.values())} packed weights to "
                          f"{self.dtype} on {device.limits.name}{kept}")
         return self

@@ -357,12 +357,13 @@ def kernel_writes(t: dict[str, np.ndarray], prefix: str, ldo: int, out_estride: 
     return dst, np.concatenate(vals).astype(np.float32)
 
 
-def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False):
+def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False, linears: bool = False):
     from hybrid_runtime.cuda import weights as cw
 
     monkeypatch.setattr(cw, "NBitsDequant", FakeDequant)
     dev = FakeDevice()
-    w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep)  # type: ignore[arg-type]
+    w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep,  # type: ignore[arg-type]
+                              packed_linears=linears)
     return dev, w
 
 
@@ -400,6 +401,43 @@ def test_load_writes_the_float_bundles_device_layout(tmp_path: Path, monkeypatch
         assert np.array_equal(dk.read(p.B.ptr, p.B.shape, "uint8"), f.raw(key + ".nbits_B")), key
         assert p.perm is None or np.array_equal(dk.read(p.perm.ptr, p.perm.shape, "int32"), f.raw(key + ".nbits_perm"))
     assert wk.nbytes == wq.nbytes + sum(p.nbytes for p in wk.packed.values())
+
+
+@pytest.mark.parametrize("name", ["next_int4_g32_asym_act_v1", "qwen35moe_int8_g32_sym_act_parts"])
+def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          name: str) -> None:
+    """``packed_linears``: every runtime weight stored packed whole that is not a MoE weight stays on the device only
+    in its packed form (the stored bytes; no float copy: fewer bytes), ``weight(name)`` gives it; everything else
+    (per-part weights, the MoE layers, float weights) is laid out bit for bit as without the option."""
+    from hybrid_runtime.cuda.quant import PackedLinear, plan_weights
+
+    ckpt, _, _ = gc.checkpoints(tmp_path, name)
+    bq = gc.build(ckpt, tmp_path / "bq", dtype="bfloat16")
+    m = Manifest.load(bq)
+    f = SafetensorsFile(bq / "weights.safetensors")
+    stored = plan_weights(f, m)
+    specs = {s.name: s for s in stored_specs(m)}
+    whole = {n for n, w in stored.items() if w.kind == "packed" and len(specs[n].shape) == 2
+             and not (".mlp." in n and m.model.ffn_types[specs[n].layer] == "moe")}
+    assert whole, "the case stores no dense linear packed whole"
+    d0, w0 = _load_fake(bq, monkeypatch)
+    d1, w1 = _load_fake(bq, monkeypatch, linears=True)
+    assert set(w1.packed_only) == whole and not (whole & set(w1.arrays))
+    for n in whole:
+        p = w1.weight(n)
+        assert isinstance(p, PackedLinear) and (p.N, p.k_in) == w0[n].shape
+        assert np.array_equal(d1.read(p.B.ptr, p.B.shape, "uint8"), f.raw(n + ".nbits_B")), n
+    s0, s1 = _device_state(d0, w0), _device_state(d1, w1)
+    assert set(s0) - set(s1) == whole
+    for k in s1:
+        assert np.array_equal(_bits(s0[k]), _bits(s1[k])), k
+    assert w1.nbytes < w0.nbytes
+
+
+def stored_specs(m: Manifest):
+    from hybrid_runtime.program import stored_weight_specs
+
+    return stored_weight_specs(m.model, m.limits.max_seq_len)
 
 
 def test_cuda_refuses_a_quantized_embedding_table(tmp_path: Path) -> None:
