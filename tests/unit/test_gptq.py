@@ -284,7 +284,7 @@ def test_runtime_refuses_a_manifest_that_does_not_match_the_weights(small_gptq: 
              "other bits": lambda d: d["quantization"]["modules"].update(
                  {k: 8 for k in d["quantization"]["modules"]}),
              "other activations": lambda d: d["quantization"].update(activations="int8"),
-             "cuda backend": lambda d: d.update(backend="cuda")}
+             "tensorrt backend": lambda d: d.update(backend="tensorrt")}
     for case, edit in cases.items():
         copy = tmp_path / case.replace(" ", "_")
         shutil.copytree(bundle, copy)
