@@ -240,7 +240,7 @@ class CudaBackend:
                  batch_invariant_attention: bool = True, fused_router: bool = True,
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
                  dense_decode_max_mb: float | None = None, keep_packed: bool = False,
-                 packed_linears: bool = True) -> None:
+                 packed_linears: bool = False) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -310,9 +310,11 @@ class CudaBackend:
                 raise ValueError("need a bundle directory or preloaded weights")
             # a GPTQ bundle's packed weights are dequantised at load; keep_packed keeps their device copies too
             # (DeviceWeights.packed; counted in the weights' bytes and taken before the memory plan reads free memory)
-            # packed_linears (bf16 / fp16 GPTQ bundles): the dense linear weights stored packed stay only packed; decode
-            # GEMMs of <= NBITS_MAX_ROWS rows read them with the int4 / int8 kernel, the others dequantise them into
-            # a scratch buffer first (_gemm). float32 bundles (the parity configuration) dequantise everything.
+            # packed_linears (bf16 / fp16 GPTQ bundles; off by default: on the H200 the int4 / int8 decode GEMM is still
+            # slower than dense_decode over the dequantised bf16 weights, benchmarks/results/gpu_nbits_decode_h200.md):
+            # the dense linear weights stored packed stay only packed; decode GEMMs of <= NBITS_MAX_ROWS rows read
+            # them with the int4 / int8 kernel, the others dequantise them into a scratch buffer first (_gemm).
+            # float32 bundles (the parity configuration) always dequantise everything.
             packed_linears = packed_linears and self.dtype in ("bfloat16", "float16")
             weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
                                          packed_linears=packed_linears)

@@ -238,32 +238,47 @@ def test_bfloat16_gptq_cuda_greedy_agreement_with_float32_cpu(root: Path) -> Non
 
 @pytest.mark.parametrize("case", sorted(gc.CASES))
 def test_packed_linears_match_the_dequantised_bundle(root: Path, case: str) -> None:
-    """A bf16 GPTQ bundle with its dense linears kept only packed (the default) against the same bundle fully
-    dequantised at load (``packed_linears=False``): fewer weight bytes on the device; prefill steps (the packed
-    weights dequantised into the scratch, then the same cuBLASLt plans) give the same bits; decode steps (the int4 /
-    int8 decode GEMM instead of dense_decode over the dequantised weights: the same products summed in another
-    order) stay within 2% of the logits' scale with the same greedy tokens on at least 90% of rows, teacher-forced."""
+    """A bf16 GPTQ bundle with its dense linears kept only packed (``packed_linears=True``) against the same bundle
+    fully dequantised at load (the default): fewer weight bytes on the device; prefill steps (the packed weights
+    dequantised into the scratch, then the same cuBLASLt plans) give the same bits; decode steps (the int4 / int8
+    decode GEMM instead of dense_decode over the dequantised weights: the 4-bit build multiplies by the scale
+    rounded to bf16, and sums in another order) stay within 2% of the logits' scale, teacher-forced, with the same
+    greedy token on at least 90% of rows. In a MoE model a near-tie of the router can pick another expert under
+    either rounding (a routing flip: tests/gpu/test_moe_decode_gpu.py), which moves that row's logits by O(1): there
+    the bound holds for 90% of rows and the worst row is reported. The tiny test models' weights whose K is below
+    their block (K 64 in blocks of 128) are refused by the kernel's rules and take the scratch path: the kernel must
+    run wherever a weight fits its rules."""
     from hybrid_runtime.cuda.backend import CudaBackend
+    from hybrid_runtime.cuda.nbits_decode import NBitsOperand, problems
 
     _, gpu_b = _case_bundles(root, case, "bfloat16")
     gm = Manifest.load(gpu_b)
-    packed = CudaBackend(gpu_b, gm, device="cuda")
-    plain = CudaBackend(gpu_b, gm, device="cuda", packed_linears=False)
+    packed = CudaBackend(gpu_b, gm, device="cuda", packed_linears=True)
+    plain = CudaBackend(gpu_b, gm, device="cuda")
     assert packed.w.packed_only and not plain.w.packed_only
     assert packed.w.nbytes < plain.w.nbytes
+    def kernel_rules(p) -> list[str]:  # the kernel's rules on the weight alone (not on x's alignment)
+        op = NBitsOperand(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0,
+                          p.perm.ptr if p.perm is not None else 0, p.K, p.N, p.bits, p.block_size, p.k_in)
+        return [r for r in problems("bfloat16", 1, 8 * p.k_in, 0, op) if not r.startswith(("without a perm", "ldx"))]
+
+    fits = [n for n, p in packed.w.packed_only.items() if not kernel_rules(p)]
     runners = [ModelRunner(gpu_b, gm, backend=plain), ModelRunner(gpu_b, gm, backend=packed)]
     prefill_steps = -(-37 // 5)
     steps = _drive(runners, gm, seed=len(case))
-    assert packed.nbits_calls > 0, "no decode GEMM ran the packed kernel"
+    assert (packed.nbits_calls > 0) == bool(fits), (packed.nbits_calls, fits)
     pre = max(float(np.abs(a - b).max()) for a, b in steps[:prefill_steps])
-    dec = [(a, b) for a, b in steps[prefill_steps:]]
-    err = max(float(np.abs(a - b).max()) for a, b in dec)
+    dec = steps[prefill_steps:]
+    rows = np.concatenate([np.abs(a - b).max(axis=1) for a, b in dec])
     scale = max(float(np.abs(a).max()) for a, _ in dec)
-    agree = sum(int((a.argmax(1) == b.argmax(1)).sum()) for a, b in dec) / sum(a.shape[0] for a, _ in dec)
-    _record(f"packed_linears/{case}", {"weight_gb": [packed.w.nbytes / 1e9, plain.w.nbytes / 1e9],
-                                       "prefill_max_diff": pre, "decode_max_diff": err, "decode_scale": scale,
-                                       "greedy_agreement": agree, "nbits_calls": packed.nbits_calls,
-                                       "nbits_fallbacks": packed.nbits_fallbacks})
+    agree = sum(int((a.argmax(1) == b.argmax(1)).sum()) for a, b in dec) / rows.size
+    moe = "moe" in gm.model.ffn_types
+    bound = float(np.percentile(rows, 90)) if moe else float(rows.max())
+    _record(f"packed_linears/{case}", {"weight_bytes": [packed.w.nbytes, plain.w.nbytes], "prefill_max_diff": pre,
+                                       "decode_max_diff": float(rows.max()), "decode_p90_diff": float(
+                                           np.percentile(rows, 90)), "decode_scale": scale, "greedy_agreement": agree,
+                                       "nbits_calls": packed.nbits_calls, "nbits_fallbacks": packed.nbits_fallbacks,
+                                       "kernel_weights": fits})
     assert pre == 0.0, f"{case}: prefill logits differ by {pre}"
-    assert err <= 2e-2 * scale, f"{case}: decode logits differ by {err} (scale {scale})"
+    assert bound <= 2e-2 * scale, f"{case}: decode logits differ by {bound} (scale {scale}, moe {moe})"
     assert agree >= 0.9, f"{case}: greedy agreement {agree}"
