@@ -200,6 +200,13 @@ class CudaCtx:
     prefill_stride: int = 0
 
 
+def _linear_weight(w: Any, name: str) -> DeviceArray | PackedLinear:
+    """A linear op's weight: its float array, or its packed form when the weights keep it only packed
+    (``DeviceWeights.packed_only``; ``w`` may be any mapping of name -> array)."""
+    packed = getattr(w, "packed_only", None)
+    return packed[name] if packed and name in packed else w[name]
+
+
 @dataclass
 class _Arena:
     bufs: dict[str, DeviceArray] = field(default_factory=dict)
@@ -782,7 +789,7 @@ class CudaBackend:
     def _op(self, op: Op, ctx: CudaCtx, env: dict[str, Any], exit_: tuple[str, int]) -> None:
         cfg, a, n, A = self.cfg, op.attrs, ctx.n, self.arena
         decode = ctx.phase == Phase.DECODE
-        W: list[Any] = [self.w.weight(name) if op.kind == "linear" and i == 0 else self.w[name]
+        W: list[Any] = [_linear_weight(self.w, name) if op.kind == "linear" and i == 0 else self.w[name]
                         for i, name in enumerate(op.weights)]
         if op.kind == "embed":
             x = A.mat("x", n)
@@ -1064,7 +1071,7 @@ class CudaBackend:
         h = self.arena.mat("h_out", ctx.R)
         self._rmsnorm(x, self.w["final_norm"], h, ctx.R, rows_ptr=self._ptr(self.in_layout.logit_rows))
         logits = self.arena.mat("logits", ctx.R)
-        self._gemm(h, self.w.weight("lm_head"), logits, decode=ctx.phase == Phase.DECODE)
+        self._gemm(h, _linear_weight(self.w, "lm_head"), logits, decode=ctx.phase == Phase.DECODE)
         return logits
 
     def _sample(self, ctx: CudaCtx, logits: Mat | None) -> None:
@@ -1198,8 +1205,10 @@ class CudaBackend:
         shapes: dict[tuple[int, int], list[int]] = {}
         for _, program in self.programs:
             for op in program:
-                if op.kind == "linear" and op.weights[0] in self.w.arrays:  # (packed-only ones: nbits_decode)
-                    w = self.w[op.weights[0]]
+                if op.kind != "linear":
+                    continue
+                w = _linear_weight(self.w, op.weights[0])
+                if not isinstance(w, PackedLinear):  # (packed-only ones: nbits_decode)
                     N, K = w.shape[0], w.shape[-1]
                     if self.dense_max_bytes is None or N * K * self.es <= self.dense_max_bytes:
                         shapes.setdefault((N, K), []).append(w.ptr)
