@@ -13,6 +13,8 @@
 * One memory arena for the whole process (``session.use_env_allocators``). A session's own arena keeps
   the peak of its intermediate tensors forever; with dozens of sessions that is every segment's
   prefill-sized intermediates at once, so they share one arena that grows to the largest single run.
+  It extends by doubling regions (:func:`arena_extend_strategy`: exact-size regions piled up one per new
+  tensor size).
 * :class:`Binding`: IOBinding that rebinds an input or output only when its buffer, shape or dtype
   changed. Arrays are bound by address, zero-copy (onnxruntime reads and writes their memory at run
   time) and without keeping them alive, so a decode step that reuses the same buffers binds nothing.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -46,10 +49,10 @@ def session_options(intra_op_threads: int | None = 0) -> ort.SessionOptions:
         if _pool_threads is None:
             _pool_threads = intra_op_threads or 0
             _C.set_global_thread_pool_sizes(_pool_threads, 1)
-            try:  # kSameAsRequested (1): grow by what a run needs, not to the next power of two
+            try:
                 ort.create_and_register_allocator(
                     ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT),
-                    ort.OrtArenaCfg(0, 1, -1, -1))
+                    ort.OrtArenaCfg(0, arena_extend_strategy(), -1, -1))
             except Exception as e:  # the process registered a CPU allocator of its own: sessions use that one
                 log.warning("onnxruntime: shared CPU arena not registered (%s)", e)
         elif intra_op_threads is not None and intra_op_threads != _pool_threads:
@@ -66,6 +69,24 @@ def session_options(intra_op_threads: int | None = 0) -> ort.SessionOptions:
     # 16 x 128 prefill of the 334M model). Without them intermediates come from the arena one by one.
     opts.enable_mem_pattern = False
     return opts
+
+
+# onnxruntime's BFC arena extend strategies
+ARENA_NEXT_POWER_OF_TWO, ARENA_SAME_AS_REQUESTED = 0, 1
+
+
+def arena_extend_strategy() -> int:
+    """The shared arena's extend strategy: kNextPowerOfTwo, unless ``HYBRID_LLM_ORT_ARENA_EXTEND=same`` (a diagnostic).
+
+    kSameAsRequested adds a region of exactly the size a run could not fit, and a region never merges with another
+    or goes away. Tensors that grow with the sequence (one size larger per step or per longer prompt) then add a new
+    region at every new high: a run of Relu/Neg over 550k..774k floats in 8 steps left 40 MiB of regions for a
+    6 MiB peak, and the CPU soak's stub grew in bursts of 8-18 MiB of such regions whenever a longer request
+    arrived (issue 21: 9.2 -> 21.7 MiB of arena in 30 minutes, settling only after an hour). kNextPowerOfTwo doubles
+    each new region, so the same run needs 3 regions (9 MiB) and the arena stops growing after a few
+    extensions; regions are mapped lazily, so their untouched part is not resident."""
+    return ARENA_SAME_AS_REQUESTED if os.environ.get("HYBRID_LLM_ORT_ARENA_EXTEND") == "same" \
+        else ARENA_NEXT_POWER_OF_TWO
 
 
 class FileMappings:
