@@ -11,31 +11,31 @@ from tests import gptq_pack as gp
 from tests.conftest import write_tiny_tokenizer
 from tests.hf_models import VOCAB, tiny_raw_config, write_numpy_checkpoint
 
-_SMALL = dict(hidden_size=64, intermediate_size=96)
-_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)
+SMALL = dict(hidden_size=64, intermediate_size=96)
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)
 # name -> (model_type, config overrides, packer options)
 CASES = {
     # Qwen3-Next MoE, int4 groups of 32, asymmetric, act order, v1; layer 1's GDN left float by a negative dynamic
     # rule, down_proj int8 by a positive one; lm_head quantized
-    "next_int4_g32_asym_act_v1": ("qwen3_next", {**_SMALL, **_MOE}, dict(
+    "next_int4_g32_asym_act_v1": ("qwen3_next", {**SMALL, **MOE}, dict(
         bits=4, group_size=32, sym=False, desc_act=True, fmt="gptq", lm_head=True,
         dynamic={r"-:.*layers\.1\.linear_attn\..*": {}, r"+:.*down_proj": {"bits": 8}})),
     # Qwen3.5 dense, int4 groups of 64, symmetric, v2 (AutoGPTQ's quantize_config.json)
-    "qwen35_dense_int4_g64_sym_v2": ("qwen3_5", _SMALL, dict(
+    "qwen35_dense_int4_g64_sym_v2": ("qwen3_5", SMALL, dict(
         bits=4, group_size=64, sym=True, fmt="gptq_v2", config_file="quantize_config.json")),
     # Qwen3.5-MoE, int4, one group per row (-1), asymmetric, v2; the shared expert left float
-    "qwen35moe_int4_gm1_asym_v2": ("qwen3_5_moe", {**_SMALL, **_MOE}, dict(
+    "qwen35moe_int4_gm1_asym_v2": ("qwen3_5_moe", {**SMALL, **MOE}, dict(
         bits=4, group_size=-1, sym=False, fmt="gptq_v2", dynamic={r"-:.*shared_expert\..*": {}})),
     # Qwen3.5-MoE, int8 groups of 32, symmetric, act order, shared expert quantized; per-part weights: k_proj float
     # (qkv = quantized | float | quantized), the experts' up_proj int4 (gate_up = int8 | int4 per expert); expert
     # 0's down_proj float (the layer's experts cannot stack: stored dequantised, a recorded fallback)
-    "qwen35moe_int8_g32_sym_act_parts": ("qwen3_5_moe", {**_SMALL, **_MOE}, dict(
+    "qwen35moe_int8_g32_sym_act_parts": ("qwen3_5_moe", {**SMALL, **MOE}, dict(
         bits=8, group_size=32, sym=True, desc_act=True, fmt="gptq_v2",
         dynamic={r"-:.*self_attn\.k_proj": {}, r"+:.*experts\.\d+\.up_proj": {"bits": 4},
                  r"-:.*experts\.0\.down_proj": {}})),
     # Qwen3-Next with the shared expert as wide as the experts (folded into them at load), int4 groups of 128
     # (> hidden: one group), symmetric, act order, v1
-    "next_folded_int4_g128_sym_act_v1": ("qwen3_next", {**_SMALL, "moe_intermediate_size": 32,
+    "next_folded_int4_g128_sym_act_v1": ("qwen3_next", {**SMALL, "moe_intermediate_size": 32,
                                                         "shared_expert_intermediate_size": 32}, dict(
         bits=4, group_size=128, sym=True, desc_act=True, fmt="gptq")),
 }

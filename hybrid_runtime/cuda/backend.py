@@ -337,10 +337,7 @@ class CudaBackend:
             self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)
             for bits in sorted({p.bits for p in self.w.packed_only.values()}):
                 self.nbits.module(bits)  # compiled now, never during a graph capture
-            for p in self.w.packed_only.values():
-                self._nbits_ops[p.B.ptr] = NBitsOperand(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0,
-                                                         p.perm.ptr if p.perm is not None else 0, p.K, p.N, p.bits,
-                                                         p.block_size, p.k_in)
+            self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
         # Biases in the activation dtype too (cuBLASLt's bias epilogue reads the output's dtype), made here:
         # never during a graph capture.
         self._bias_t: dict[int, DeviceArray] = {}

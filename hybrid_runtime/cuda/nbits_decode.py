@@ -149,6 +149,12 @@ class NBitsOperand:
         return cls(B.ptr, scales.ptr, zp.ptr if zp is not None else 0, perm.ptr if perm is not None else 0, K, N,
                    bits, bs, k_in)
 
+    @classmethod
+    def from_packed(cls, p: Any) -> NBitsOperand:
+        """The operand of one packed weight the loader keeps on the device (``cuda.quant.PackedLinear``)."""
+        return cls(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0, p.perm.ptr if p.perm is not None else 0,
+                   p.K, p.N, p.bits, p.block_size, p.k_in)
+
     @property
     def nbytes(self) -> int:
         """Bytes one call reads of the weight: packed codes, scales and zero-points (the decode floor's bytes)."""

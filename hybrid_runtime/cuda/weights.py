@@ -83,11 +83,6 @@ class DeviceWeights:
                 n += a.nbytes
         return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values()])
 
-    def weight(self, name: str) -> DeviceArray | PackedLinear:
-        """A linear weight: its float array, or its packed form when it is kept only packed."""
-        a = self.arrays.get(name)
-        return a if a is not None else self.packed_only[name]
-
     def moe(self, layer: int) -> MoEWeights:
         return self._moe[layer]
 

@@ -257,10 +257,10 @@ def test_packed_linears_match_the_dequantised_bundle(root: Path, case: str) -> N
     plain = CudaBackend(gpu_b, gm, device="cuda")
     assert packed.w.packed_only and not plain.w.packed_only
     assert packed.w.nbytes < plain.w.nbytes
+
     def kernel_rules(p) -> list[str]:  # the kernel's rules on the weight alone (not on x's alignment)
-        op = NBitsOperand(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0,
-                          p.perm.ptr if p.perm is not None else 0, p.K, p.N, p.bits, p.block_size, p.k_in)
-        return [r for r in problems("bfloat16", 1, 8 * p.k_in, 0, op) if not r.startswith(("without a perm", "ldx"))]
+        rules = problems("bfloat16", 1, 8 * p.k_in, 0, NBitsOperand.from_packed(p))
+        return [r for r in rules if not r.startswith(("without a perm", "ldx"))]
 
     fits = [n for n, p in packed.w.packed_only.items() if not kernel_rules(p)]
     runners = [ModelRunner(gpu_b, gm, backend=plain), ModelRunner(gpu_b, gm, backend=packed)]

@@ -26,6 +26,7 @@ from hybrid_runtime.engine import Phase
 from hybrid_runtime.engine.ort_session import cpu_session, session_options
 from hybrid_runtime.quant import QuantExperts, QuantLinear, nbits_dequantize, to_nbits
 from hybrid_runtime.runner import ModelRunner, SeqStep
+from tests import gptq_cases as gc
 from tests import gptq_pack as gp
 from tests.conftest import write_tiny_tokenizer
 from tests.hf_models import VOCAB, tiny_raw_config, write_numpy_checkpoint
@@ -116,25 +117,12 @@ def test_irregular_groups_are_padded_to_whole_blocks() -> None:
 # ---------------------------------------------------------------------------------------- model parity
 
 PAGE, CHUNK = 4, 16
-_SMALL = dict(hidden_size=64, intermediate_size=96)
-_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)
-MODELS = {
-    # Qwen3-Next (grouped in_proj_qkvz / in_proj_ba), 4-bit, groups of 32, asymmetric, act order, v1; layer 1's
-    # GDN left float by a negative dynamic match; down_proj 8-bit by a positive one (fp32 activations: the
-    # 8-bit fallback); lm_head quantized
-    "next_int4_g32_asym_act_v1": ("qwen3_next", {**_SMALL, **_MOE}, dict(
-        bits=4, group_size=32, sym=False, desc_act=True, fmt="gptq", lm_head=True,
-        dynamic={r"-:.*layers\.1\.linear_attn\..*": {}, r"+:.*down_proj": {"bits": 8}})),
-    # Qwen3.5 dense (multimodal layout), 4-bit, groups of 64, symmetric, v2, AutoGPTQ's quantize_config.json
-    "qwen35_dense_int4_g64_sym_v2": ("qwen3_5", _SMALL, dict(
-        bits=4, group_size=64, sym=True, fmt="gptq_v2", config_file="quantize_config.json")),
-    # Qwen3.5-MoE, 4-bit, one group per row (-1), asymmetric, v2; the shared expert left float
-    "qwen35moe_int4_gm1_asym_v2": ("qwen3_5_moe", {**_SMALL, **_MOE}, dict(
-        bits=4, group_size=-1, sym=False, fmt="gptq_v2", dynamic={r"-:.*shared_expert\..*": {}})),
-    # Qwen3-Next, 4-bit groups of 128 (> hidden: one group), act order, v1
-    "next_int4_g128_sym_act_v1": ("qwen3_next", {**_SMALL, **_MOE}, dict(
-        bits=4, group_size=128, sym=True, desc_act=True, fmt="gptq")),
-}
+# three of gptq_cases.CASES (what they cover is said there), and Qwen3-Next with 4-bit groups of 128 (> hidden: one
+# group), act order, v1
+MODELS = {**{k: gc.CASES[k] for k in ("next_int4_g32_asym_act_v1", "qwen35_dense_int4_g64_sym_v2",
+                                      "qwen35moe_int4_gm1_asym_v2")},
+          "next_int4_g128_sym_act_v1": ("qwen3_next", {**gc.SMALL, **gc.MOE}, dict(
+              bits=4, group_size=128, sym=True, desc_act=True, fmt="gptq"))}
 
 
 def _opts(**kw) -> BuildOptions:
@@ -224,7 +212,7 @@ def test_int8_activations_run_close_to_the_float_model(pair) -> None:
 @pytest.fixture(scope="module")
 def small_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gptq_err")
-    write_numpy_checkpoint(root / "float", tiny_raw_config("qwen3_next", **_SMALL, **_MOE), seed=1)
+    write_numpy_checkpoint(root / "float", tiny_raw_config("qwen3_next", **gc.SMALL, **gc.MOE), seed=1)
     write_tiny_tokenizer(root / "float", VOCAB)
     gp.write_gptq_checkpoint(root / "float", root / "gptq", None, bits=4, group_size=32)
     return root / "gptq"

@@ -407,8 +407,9 @@ def test_load_writes_the_float_bundles_device_layout(tmp_path: Path, monkeypatch
 def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           name: str) -> None:
     """``packed_linears``: every runtime weight stored packed whole that is not a MoE weight stays on the device only
-    in its packed form (the stored bytes; no float copy: fewer bytes), ``weight(name)`` gives it; everything else
-    (per-part weights, the MoE layers, float weights) is laid out bit for bit as without the option."""
+    in its packed form (the stored bytes; no float copy: fewer bytes), the backend's linear lookup gives it;
+    everything else (per-part weights, the MoE layers, float weights) is laid out bit for bit as without the option."""
+    from hybrid_runtime.cuda.backend import _linear_weight
     from hybrid_runtime.cuda.quant import PackedLinear, plan_weights
 
     ckpt, _, _ = gc.checkpoints(tmp_path, name)
@@ -424,7 +425,7 @@ def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monke
     d1, w1 = _load_fake(bq, monkeypatch, linears=True)
     assert set(w1.packed_only) == whole and not (whole & set(w1.arrays))
     for n in whole:
-        p = w1.weight(n)
+        p = _linear_weight(w1, n)
         assert isinstance(p, PackedLinear) and (p.N, p.k_in) == w0[n].shape
         assert np.array_equal(d1.read(p.B.ptr, p.B.shape, "uint8"), f.raw(n + ".nbits_B")), n
     s0, s1 = _device_state(d0, w0), _device_state(d1, w1)
