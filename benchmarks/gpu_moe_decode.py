@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/gpu_moe_decode_h200.md")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--knobs", default="", help="comma-separated KNOB_SETS names (default: all)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME:KEY=VAL,...",
+                    help="a build beside KNOB_SETS, e.g. dn32:dn_rows=32 (DecodeKnobs fields; repeatable)")
     ap.add_argument("--impl", default="mma,wgmma_ws", help="comma-separated MoEPrefill impls to compare")
     ap.add_argument("--calls", type=int, default=48, help="calls per timed run (a multiple of ROUTINGS is fair)")
     args = ap.parse_args()
@@ -53,7 +55,14 @@ def main() -> int:
     from hybrid_runtime.cuda.backend import MOE_ROWS_PER_CTA, SMEM_DEFAULT, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
-    from hybrid_runtime.cuda.moe_decode import KNOB_SETS, MoEDecode, bytes_in_flight, groups_per_pass, smem_bytes
+    from hybrid_runtime.cuda.moe_decode import (
+        KNOB_SETS,
+        DecodeKnobs,
+        MoEDecode,
+        bytes_in_flight,
+        groups_per_pass,
+        smem_bytes,
+    )
     from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
 
     torch.cuda.init()
@@ -62,8 +71,12 @@ def main() -> int:
     copy_bw = measure_copy_bandwidth(torch, dev)
     log(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     fused = load_module("fused.cu", ("-DDT=2",), dev.arch)
-    names = [x for x in args.knobs.split(",") if x] or list(KNOB_SETS)
-    decs = {name: MoEDecode(dev, "bfloat16", **asdict(KNOB_SETS[name])) for name in names}
+    knob_sets = dict(KNOB_SETS)
+    for spec in args.extra:
+        name, _, fields = spec.partition(":")
+        knob_sets[name] = DecodeKnobs(**{k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)})
+    names = [x for x in args.knobs.split(",") if x] or list(knob_sets)
+    decs = {name: MoEDecode(dev, "bfloat16", **asdict(knob_sets[name])) for name in names}
     impls = [x for x in args.impl.split(",") if x]
     if tuple(dev.compute_capability) != (9, 0):
         impls = [x for x in impls if x == "mma"]

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from .gdn import CudaGdn
 from .graphs import GraphStats, bucket_for, choose, class_blocks, decode_buckets
 from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
+from .moe_decode import KNOB_SETS as MOE_DECODE_KNOB_SETS
 from .moe_decode import MoEDecode
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
@@ -297,6 +298,7 @@ class CudaBackend:
         # is asked for, else on the first step that takes it (moe(): benchmarks switch modes on a live backend)
         self.moe_mma_decode: MoEDecode | None = None
         self.moe_mma_decode_one: MoEDecode | None = None  # the dn_pre build, for 1-row steps
+        self.moe_mma_decode_many: MoEDecode | None = None  # KNOB_SETS["many"], for steps of > 16 rows
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
         self.blas = Blas(self.dev)
@@ -1004,6 +1006,11 @@ class CudaBackend:
                 if self.moe_mma_decode_one is None:
                     self.moe_mma_decode_one = MoEDecode(self.dev, self.dtype, dn_pre=1)
                 mma = self.moe_mma_decode_one
+            elif n > FOLD_MAX_TOKENS:  # 64 weight rows per gate_up CTA (KNOB_SETS["many"]): 8% faster at 64 rows
+                # on the H200 (benchmarks/results/gpu_moe_decode_h200.md); the same bits as every build
+                if self.moe_mma_decode_many is None:
+                    self.moe_mma_decode_many = MoEDecode(self.dev, self.dtype, **asdict(MOE_DECODE_KNOB_SETS["many"]))
+                mma = self.moe_mma_decode_many
             kk, e_all = k + int(fold), cfg.num_experts + int(fold)
             bufs = self._moe_buffers()
             if n > FOLD_MAX_TOKENS:

@@ -238,13 +238,13 @@ def test_decode_moe_matches_a_float64_reference(dev, dtype: str, shape: str) -> 
             check_step(r, got, n, hb, lg, fold, f"{dtype} {shape} n={n} {case} fold={fold}", case)
 
 
-@pytest.mark.parametrize("knobs", ["default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre"])
+@pytest.mark.parametrize("knobs", ["default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre", "many"])
 def test_every_knob_set_matches_the_reference(dev, knobs: str) -> None:
     """Each build the benchmark compares (KNOB_SETS), on the small shape, the one with half k tiles and the 35B
     shape in bf16 (1 token: the down weights fit the pf builds' L2 prefetch), fp16 on the small shape."""
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS
 
-    assert set(KNOB_SETS) == {"default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre"}
+    assert set(KNOB_SETS) == {"default", "fine", "bk64", "g2", "early", "pf24", "pf40", "dnpre", "many"}
     for dtype, shape in [("bfloat16", "small"), ("bfloat16", "odd"), ("float16", "small"), ("bfloat16", "a35b")]:
         r = rig(dev, dtype, shape)
         moe = decoder(dev, dtype, knobs)
@@ -259,7 +259,7 @@ def test_every_knob_set_matches_the_reference(dev, knobs: str) -> None:
                 check_step(r, got, n, hb, lg, fold, f"{knobs} {dtype} {shape} n={n} {case} fold={fold}", case)
 
 
-@pytest.mark.parametrize("knobs", ["default", "g2", "pf24", "dnpre"])
+@pytest.mark.parametrize("knobs", ["default", "g2", "pf24", "dnpre", "many"])
 @pytest.mark.parametrize("fold", [True, False])
 def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, fold: bool, knobs: str) -> None:
     """Batch invariance: the first tokens alone (1 and 3 tokens, one group per pass) and inside a 64-token step
@@ -279,6 +279,23 @@ def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, fold: bool, knobs:
             assert np.array_equal(small["pe"][:m * kk], big["pe"][:m * kk]), label
             assert small["y"][:m, :kk].tobytes() == big["y"][:m, :kk].tobytes(), label
             assert small["act"][:m * kk].tobytes() == big["act"][:m * kk].tobytes(), label
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_backends_builds_give_the_same_bits(dev, fold: bool) -> None:
+    """The backend runs 1-row steps on "dnpre", up to 16 rows on "default" and more on "many": a token's act and
+    y bits must not depend on which of them ran its step (batch invariance across step sizes)."""
+    r = rig(dev, "bfloat16", "a35b")
+    rng = np.random.default_rng(13)
+    hb = host_bits(rng.standard_normal((64, r.H)).astype(np.float32), "bfloat16")
+    for case in ("one_takes_all", "spread"):
+        lg = logits_for(rng, 64, r.E, r.ld, case)
+        ref = r.run(decoder(dev, "bfloat16", "default"), 64, hb, lg, fold)
+        for knobs in ("dnpre", "many"):
+            got = r.run(decoder(dev, "bfloat16", knobs), 64, hb, lg, fold)
+            assert np.array_equal(got["pe"], ref["pe"]), (knobs, case)
+            assert got["y"].tobytes() == ref["y"].tobytes(), (knobs, case)
+            assert got["act"].tobytes() == ref["act"].tobytes(), (knobs, case)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -100,21 +100,38 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Conv, decode: one token per sequence. grid (ceil(C/blockDim), B); thread = one channel of one row.
 // x_out[b, c] = silu(sum_j w[c, j] * [window ++ u_b][j]); window <- last K-1 inputs.
 // ------------------------------------------------------------------------------------------------
+// The channel's window (its last KW-1 inputs) and conv weights: what conv_decode_finish needs besides u.
+struct ConvChannel {
+  float* win;
+  float xs[KW];
+  float w[KW];
+};
+__device__ __forceinline__ void conv_decode_load(const float* __restrict__ conv_w, float* __restrict__ conv,
+                                                 long long conv_row, const int* __restrict__ slots, int b, int c,
+                                                 int C, ConvChannel& ch) {
+  ch.win = conv + (long long)slots[b] * conv_row + c;
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) ch.xs[j] = ch.win[(long long)j * C];
+#pragma unroll
+  for (int j = 0; j < KW; ++j) ch.w[j] = conv_w[(size_t)c * KW + j];
+}
+__device__ __forceinline__ void conv_decode_finish(const T* __restrict__ u, float* __restrict__ x_out, int b, int c,
+                                                   int C, long long u_stride, ConvChannel& ch) {
+  ch.xs[KW - 1] = to_f32(u[(size_t)b * u_stride + c]);
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < KW; ++j) acc += ch.w[j] * ch.xs[j];
+  x_out[(size_t)b * C + c] = silu(acc);
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) ch.win[(long long)j * C] = ch.xs[j + 1];
+}
 __device__ __forceinline__ void conv_decode_channel(const T* __restrict__ u, const float* __restrict__ conv_w,
                                                     float* __restrict__ conv, long long conv_row,
                                                     const int* __restrict__ slots, float* __restrict__ x_out,
                                                     int b, int c, int C, long long u_stride) {
-  float* win = conv + (long long)slots[b] * conv_row + c;
-  float xs[KW];
-#pragma unroll
-  for (int j = 0; j < KW - 1; ++j) xs[j] = win[(long long)j * C];
-  xs[KW - 1] = to_f32(u[(size_t)b * u_stride + c]);
-  float acc = 0.f;
-#pragma unroll
-  for (int j = 0; j < KW; ++j) acc += conv_w[(size_t)c * KW + j] * xs[j];
-  x_out[(size_t)b * C + c] = silu(acc);
-#pragma unroll
-  for (int j = 0; j < KW - 1; ++j) win[(long long)j * C] = xs[j + 1];
+  ConvChannel ch;
+  conv_decode_load(conv_w, conv, conv_row, slots, b, c, C, ch);
+  conv_decode_finish(u, x_out, b, c, C, u_stride, ch);
 }
 
 extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
@@ -130,7 +147,8 @@ extern "C" __global__ void gdn_conv_decode(const T* __restrict__ u, const float*
 // ceil(C/blockDim) are gdn_conv_decode's (the same per-channel code); CTA x = ceil(C/blockDim) computes row b's
 // gates from its projection row p + b * p_stride (gdn_gates.cuh: fused.cu's expressions):
 //   g[b, j] = neg_exp_a[j] * softplus(a + dt_bias[j]),  beta[b, j] = sigmoid(b)   (float32 [B, NV])
-// with b = p_row[off_b + j], a = p_row[off_a + j]. Waits for the previous kernel (PDL) before any access.
+// with b = p_row[off_b + j], a = p_row[off_a + j]. Reads the conv windows and weights before griddepcontrol.wait
+// (PDL), everything else after it.
 extern "C" __global__ void gdn_conv_gates_decode(const T* __restrict__ u, const float* __restrict__ conv_w,
                                                  float* __restrict__ conv, long long conv_row,
                                                  const int* __restrict__ slots, float* __restrict__ x_out, int B,
@@ -139,10 +157,16 @@ extern "C" __global__ void gdn_conv_gates_decode(const T* __restrict__ u, const 
                                                  const float* __restrict__ neg_exp_a,
                                                  const float* __restrict__ dt_bias, float* __restrict__ g,
                                                  float* __restrict__ beta, int NV) {
-  pdl_enter();
   const int b = blockIdx.y;
-  if (b >= B) return;
   const int conv_ctas = (C + blockDim.x - 1) / blockDim.x;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool conv_thread = b < B && (int)blockIdx.x < conv_ctas && c < C;
+  // The conv window and weights go out before griddepcontrol.wait: the window's last writer is this layer's conv of
+  // the previous step, the weights are static, `slots` is a step input (as gdn_decode_norm's state loads).
+  ConvChannel ch;
+  if (conv_thread) conv_decode_load(conv_w, conv, conv_row, slots, b, c, C, ch);
+  pdl_enter();
+  if (b >= B) return;
   if ((int)blockIdx.x >= conv_ctas) {
     if ((int)blockIdx.x == conv_ctas) {
       const float* row = p + (size_t)b * p_stride;
@@ -151,9 +175,7 @@ extern "C" __global__ void gdn_conv_gates_decode(const T* __restrict__ u, const 
     }
     return;
   }
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  conv_decode_channel(u, conv_w, conv, conv_row, slots, x_out, b, c, C, u_stride);
+  if (conv_thread) conv_decode_finish(u, x_out, b, c, C, u_stride, ch);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -232,21 +254,26 @@ struct DeltaSmem {
 // of x; out: the head's o [DV] (T). Has block-wide barriers: every thread of the CTA calls it, the same number of
 // times. Row group 0 writes o of its 4 columns j .. j+3 (j = j0 + (t & 7) * 4, where j < DV): to out (TO_SMEM
 // false: gdn_decode), or to cs [DV] in shared memory and, when out != 0, to out as well (TO_SMEM: gdn_decode_norm).
-template <bool TO_SMEM>
-__device__ __forceinline__ void delta_cols(const float* __restrict__ xb, const float* __restrict__ gdec,
-                                           const float* __restrict__ beta, float* __restrict__ S, int b, int h,
-                                           int kh, int NK, int NV, int j0, int t, DeltaSmem& sm,
-                                           T* __restrict__ out, float* cs) {
-  const int tid = t, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
-  const int j = j0 + tc * 4;
+// This thread's share of the state columns j0 .. j0+31 (rows rg + 16 m, columns j .. j+3): delta_cols' loads, a
+// function of their own so that gdn_decode_norm can issue them before its griddepcontrol.wait.
+__device__ __forceinline__ void delta_state_load(const float* __restrict__ S, int j0, int t, float4 (&st)[RM]) {
+  const int rg = t >> 3, j = j0 + (t & 7) * 4;
   const bool jv = j < DV;
-
-  float4 st[RM];
 #pragma unroll
   for (int m = 0; m < RM; ++m) {
     const int i = rg + 16 * m;
     st[m] = (jv && i < DK) ? *(const float4*)(S + (size_t)i * DV + j) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
+}
+
+template <bool TO_SMEM>
+__device__ __forceinline__ void delta_cols(const float* __restrict__ xb, const float* __restrict__ gdec,
+                                           const float* __restrict__ beta, float* __restrict__ S, int b, int h,
+                                           int kh, int NK, int NV, int j0, int t, DeltaSmem& sm,
+                                           T* __restrict__ out, float* cs, float4 (&st)[RM]) {
+  const int tid = t, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
+  const int j = j0 + tc * 4;
+  const bool jv = j < DV;
 
   float sq = 0.f, sk = 0.f, sqk = 0.f;
   for (int i = tid; i < DK; i += 128) {
@@ -349,8 +376,10 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
   const int C = 2 * NK * DK + NV * DV;
   float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
   __shared__ DeltaSmem sm;
+  float4 st[RM];
+  delta_state_load(S, blockIdx.x * 32, threadIdx.x, st);
   delta_cols<false>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, blockIdx.x * 32, threadIdx.x, sm,
-                    out + ((size_t)b * NV + h) * DV, nullptr);
+                    out + ((size_t)b * NV + h) * DV, nullptr, st);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -362,8 +391,9 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
 // with gated_rmsnorm's expressions and reduction order (each warp sums the squares lane-strided and reduces
 // them with warp_sum, so every warp holds gated_rmsnorm's rs). z rows of z_stride elements (float32).
 // Compiled where FUSED_OK: DV <= 128 (<= 512 threads) and DK <= 128 (its registers at 512 threads); the host
-// runs gdn_decode + gated_rmsnorm otherwise (hybrid_runtime/cuda/gdn.py fused_decode_fits). Waits for the
-// previous kernel (PDL) before any access.
+// runs gdn_decode + gated_rmsnorm otherwise (hybrid_runtime/cuda/gdn.py fused_decode_fits). Reads the recurrent
+// state and the norm weight before griddepcontrol.wait (PDL: nothing earlier in the step writes them) and waits
+// for the previous kernel before any other access.
 // ------------------------------------------------------------------------------------------------
 #define FCG ((DV + 31) / 32)
 #define NTF (FCG * 128)
@@ -379,23 +409,29 @@ extern "C" __global__ void __launch_bounds__(NTF) gdn_decode_norm(const float* _
                                                                   const float* __restrict__ norm_w, float eps,
                                                                   TO* __restrict__ o, T* __restrict__ core, int B,
                                                                   int NK, int NV) {
-  pdl_enter();
   const int b = blockIdx.z, h = blockIdx.y;
-  if (b >= B || h >= NV) return;
+  if (b >= B || h >= NV) {
+    pdl_enter();
+    return;
+  }
   const int tid = threadIdx.x, cg = tid >> 7, t = tid & 127, lane = tid & 31;
   const int kh = h / (NV / NK);
   const int C = 2 * NK * DK + NV * DV;
-  // this thread's output column tid (tid < DV): z and the weight, loaded early (used at the end)
-  float zv = 0.f, wv = 0.f;
-  if (tid < DV) {
-    zv = z[(size_t)b * z_stride + h * DV + tid];
-    wv = norm_w[tid];
-  }
+  // The recurrent state (the step's largest read) goes out BEFORE griddepcontrol.wait, so that it streams while
+  // the conv + gates kernel runs. Legal: no kernel of this step writes it before this one - its last writer is this
+  // layer's gdn_decode_norm of the previous step (or the slot zeroing at admission), complete before the kernel
+  // before this one passed its own wait - and `slots` is a step input the host uploads before the step starts.
   float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
+  float4 st[RM];
+  delta_state_load(S, cg * 32, t, st);
+  const float wv = tid < DV ? norm_w[tid] : 0.f;  // a weight: static
+  pdl_enter();
+  // this thread's output column tid (tid < DV): z loaded early (used at the end)
+  const float zv = tid < DV ? z[(size_t)b * z_stride + h * DV + tid] : 0.f;
   __shared__ DeltaSmem sm[FCG];
   __shared__ float cs[FCG * 32];
   delta_cols<true>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, cg * 32, t, sm[cg],
-                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs);
+                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs, st);
   __syncthreads();
   float ss = 0.f;
   for (int d = lane; d < DV; d += 32) {
