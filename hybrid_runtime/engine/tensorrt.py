@@ -27,7 +27,7 @@ Two ways to run a segment:
 * host (:meth:`TrtEngine.run`, the default when no ``bindings`` are given): each context owns device buffers
   for its inputs and outputs; ``run`` copies the host inputs up, enqueues, copies the outputs back and
   synchronizes the stream after every segment. :class:`~hybrid_runtime.backend.HostBackend` uses it for a
-  TensorRT bundle with ``device="cpu"`` operators (the CPU tests' double, and a GPU without the device path).
+  TensorRT bundle on the host path (``device="cpu"`` or ``trt_path="host"``; the host-mode tests' double).
 * device-resident (:meth:`TrtEngine.run_bound`, with ``bindings``): every input and output of every context is
   bound once, with ``set_tensor_address``, to a device buffer the *runtime* owns (the step upload's token ids and
   positions, the activation banks and operator outputs of

@@ -77,7 +77,7 @@ def trt_setup(default_bundle: Path, dev: Any, tmp_path_factory: pytest.TempPathF
 
 
 def test_trt_device_path_matches_the_cpu_backend(default_bundle: Path, trt_setup: Any) -> None:
-    runner, be, fake, _, counts, m = trt_setup
+    runner, be, fake, _, _, m = trt_setup
     cpu = ModelRunner(default_bundle, Manifest.load(default_bundle))
     assert runner.device.startswith("cuda:") and runner.engine is be.engine and runner.engine.bound
     rng = np.random.default_rng(0)
@@ -85,20 +85,16 @@ def test_trt_device_path_matches_the_cpu_backend(default_bundle: Path, trt_setup
     prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
     tables = scattered_tables(m, [n + decode_steps for n in lens], seed=1)
     drv = Driver([cpu, runner], slots, tables, prompts)
-    counts.clear()
-    worst, steps = 0.0, 0
-    for a, b in drv.prefill(chunk=80):
+    worst = 0.0
+    rounds = drv.prefill(chunk=80)
+    assert len(rounds) == 3  # every prompt but the shortest spans several chunks
+    for a, b in rounds:
         assert a.shape == b.shape and np.isfinite(b).all()
         worst = max(worst, float(np.abs(a - b).max()))
-        steps += 1
     for _ in range(decode_steps):
         a, b = drv.decode()
         worst = max(worst, float(np.abs(a - b).max()))
-        steps += 1
     assert worst < ATOL, f"max |cpu - trt device| logit difference {worst:.2e}"
-    # the runtime crossed host <-> device once each way per step and synchronized once (the double's own copies
-    # are not counted: they stand in for the plans' kernels)
-    assert counts == Counter(copy_htod=steps, copy_dtoh=steps, synchronize=steps), counts
     assert runner.profile_switches == 0 and not be.dispatcher.errors
     for eng in fake.engines:  # every context still bound to the runtime's buffers
         si = [e.plan["segment"] for e in fake.engines].index(eng.plan["segment"])
@@ -110,8 +106,15 @@ def test_trt_device_path_matches_the_cpu_backend(default_bundle: Path, trt_setup
 
 
 def test_trt_device_step_samples_on_the_device(default_bundle: Path, trt_setup: Any) -> None:
-    """``runner.step`` (greedy): the device sampler's tokens are the CPU logits' argmax; one copy each way."""
+    """``runner.step`` (greedy): the device sampler's tokens are the CPU logits' argmax. After a warm-up step of each
+    phase (first launches may load modules and plans), every step crosses host <-> device once each way and
+    synchronizes once: the runtime's own transfers (the double's copies are not counted, they stand in for the
+    plans' kernels)."""
     runner, _, _, _, counts, m = trt_setup
+    warm = [SeqStep(15, [60, 61], 0, [5, 6, 7])]
+    runner.ops.reset_slot(15)
+    runner.run(Phase.PREFILL, warm)
+    runner.run(Phase.DECODE, [SeqStep(15, [60, 61], 3, [8])])
     cpu = ModelRunner(default_bundle, Manifest.load(default_bundle))
     ps = m.limits.page_size
     prompts = [[3 + (7 * i + j) % 500 for j in range(n)] for i, n in enumerate((5, 33, 64, 17))]
@@ -121,16 +124,21 @@ def test_trt_device_step_samples_on_the_device(default_bundle: Path, trt_setup: 
         for i in range(len(prompts)):
             r.ops.reset_slot(i)
     rows = [SampleRow(SamplingParams(temperature=0.0)) for _ in prompts]
+    per_step = []
     counts.clear()
     want = cpu.run(Phase.PREFILL, steps)
     got = runner.step(Phase.PREFILL, steps, rows)
+    per_step.append(dict(counts))
     assert got.tokens.tolist() == np.argmax(want, axis=-1).tolist()
     for _ in range(6):
         steps = [SeqStep(s.slot, s.page_table, s.start_pos + len(s.token_ids), [int(t)])
                  for s, t in zip(steps, got.tokens)]
         want = cpu.run(Phase.DECODE, steps)
+        counts.clear()
         got = runner.step(Phase.DECODE, steps, rows)
+        per_step.append(dict(counts))
         top2 = np.sort(want, axis=-1)[:, -2:]
         ok = (got.tokens == np.argmax(want, axis=-1)) | (top2[:, 1] - top2[:, 0] < ATOL)
         assert ok.all(), (got.tokens, np.argmax(want, axis=-1))
-    assert counts == Counter(copy_htod=7, copy_dtoh=7, synchronize=7), counts
+    one_each = {"copy_htod": 1, "copy_dtoh": 1, "synchronize": 1}
+    assert all(c == one_each for c in per_step), per_step
