@@ -54,6 +54,7 @@ from ..program import derive_weight, moe_layers, runtime_weight_specs
 from ..weights_io import SafetensorsFile
 from .backend import CudaBackend, CudaCtx, Mat
 from .driver import CudaDevice, DeviceArray, compute_capability
+from .graphs import bucket_for
 from .weights import DeviceWeights
 
 log = logging.getLogger("hybrid_runtime.cuda")
@@ -268,8 +269,17 @@ class TrtDeviceBackend(CudaBackend):
 
     def prepare(self, phase: Phase, steps: list[Any], rows: Any, want_logits: bool) -> CudaCtx:
         """:meth:`CudaBackend.prepare`, then the plans' int64 token ids and positions (padding rows included) in
-        front of the packed inputs: they travel in the same copy."""
+        front of the packed inputs: they travel in the same copy. Every segment's rows are checked against the
+        plans' profiles and the bound buffers first (``TrtEngine.check_rows``): a refused step launches nothing."""
+        if phase == Phase.DECODE:
+            n = bucket_for(len(steps), self.buckets) or 0  # padded to its bucket (none: prepare refuses it)
+            r = n
+        else:
+            n, r = sum(len(st.token_ids) for st in steps), sum(bool(st.need_logits) for st in steps)
+        if n:  # (an empty step: prepare refuses it)
+            self.engine.check_rows(phase, [n] * self.head_index + [r])
         ctx = super().prepare(phase, steps, rows, want_logits)
+        assert (ctx.n, ctx.R) == (n, r), "the step's rows differ from the ones checked"
         n, L, pre = ctx.n, self.in_layout, self._up_pre
         b = self._up_host.array
         ids = self.host_in.array[L.ids:L.ids + 4 * n].view(np.int32)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -321,11 +321,15 @@ class TrtEngine(Engine):
         self._runtime = trt.Runtime(self._logger)
         self._engines: list[Any] = []
         self._contexts: list[list[TrtContext]] = []
+        # per segment, per profile: input name -> (min shape, max shape) from the plan (check_rows)
+        self._plan_limits: list[list[dict[str, Any]]] = []
         self.bound = bindings is not None
         for si, spec in enumerate(self._specs):
             eng = self._deserialize(Path(bundle_dir), spec)
             self._check_profiles(eng, spec, manifest)
             self._engines.append(eng)
+            self._plan_limits.append([{name: tuple(tuple(d) for d in eng.get_tensor_profile_shape(name, int(ph))[::2])
+                                       for name, _, _ in spec.inputs} for ph in Phase])
             bound = bindings(si, spec) if bindings is not None else None
             if pinning == "per_context":
                 ctxs = [self._new_context(eng, spec, phase, self._profiles[phase].max_tokens, bound)
@@ -409,6 +413,32 @@ class TrtEngine(Engine):
     def run(self, segment: int, phase: Phase, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run segment ``segment`` on the ``phase`` context; returns host arrays ``[num_tokens, width]``."""
         return self.context(segment, phase).run(inputs)
+
+    def check_rows(self, phase: Phase, rows: Sequence[int]) -> None:
+        """Invariant 3 for a whole step, host-side, before anything of it is launched: ``rows[i]`` token rows for
+        segment ``i`` (0: not run) within the ``phase`` profile's token range, the plan's
+        ``get_tensor_profile_shape`` for that profile (read at load) and the bound buffers' rows. ``run_bound``
+        checks each enqueue again (with the context's active profile)."""
+        if len(rows) != len(self._specs):
+            raise ValueError(f"{len(rows)} row counts for {len(self._specs)} segments")
+        p = self._profiles[phase]
+        for si, n in enumerate(rows):
+            if n == 0:
+                continue
+            spec = self._specs[si]
+            if not p.min_tokens <= n <= p.max_tokens:
+                raise ShapeError(f"segment {spec.name}: {n} tokens outside the {p.name} profile range "
+                                 f"{p.min_tokens}..{p.max_tokens}; refusing the step")
+            cap = min(c.capacity for c in self._contexts[si])
+            if n > cap:
+                raise ShapeError(f"segment {spec.name}: {n} tokens exceed the bound buffers' {cap} rows; refusing "
+                                 "the step")
+            for name, _, width in spec.inputs:
+                mn, mx = self._plan_limits[si][int(phase)][name]
+                shape = _shape(width, n)
+                if len(shape) != len(mn) or any(x < a or x > b for x, a, b in zip(shape, mn, mx)):
+                    raise ShapeError(f"segment {spec.name} input {name}: shape {list(shape)} outside the {p.name} "
+                                     f"profile's {list(mn)}..{list(mx)}; refusing the step")
 
     def run_bound(self, segment: int, phase: Phase, n: int) -> None:
         """Device-resident: enqueue segment ``segment`` on the ``phase`` context over ``n`` token rows of the

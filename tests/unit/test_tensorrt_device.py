@@ -78,6 +78,8 @@ class BoundHostBackend(HostBackend):
         return arr
 
     def inputs(self, ctx: HostCtx) -> dict[str, np.ndarray]:
+        n, r = len(ctx.ids), sum(bool(s.need_logits) for s in ctx.steps)
+        self.engine.check_rows(ctx.phase, [n] * self.head_index + [r])  # the whole step, before anything runs
         self.cuda.write(self.addr["step.input_ids"], ctx.ids.astype(np.int64))
         self.cuda.write(self.addr["step.positions"], ctx.positions.astype(np.int64))
         return {"input_ids": ctx.ids, "positions": ctx.positions}
@@ -276,6 +278,18 @@ def test_bound_shapes_outside_the_profile_or_buffers_are_refused_before_enqueue(
     pctx._limits["input_ids"] = ((1,), (8,))  # the plan's own profile says 8: it wins over the manifest
     with pytest.raises(ShapeError, match=r"input_ids: shape \[9\] outside the prefill profile's \[1\]..\[8\]"):
         engine.run_bound(0, Phase.PREFILL, 9)
+    # the whole step at once, host-side (what TrtDeviceBackend.prepare does before its upload)
+    n_seg = len(runner.plans)
+    with pytest.raises(ShapeError, match=r"decode profile range 1\.\.16; refusing the step"):
+        engine.check_rows(Phase.DECODE, [MAX_BATCH + 1] * n_seg)
+    with pytest.raises(ShapeError, match="head: 17 tokens exceed the bound buffers' 16 rows"):
+        engine.check_rows(Phase.PREFILL, [40] * (n_seg - 1) + [MAX_BATCH + 1])
+    with pytest.raises(ShapeError, match=r"input_ids: shape \[9\] outside the prefill profile's \[1\]..\[8\]"):
+        engine._plan_limits[0][Phase.PREFILL]["input_ids"] = ((1,), (8,))
+        engine.check_rows(Phase.PREFILL, [9] * (n_seg - 1) + [1])
+    with pytest.raises(ValueError, match="row counts"):
+        engine.check_rows(Phase.PREFILL, [1])
+    engine.check_rows(Phase.PREFILL, [8] * (n_seg - 1) + [0])  # a step with no logit rows: the head is skipped
     refused = rec.events[before:]
     assert not [e for e in refused if e[1] in ("execute", "set_input_shape", "htod", "dtoh", "sync")], refused
     # host arrays cannot be pushed through a bound context
