@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--profile-pinning", default="per_context", choices=["per_context", "single_context"])
     g.add_argument("--max-batch-size", type=int, default=0, help="0 = the bundle's")
     g.add_argument("--device", default="auto",
-                   help="auto (a cuda bundle on the GPU, others on the CPU) | cpu | cuda | cuda:N")
+                   help="auto (a cuda or tensorrt bundle on the GPU, an onnxruntime bundle on the CPU) | cpu | cuda | "
+                        "cuda:N (a tensorrt bundle on cpu: segment outputs copied to the host)")
     g.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     g.add_argument("--stats", action="store_true", help="print the runtime metrics to stderr at the end")
     g.add_argument("-v", "--verbose", action="store_true")

@@ -4,14 +4,16 @@ their tensors live.
 :class:`~hybrid_runtime.runner.ModelRunner` walks the segment pipeline once per step (``_forward``), calling
 the backend for every piece; the backend decides the tensor type. Two kinds:
 
-* :class:`HostBackend` (bundle backends ``onnxruntime`` and ``tensorrt``): the engine's segments (onnxruntime
-  on the CPU; TensorRT plans), the stateful operators of ``device`` (:class:`~hybrid_runtime.ops.cpu.CpuOps`,
-  onnxruntime sessions, or the CUDA kernels of :class:`~hybrid_runtime.cuda.operators.CudaOps`), MoE through
-  onnxruntime (:mod:`hybrid_runtime.ops.moe`) and the host sampler.
-  Tensors between the pieces are host numpy arrays.
+* :class:`HostBackend` (bundle backend ``onnxruntime``, and ``tensorrt`` on the host path: ``device="cpu"`` or
+  ``trt_path="host"``): the engine's segments (onnxruntime on the CPU; TensorRT plans whose outputs are copied
+  back), the stateful operators of ``device`` (:class:`~hybrid_runtime.ops.cpu.CpuOps`, onnxruntime sessions, or
+  the CUDA kernels of :class:`~hybrid_runtime.cuda.operators.CudaOps`), MoE through onnxruntime
+  (:mod:`hybrid_runtime.ops.moe`) and the host sampler. Tensors between the pieces are host numpy arrays.
 * :class:`~hybrid_runtime.cuda.backend.CudaBackend` (bundle backend ``cuda``): everything on one GPU (program
   ops as fused kernels + cuBLASLt, device MoE, device sampler, whole-step CUDA graphs for decode). Tensors are
   device matrices; per step one upload and one download.
+* :class:`~hybrid_runtime.cuda.trt_backend.TrtDeviceBackend` (bundle backend ``tensorrt`` on a GPU, the default
+  there): the same, with the segments as TensorRT contexts bound to the runtime's device buffers (no CUDA graphs).
 
 Per-row sampling inputs are :class:`SampleRow`; a step returns a :class:`StepResult`.
 """

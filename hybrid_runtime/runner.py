@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend, HostBackend, SampleRow, StepResult
-from .config import LINEAR, BundleError, Manifest
+from .config import LINEAR, BundleError, ConfigError, Manifest
 from .engine import Engine, Phase
 from .kv_cache import KVCache
-from .ops.base import SeqStep
+from .ops.base import SeqStep, parse_device
 from .ops.cpu import CpuOps
 from .ops.dispatcher import DecodeAttentionDispatcher
 from .pipeline import plan_segments
@@ -35,10 +35,14 @@ __all__ = ["ModelRunner", "SampleRow", "SeqStep", "StepResult"]  # SeqStep lives
 log = logging.getLogger("hybrid_runtime.runner")
 
 
+TRT_PATHS = ("auto", "device", "host")
+
+
 def resolve_device(device: str | None, manifest: Manifest) -> str:
-    """``auto`` (or None): ``cuda`` for a ``cuda`` bundle, ``cpu`` otherwise; anything else as given."""
+    """``auto`` (or None): ``cuda`` for a ``cuda`` or ``tensorrt`` bundle (TensorRT plans run on a GPU), ``cpu``
+    otherwise; anything else as given."""
     if device in (None, "auto"):
-        return "cuda" if manifest.backend == "cuda" else "cpu"
+        return "cuda" if manifest.backend in ("cuda", "tensorrt") else "cpu"
     return device
 
 
@@ -47,13 +51,19 @@ class ModelRunner:
     the work runs: for onnxruntime / TensorRT bundles the stateful operators' device (``"cpu"``: numpy,
     ``"cuda"`` / ``"cuda:N"``: CUDA kernels); a ``cuda`` bundle runs whole on ``"cuda"`` / ``"cuda:N"`` (its
     ``cuda_graphs`` option: capture decode steps as CUDA graphs at load). ``device`` None or ``"auto"``: the
-    bundle's own device (``cuda`` for a cuda bundle, else ``cpu``)."""
+    bundle's own device (``cuda`` for a cuda or tensorrt bundle, else ``cpu``).
+
+    ``trt_path`` (TensorRT bundles): ``"device"`` = :class:`~hybrid_runtime.cuda.trt_backend.TrtDeviceBackend`
+    (plans bound to the runtime's device buffers, operators / MoE / sampler on the GPU, one copy up and one down
+    per step); ``"host"`` = :class:`~hybrid_runtime.backend.HostBackend` (each segment's outputs copied to the
+    host, the stateful operators of ``device``, MoE and sampling on the host); ``"auto"`` = ``"device"`` on a
+    ``cuda`` / ``cuda:N`` device unless a host ``engine`` is passed, else ``"host"``."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
                  intra_op_threads: int = 0, engine: Engine | None = None, device: str | None = None,
                  cuda_graphs: bool = True, backend: Backend | None = None,
-                 gpu_memory_fraction: float | None = None) -> None:
+                 gpu_memory_fraction: float | None = None, trt_path: str = "auto") -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
         self.plans = plan_segments(cfg)
@@ -63,7 +73,16 @@ class ModelRunner:
         if cfg.attention_layers and not (16 <= cfg.head_dim <= 256 and cfg.head_dim % 16 == 0):
             raise BundleError(f"head_dim={cfg.head_dim}: the decode-attention kernels support multiples of 16 "
                               f"in 16..256")
+        if trt_path not in TRT_PATHS:
+            raise ConfigError(f"trt_path={trt_path!r}: choose one of {', '.join(TRT_PATHS)}")
         device = resolve_device(device, manifest)
+        on_gpu = parse_device(device)[0] == "cuda"
+        if trt_path == "device" and (not on_gpu or engine is not None or manifest.backend != "tensorrt"):
+            raise ConfigError(f"trt_path='device' needs a tensorrt bundle on device 'cuda' / 'cuda:N' and no host "
+                              f"engine (got backend {manifest.backend!r}, device {device!r}"
+                              f"{', an engine' if engine is not None else ''})")
+        trt_device = (manifest.backend == "tensorrt" and backend is None and
+                      (trt_path == "device" or (trt_path == "auto" and on_gpu and engine is None)))
         if manifest.quantization is not None and manifest.backend not in ("onnxruntime", "cuda"):
             raise BundleError(f"bundle backend {manifest.backend!r} with a {manifest.quantization.method} "
                               f"int{manifest.quantization.bits} quantization record: quantized weights run on the "
@@ -75,6 +94,12 @@ class ModelRunner:
 
             self.backend = CudaBackend(bundle_dir, manifest, device=device, multi_block_mode=multi_block_mode,
                                        num_kv_pages=num_kv_pages, gpu_memory_fraction=gpu_memory_fraction)
+        elif trt_device:
+            from .cuda.trt_backend import TrtDeviceBackend
+
+            self.backend = TrtDeviceBackend(bundle_dir, manifest, device=device, pinning=pinning,
+                                            multi_block_mode=multi_block_mode, num_kv_pages=num_kv_pages,
+                                            gpu_memory_fraction=gpu_memory_fraction)
         else:
             self.backend = HostBackend(bundle_dir, manifest, pinning=pinning, multi_block_mode=multi_block_mode,
                                        num_kv_pages=num_kv_pages, intra_op_threads=intra_op_threads,
@@ -110,7 +135,7 @@ class ModelRunner:
 
     @property
     def engine(self) -> Any:
-        """The segment engine of a host backend (onnxruntime / TensorRT); None for a ``cuda`` bundle."""
+        """The segment engine (onnxruntime / TensorRT, host or device-resident); None for a ``cuda`` bundle."""
         return getattr(self.backend, "engine", None)
 
     @property

@@ -68,8 +68,10 @@ class RuntimeOptions:
     # BLAS threads for the numpy operators. 1 by default: decode-sized matmuls are microseconds of work,
     # and handing them to a BLAS thread pool costs more than it saves (measured 20x slower on 2 cores).
     numpy_threads: int = 1
-    # Where the work runs: "auto" (a cuda bundle on the GPU, any other bundle's stateful operators on the
-    # CPU) | "cpu" (numpy operators) | "cuda" | "cuda:N" (the GPU; for an onnxruntime bundle: its operators).
+    # Where the work runs: "auto" (a cuda or tensorrt bundle on the GPU, an onnxruntime bundle's stateful operators
+    # on the CPU) | "cpu" (numpy operators; a tensorrt bundle then takes the host path: segment outputs copied to
+    # the host) | "cuda" | "cuda:N" (the GPU; for an onnxruntime bundle: its operators; a tensorrt bundle runs
+    # device-resident, cuda/trt_backend.py).
     device: str = "auto"
     # cuda bundles: the share of the GPU memory left free after the weights and static buffers that the
     # state slots and KV pages may take (the KV pool is the bundle's, capped to fit; see cuda/memory.py).

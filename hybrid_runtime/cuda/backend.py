@@ -234,6 +234,7 @@ class CudaBackend:
     """Loads a ``cuda`` bundle onto one GPU and runs its steps (see the module docstring)."""
 
     kind = "cuda"
+    bundle_backend = "cuda"  # the manifest backend this class loads (cuda/trt_backend.py: "tensorrt")
     _fault: str | None = None  # a test-only fault for the next step (inject_fault)
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
     dense_tune_seconds = 0.0  # what tune_dense_decode took at load
@@ -253,17 +254,16 @@ class CudaBackend:
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
                               f"(or 'auto')")
-        if manifest.backend != "cuda":
-            raise BundleError(f"CudaBackend needs a cuda bundle, got backend {manifest.backend!r}")
+        if manifest.backend != self.bundle_backend:
+            raise BundleError(f"{type(self).__name__} needs a {self.bundle_backend} bundle, got backend "
+                              f"{manifest.backend!r}")
         if manifest.toolkit.get("program") not in (None, str(PROGRAM_VERSION)):
             raise BundleError(f"bundle built for segment program version {manifest.toolkit.get('program')}, this "
                               f"runtime runs version {PROGRAM_VERSION}: rebuild it")
-        if manifest.dtype not in DT_CODES:
-            raise BundleError(f"cuda bundle dtype {manifest.dtype!r} is not one of {sorted(DT_CODES)}")
         t0 = time.perf_counter()
         cfg, lim = manifest.model, manifest.limits
         self.cfg, self.lim, self.manifest = cfg, lim, manifest
-        self.dtype = manifest.dtype
+        self.dtype = self._runtime_dtype(manifest)
         self.es = ITEMSIZE[self.dtype]
         try:
             self.dev = cuda_device or CudaDevice(ordinal)
@@ -325,8 +325,7 @@ class CudaBackend:
             # them with the int4 / int8 kernel, the others dequantise them into a scratch buffer first (_gemm).
             # float32 bundles (the parity configuration) always dequantise everything.
             packed_linears = packed_linears and self.dtype in ("bfloat16", "float16")
-            weights = DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
-                                         packed_linears=packed_linears)
+            weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears)
         self.w = weights
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
@@ -437,9 +436,24 @@ class CudaBackend:
                  self.num_pages, lim.page_size, self.dtype, lim.num_state_slots, self.arena_bytes / 1e6,
                  self.load_seconds)
 
+    # ------------------------------------------------------------------ load hooks (cuda/trt_backend.py overrides)
+
+    def _runtime_dtype(self, manifest: Manifest) -> str:
+        """The dtype the kernels run in: a cuda bundle's own."""
+        if manifest.dtype not in DT_CODES:
+            raise BundleError(f"cuda bundle dtype {manifest.dtype!r} is not one of {sorted(DT_CODES)}")
+        return manifest.dtype
+
+    def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
+                      keep_packed: bool, packed_linears: bool) -> DeviceWeights:
+        """The bundle's weights on the device (a cuda bundle: every runtime weight, DeviceWeights.load)."""
+        return DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
+                                  packed_linears=packed_linears)
+
     # ------------------------------------------------------------------ allocation
 
-    def _alloc_arena(self) -> None:
+    def _arena_shapes(self) -> dict[str, tuple[tuple[int, int], str]]:
+        """Name -> (shape, dtype) of every activation buffer of the arena (sets ``kk`` / ``ny``, the MoE slots)."""
         cfg, T, R, d = self.cfg, self.T_max, self.R_max, self.dtype
         H = cfg.hidden_size
         widths = [cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads if cfg.linear_layers else 0,
@@ -474,6 +488,10 @@ class CudaBackend:
             if self.moe_prefill is not None:  # the tensor-core prefill MoE's tile list
                 shapes.update({"moe_tiles": ((1, tile_list_words(T * self.kk, E_all)), "int32"),
                                "moe_cta_counts": ((ROUTE_MAX_CTAS, E_all), "int32")})
+        return shapes
+
+    def _alloc_arena(self) -> None:
+        shapes = self._arena_shapes()
         self.arena = _Arena()
         for name, (shape, dt) in shapes.items():
             self.arena.bufs[name] = self.dev.empty(shape, dt)
@@ -1127,13 +1145,17 @@ class CudaBackend:
                 raise DeviceLost(f"{self.device} is lost: {e}", health) from e
             raise
 
+    def _upload(self, ctx: CudaCtx) -> None:
+        """The step's one host-to-device copy: the packed inputs (pinned) to the input region."""
+        self.dev.copy_htod(self.inp.ptr, self.host_in.array[:ctx.upload_bytes])
+
     def _execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
         dev = self.dev
         if self._fault is not None:
             fault, self._fault = self._fault, None
             self._inject(fault)
         t0 = time.perf_counter()
-        dev.copy_htod(self.inp.ptr, self.host_in.array[:ctx.upload_bytes])
+        self._upload(ctx)
         if ctx.graph is not None:
             ctx.graph.launch()
             logits = self.arena.mat("logits", ctx.R)

@@ -126,8 +126,17 @@ class DeviceKVCache:
         if rows.min() < 0 or rows.max() >= self.layout.num_pages * self.layout.page_size:
             raise IndexError(f"KV row outside the pool of {self.layout.num_pages} pages")
         dst = self.device.upload(rows, stream_ordered=True)
+        self.write_rows_device(layer, dst.ptr, k.ptr, v.ptr, T)
+
+    def write_rows_device(self, layer: int, rows_ptr: int, k_ptr: int, v_ptr: int, T: int) -> None:
+        """Store ``T`` rows of k and v (device, contiguous ``[T, Hkv * hd]`` of the pool dtype, 16-byte aligned) at
+        the pool rows of the int64 device array ``rows_ptr`` ``[T]``, already on the device and bounds-checked by
+        the caller (a step's upload: ``slot_mapping`` checked every page before packing). No host work, no
+        allocation: what the device-resident TensorRT path launches between a plan and the attention."""
+        if T == 0:
+            return
         kp, vp = self.k[layer], self.v[layer]
         kern = self._module.kernel(f"kv_write{self._word}")
         kern.launch(self.device, (T, 1, 1), (128, 1, 1), 0,
-                    [("ptr", k.ptr), ("ptr", v.ptr), ("ptr", kp.ptr), ("ptr", vp.ptr), ("ptr", dst.ptr), ("i32", T),
+                    [("ptr", k_ptr), ("ptr", v_ptr), ("ptr", kp.ptr), ("ptr", vp.ptr), ("ptr", rows_ptr), ("i32", T),
                      ("i32", self._row_words)])

@@ -22,16 +22,26 @@ min..max; otherwise :class:`ShapeError` is raised and nothing is enqueued.
 Invariant 4: at load a plan built by another TensorRT flavour/version, or for another compute capability,
 than the running one is refused with a :class:`BundleError` naming both.
 
-For now :meth:`TrtEngine.run` returns **host** numpy arrays (outputs are copied back and the stream is
-synchronized after every segment): the stateful mixers between segments are still the CPU numpy operators.
-Keeping activations on the device is the work of the GPU stateful kernels.
+Two ways to run a segment:
+
+* host (:meth:`TrtEngine.run`, the default when no ``bindings`` are given): each context owns device buffers
+  for its inputs and outputs; ``run`` copies the host inputs up, enqueues, copies the outputs back and
+  synchronizes the stream after every segment. :class:`~hybrid_runtime.backend.HostBackend` uses it for a
+  TensorRT bundle on the host path (``device="cpu"`` or ``trt_path="host"``; the host-mode tests' double).
+* device-resident (:meth:`TrtEngine.run_bound`, with ``bindings``): every input and output of every context is
+  bound once, with ``set_tensor_address``, to a device buffer the *runtime* owns (the step upload's token ids and
+  positions, the activation banks and operator outputs of
+  :class:`~hybrid_runtime.cuda.trt_backend.TrtDeviceBackend`); ``run_bound(segment, phase, n)`` checks the
+  shapes, sets them and enqueues on the runtime's stream: no copy and no synchronize. The engine allocates no
+  buffer of its own then.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -122,28 +132,50 @@ def _shape(width: int, tokens: int) -> tuple[int, ...]:
     return (tokens,) if width == 0 else (tokens, width)
 
 
+@dataclass(frozen=True)
+class Bindings:
+    """A segment's runtime-owned device buffers (device-resident mode): ``addresses`` maps every input and output
+    name to a device address whose buffer holds ``rows`` rows of ``[rows]`` / ``[rows, width]`` of the tensor's
+    dtype (its row stride is the width). A step of more rows is refused before enqueue."""
+
+    addresses: Mapping[str, int]
+    rows: int
+
+
 class TrtContext(ExecutionContext):
     """One segment's ``IExecutionContext`` bound to one profile, with device buffers for every input and output.
 
-    Device buffers hold ``max_tokens`` rows (``[max_tokens]`` / ``[max_tokens, width]``); host output buffers
-    likewise; :meth:`run` returns views ``[num_tokens, width]`` of the host buffers, valid until this context
-    runs again.
+    Host mode (``bindings`` None): the context allocates device buffers of ``capacity`` rows
+    (``[capacity]`` / ``[capacity, width]``) and host output buffers likewise; :meth:`run` returns views
+    ``[num_tokens, width]`` of the host buffers, valid until this context runs again. Device-resident mode
+    (``bindings``: every input and output name -> a runtime-owned device buffer of ``bindings.rows`` rows, which
+    replaces ``capacity``): nothing is allocated, the addresses are bound once and :meth:`run_bound` enqueues on
+    them.
     """
 
     def __init__(self, trt_engine: Any, context: Any, spec: SegmentSpec, profiles: tuple[ProfileSpec, ...],
-                 phase: Phase, cuda: CudaApi, stream: int, capacity: int) -> None:
+                 phase: Phase, cuda: CudaApi, stream: int, capacity: int, bindings: Bindings | None = None) -> None:
         super().__init__(spec, profiles[phase])
         self.trt_engine, self.context, self.cuda, self.stream = trt_engine, context, cuda, stream
         self._profiles = profiles
         self.profile_index = int(phase)
-        self.capacity = capacity  # rows every buffer holds (>= the bound profile's max tokens)
+        # rows every buffer holds: host mode >= the bound profile's max tokens; device-resident: the runtime's rows
+        self.capacity = capacity if bindings is None else bindings.rows
         self._device: dict[str, int] = {}
         self._host_out: dict[str, np.ndarray] = {}
-        for name, dt, width in (*spec.inputs, *spec.outputs):
-            nbytes = capacity * max(width, 1) * np.dtype(dt).itemsize
-            self._device[name] = cuda.malloc(nbytes)
-        for name, dt, width in spec.outputs:
-            self._host_out[name] = np.zeros(_shape(width, capacity), np.dtype(dt))
+        self.bound = bindings is not None  # device-resident: the runtime owns every buffer
+        names = [name for name, _, _ in (*spec.inputs, *spec.outputs)]
+        if bindings is not None:
+            missing = [n for n in names if not bindings.addresses.get(n)]
+            if missing:
+                raise BundleError(f"segment {spec.name}: no device buffer for {missing}")
+            self._device = {n: int(bindings.addresses[n]) for n in names}
+        else:
+            for name, dt, width in (*spec.inputs, *spec.outputs):
+                nbytes = capacity * max(width, 1) * np.dtype(dt).itemsize
+                self._device[name] = cuda.malloc(nbytes)
+            for name, dt, width in spec.outputs:
+                self._host_out[name] = np.zeros(_shape(width, capacity), np.dtype(dt))
         self._limits: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.bind(self.profile_index)
 
@@ -154,7 +186,7 @@ class TrtContext(ExecutionContext):
         self.cuda.stream_synchronize(self.stream)
         self.profile_index = index
         self.profile = self._profiles[index]
-        if self.profile.max_tokens > self.capacity:
+        if not self.bound and self.profile.max_tokens > self.capacity:
             raise BundleError(f"segment {self.spec.name}: profile {self.profile.name} needs {self.profile.max_tokens} "
                               f"rows, buffers hold {self.capacity}")
         for name, _, _ in (*self.spec.inputs, *self.spec.outputs):
@@ -177,7 +209,42 @@ class TrtContext(ExecutionContext):
                 raise ShapeError(f"segment {self.spec.name} input {name}: shape {list(shape)} outside the "
                                  f"{self.profile.name} profile's {list(mn)}..{list(mx)}; refusing to enqueue")
 
+    @property
+    def addresses(self) -> dict[str, int]:
+        """Tensor name -> the device address this context binds (its own buffers, or the runtime's)."""
+        return dict(self._device)
+
+    def run_bound(self, n: int) -> None:
+        """Device-resident enqueue of ``n`` token rows: the inputs are already in the bound buffers (written by
+        the runtime on its stream), the outputs stay there. Invariant 3 first (token count within the bound
+        profile, active profile, every shape within ``get_tensor_profile_shape``), then ``set_input_shape`` and
+        ``execute_async_v3``; no copy and no synchronize (the runtime's next kernels follow on the same stream)."""
+        if not self.bound:
+            raise RuntimeError(f"segment {self.spec.name}: run_bound on a context with its own buffers (use run)")
+        p = self.profile
+        if not p.min_tokens <= n <= p.max_tokens:
+            raise ShapeError(f"segment {self.spec.name}: {n} tokens outside the {p.name} profile range "
+                             f"{p.min_tokens}..{p.max_tokens}; refusing to enqueue")
+        if n > self.capacity:
+            raise ShapeError(f"segment {self.spec.name}: {n} tokens exceed the bound buffers' {self.capacity} rows")
+        shapes = {name: _shape(width, n) for name, _, width in self.spec.inputs}
+        self.check_bound(shapes)
+        ctx = self.context
+        for name, shape in shapes.items():
+            if not ctx.set_input_shape(name, shape):
+                raise ShapeError(f"segment {self.spec.name}: TensorRT refused input shape {name}{list(shape)}")
+        if not ctx.execute_async_v3(self.stream):
+            raise RuntimeError(f"segment {self.spec.name}: execute_async_v3 failed")
+        for name, _, width in self.spec.outputs:
+            got = tuple(ctx.get_tensor_shape(name))
+            if got != _shape(width, n):
+                raise RuntimeError(f"segment {self.spec.name} output {name}: TensorRT shape {list(got)}, expected "
+                                   f"{list(_shape(width, n))}")
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.bound:
+            raise RuntimeError(f"segment {self.spec.name}: its buffers are the runtime's device buffers; "
+                               "host arrays cannot be run on it (use run_bound)")
         n = self.check(inputs)
         shapes = {name: tuple(inputs[name].shape) for name, _, _ in self.spec.inputs}
         self.check_bound(shapes)
@@ -206,8 +273,9 @@ class TrtContext(ExecutionContext):
         return outs
 
     def close(self) -> None:
-        for ptr in self._device.values():
-            self.cuda.free(ptr)
+        if not self.bound:  # the runtime's buffers are the runtime's to free
+            for ptr in self._device.values():
+                self.cuda.free(ptr)
         self._device.clear()
 
 
@@ -215,11 +283,15 @@ class TrtEngine(Engine):
     """All segments of a TensorRT bundle (``manifest.backend == "tensorrt"``).
 
     ``trt`` and ``cuda`` default to the installed TensorRT (see :mod:`hybrid_runtime.trt_compat`) and
-    :class:`CudaDriver`; tests pass doubles.
+    :class:`CudaDriver`; tests pass doubles. ``bindings`` (device-resident mode): segment index and spec ->
+    that segment's :class:`Bindings` (the device address of every input and output, and how many rows the
+    buffers hold); every context binds them once, and only :meth:`run_bound` runs segments. Without it every
+    context allocates its own buffers and :meth:`run` copies host arrays through them.
     """
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, pinning: str = "per_context", *,
-                 trt: Any = None, cuda: CudaApi | None = None) -> None:
+                 trt: Any = None, cuda: CudaApi | None = None,
+                 bindings: Callable[[int, SegmentSpec], Bindings] | None = None) -> None:
         if pinning not in PINNING_MODES:
             raise ValueError(f"profile_pinning={pinning!r}: choose one of {', '.join(PINNING_MODES)}")
         if manifest.backend != "tensorrt":
@@ -249,15 +321,22 @@ class TrtEngine(Engine):
         self._runtime = trt.Runtime(self._logger)
         self._engines: list[Any] = []
         self._contexts: list[list[TrtContext]] = []
-        for spec in self._specs:
+        # per segment, per profile: input name -> (min shape, max shape) from the plan (check_rows)
+        self._plan_limits: list[list[dict[str, Any]]] = []
+        self.bound = bindings is not None
+        for si, spec in enumerate(self._specs):
             eng = self._deserialize(Path(bundle_dir), spec)
             self._check_profiles(eng, spec, manifest)
             self._engines.append(eng)
+            self._plan_limits.append([{name: tuple(tuple(d) for d in eng.get_tensor_profile_shape(name, int(ph))[::2])
+                                       for name, _, _ in spec.inputs} for ph in Phase])
+            bound = bindings(si, spec) if bindings is not None else None
             if pinning == "per_context":
-                ctxs = [self._new_context(eng, spec, phase, self._profiles[phase].max_tokens) for phase in Phase]
+                ctxs = [self._new_context(eng, spec, phase, self._profiles[phase].max_tokens, bound)
+                        for phase in Phase]
             else:
                 cap = max(p.max_tokens for p in self._profiles)
-                ctxs = [self._new_context(eng, spec, Phase.PREFILL, cap)]
+                ctxs = [self._new_context(eng, spec, Phase.PREFILL, cap, bound)]
             self._contexts.append(ctxs)
         log.info("tensorrt engine (%s %s, %s): %d segments, %d contexts (%s)", manifest.toolkit.get("tensorrt_flavor"),
                  manifest.toolkit.get("tensorrt_version"), manifest.target.get("arch"), len(self._specs),
@@ -306,11 +385,12 @@ class TrtEngine(Engine):
                     raise BundleError(f"segment {spec.name} input {name}: plan profile {rec['index']} is "
                                       f"{got}, the manifest records {[s['min'], s['opt'], s['max']]}")
 
-    def _new_context(self, eng: Any, spec: SegmentSpec, phase: Phase, capacity: int) -> TrtContext:
+    def _new_context(self, eng: Any, spec: SegmentSpec, phase: Phase, capacity: int,
+                     bindings: Bindings | None = None) -> TrtContext:
         ctx = eng.create_execution_context()
         if ctx is None:
             raise BundleError(f"segment {spec.name}: create_execution_context failed (device memory?)")
-        return TrtContext(eng, ctx, spec, self._profiles, phase, self.cuda, self.stream, capacity)
+        return TrtContext(eng, ctx, spec, self._profiles, phase, self.cuda, self.stream, capacity, bindings)
 
     # ---- serving ---------------------------------------------------------------------------------
     @property
@@ -333,6 +413,37 @@ class TrtEngine(Engine):
     def run(self, segment: int, phase: Phase, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run segment ``segment`` on the ``phase`` context; returns host arrays ``[num_tokens, width]``."""
         return self.context(segment, phase).run(inputs)
+
+    def check_rows(self, phase: Phase, rows: Sequence[int]) -> None:
+        """Invariant 3 for a whole step, host-side, before anything of it is launched: ``rows[i]`` token rows for
+        segment ``i`` (0: not run) within the ``phase`` profile's token range, the plan's
+        ``get_tensor_profile_shape`` for that profile (read at load) and the bound buffers' rows. ``run_bound``
+        checks each enqueue again (with the context's active profile)."""
+        if len(rows) != len(self._specs):
+            raise ValueError(f"{len(rows)} row counts for {len(self._specs)} segments")
+        p = self._profiles[phase]
+        for si, n in enumerate(rows):
+            if n == 0:
+                continue
+            spec = self._specs[si]
+            if not p.min_tokens <= n <= p.max_tokens:
+                raise ShapeError(f"segment {spec.name}: {n} tokens outside the {p.name} profile range "
+                                 f"{p.min_tokens}..{p.max_tokens}; refusing the step")
+            cap = min(c.capacity for c in self._contexts[si])
+            if n > cap:
+                raise ShapeError(f"segment {spec.name}: {n} tokens exceed the bound buffers' {cap} rows; refusing "
+                                 "the step")
+            for name, _, width in spec.inputs:
+                mn, mx = self._plan_limits[si][int(phase)][name]
+                shape = _shape(width, n)
+                if len(shape) != len(mn) or any(x < a or x > b for x, a, b in zip(shape, mn, mx)):
+                    raise ShapeError(f"segment {spec.name} input {name}: shape {list(shape)} outside the {p.name} "
+                                     f"profile's {list(mn)}..{list(mx)}; refusing the step")
+
+    def run_bound(self, segment: int, phase: Phase, n: int) -> None:
+        """Device-resident: enqueue segment ``segment`` on the ``phase`` context over ``n`` token rows of the
+        bound runtime buffers (:meth:`TrtContext.run_bound`; a ``single_context`` switch rebinds first)."""
+        self.context(segment, phase).run_bound(n)
 
     def close(self) -> None:
         """Free every device buffer (contexts and engines are released with the object)."""
