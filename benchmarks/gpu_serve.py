@@ -341,9 +341,34 @@ def fault_check(bundle: Path, kind: str, args: tuple[str, ...] = ()) -> dict:
     return out
 
 
+SANITIZE_PROBE_STEP = 400  # the engine step at which the instrumentation probe's injected fault fires
+
+
+def memcheck_errors(text: str) -> list[dict[str, str]]:
+    """The error records of a compute-sanitizer memcheck log: per record its first line (the kind of error) and
+    the kernel it names (``at KERNEL+0x..``; "" when none, e.g. an API error)."""
+    import re
+
+    out = []
+    for block in re.split(r"(?m)^=+ (?=\S)", text):
+        head = block.splitlines()[0] if block.strip() else ""
+        if not head or head.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "Target application", "Error:")):
+            continue
+        if not re.match(r"(Invalid|Out of bounds|Misaligned|Program hit|Malloc|Free|Cuda|Barrier|Leaked)", head):
+            continue
+        m = re.search(r"(?m)^=+\s+at (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>]*)", block)
+        out.append({"error": head.strip(), "kernel": m.group(1) if m else ""})
+    return out
+
+
 def sanitize_check(root: Path) -> dict:
     """compute-sanitizer memcheck over tritonserver and its stub (``--target-processes all``) while clients stream:
-    the default model as a bf16 cuda bundle (small: memcheck slows every kernel down), 4 streams x 2 requests."""
+    the default model as a bf16 cuda bundle (small: memcheck slows every kernel down), 4 streams x 2 requests.
+
+    Then the instrumentation probe, which makes a clean result conclusive: the stub was started with the test-only
+    fault ``sticky@SANITIZE_PROBE_STEP`` (``fill_f32`` writing to address 0x100), and requests are sent one after
+    another until the engine reaches that step. memcheck must report that write from the stub's process (so the
+    stub's launches were instrumented) and nothing in any other kernel (the workload was clean)."""
     import re
 
     from builder.bundle import BuildOptions, build_bundle
@@ -360,8 +385,10 @@ def sanitize_check(root: Path) -> dict:
     server = TritonServer(parameters={"engine_dir": str(bundle), "multi_block_mode": "on"}, instance_kind="gpu",
                           exit_timeout_s=20, log_path=OUT / "tritonserver_sanitize.log",
                           server_args=("--backend-config=python,stub-timeout-seconds=300",),
+                          env={"HYBRID_LLM_INJECT_FAULT": f"sticky@{SANITIZE_PROBE_STEP}"},
                           launcher=("compute-sanitizer", "--tool", "memcheck", "--target-processes", "all",
-                                    "--report-api-errors", "no", "--log-file", str(san_log)))
+                                    "--report-api-errors", "no", "--print-limit", "64", "--log-file",
+                                    str(san_log)))
     out: dict = {}
     server.start()
     try:
@@ -385,6 +412,17 @@ def sanitize_check(root: Path) -> dict:
         for t in threads:
             t.join(300)
         out.update(requests=len(done), errors=errors)
+        # the probe: sequential requests until the injected fault at step SANITIZE_PROBE_STEP fails one
+        probe = []
+        for i in range(40):
+            try:
+                r = generate_stream_grpc(server.grpc_url, input_ids=_ids(9, i, 24), max_tokens=24,
+                                         sampling={"temperature": 0.0, "ignore_eos": True}, timeout=300).wait()
+                probe.append(r.finish_reason or "")
+            except ClientError as e:
+                out["probe_failed_request"] = {"index": i, "error": str(e)[:300]}
+                break
+        out["probe_requests_before_fault"] = len(probe)
         # stop tritonserver itself (the sanitizer's child): the sanitizer then exits with its summaries written
         import signal
 
@@ -402,6 +440,15 @@ def sanitize_check(root: Path) -> dict:
     text = san_log.read_text(errors="replace") if san_log.exists() else ""
     out["error_summaries"] = re.findall(r"ERROR SUMMARY: (\d+) error", text)
     out["sanitizer_log_lines"] = len(text.splitlines())
+    records = memcheck_errors(text)
+    injected = [r for r in records if r["kernel"] == "fill_f32"]
+    other = [r for r in records if r["kernel"] != "fill_f32"]
+    out["memcheck_records"] = len(records)
+    out["injected_fault_reported"] = bool(injected)  # the stub's launches were instrumented
+    out["other_errors"] = other[:20]
+    out["verdict"] = ("clean (instrumentation proven by the injected fault)" if injected and not other else
+                      "errors outside the injected fault" if other else
+                      "inconclusive: the injected fault was not reported (stub not instrumented?)")
     return out
 
 
