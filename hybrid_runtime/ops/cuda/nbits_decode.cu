@@ -72,6 +72,9 @@ typedef unsigned char u8;
 #ifndef NB_EXACT
 #define NB_EXACT 1
 #endif
+#ifndef NB_XPRE
+#define NB_XPRE 0
+#endif
 static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
 #define NB_U32 (NB_U > 1 ? NB_U / 2 : 1)  // the 32-row kernels: half the batch (the same chunks in flight per lane)
 #define NB_MAXW 8
@@ -350,14 +353,27 @@ __device__ __forceinline__ void load_batch(Batch<MT, U>& b, const NbArgs& a, con
 template <int MT, int U, bool PERM, int NG>
 __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT, U>& b, const NbArgs& a,
                                           const u16* const (&xr)[2], const bool (&xok)[2], int t, int C, int s, int s1) {
+#if NB_XPRE
+  uint4 xb[U][NG][NB_CC / 8];  // the whole batch's X fragments first
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int c = 4 * (s + i) + t;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) x_chunk<PERM>(xb[i][q], a, xr[q], c * NB_CC, s + i < s1 && c < C && xok[q]);
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < U; ++i) {
     if (s + i >= s1) break;  // warp-uniform
+#if NB_XPRE
+    const uint4(&xv)[NG][NB_CC / 8] = xb[i];
+#else
     const int c = 4 * (s + i) + t;
     const bool ok = c < C;
     uint4 xv[NG][NB_CC / 8];
 #pragma unroll
     for (int q = 0; q < NG; ++q) x_chunk<PERM>(xv[q], a, xr[q], c * NB_CC, ok && xok[q]);
+#endif
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
       u32 xp[NG][NB_PAIRS];
@@ -403,7 +419,9 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
   const int row0 = blockIdx.x * RM;
   const int C = a.K / NB_CC;  // chunks per row (the host checks K * BITS / 8 % 16 == 0)
   const int S = (C + 3) >> 2;
-  const int s0 = (int)((long long)S * warp / nw), s1 = (int)((long long)S * (warp + 1) / nw);
+  // 32-bit unsigned division (S * nw < 2^22: the host keeps K < 2^24), not a 64-bit one: the weight addresses wait
+  // on this split, so it is the prologue's critical path
+  const int s0 = (int)((unsigned)(S * warp) / (unsigned)nw), s1 = (int)((unsigned)(S * (warp + 1)) / (unsigned)nw);
   Row rows[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
