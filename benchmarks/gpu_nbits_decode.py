@@ -53,7 +53,7 @@ def main() -> int:
 
     from hybrid_runtime.cuda.dense_decode import DenseDecode
     from hybrid_runtime.cuda.driver import CudaDevice
-    from hybrid_runtime.cuda.nbits_decode import KNOB_SETS, NBitsDecode, NBitsOperand, warps_for
+    from hybrid_runtime.cuda.nbits_decode import KNOB_SETS, TUNE_SETS, NBitsDecode, NBitsOperand, warps_for
 
     torch.cuda.init()
     dev0 = CudaDevice(0, stream=0)
@@ -70,12 +70,14 @@ def main() -> int:
              f") / copy bandwidth. Cells: microseconds per call (time / floor), GPU time of {args.calls} calls "
              f"replayed from a CUDA graph; 'default queue-filled': {args.queue_calls} eager launches of the default "
              "build behind a ~10 ms spin (the earlier method: host-bound when they outlast the spin); 'host us / "
-             "launch': one eager launch's host cost, nbits / dense_decode. Builds: " +
+             "launch': one eager launch's host cost, nbits / dense_decode; 'tuned': the fastest of the builds "
+             "NBitsDecode.tune chooses among at load (TUNE_SETS, the default's bits), against the floor and against "
+             "dense_decode's time. Builds: " +
              "; ".join(f"{n} = {kn}" for n, kn in KNOB_SETS.items()) + ".", ""]
     lines += ["| layer | K x N | bits | rows | warps | MB read | floor (us) | " +
-              " | ".join(f"nbits {n}" for n in kerns) + " | bf16 dense_decode (its floor) | default queue-filled | "
-              "host us / launch |",
-              "|" + "---|" * (10 + len(kerns))]
+              " | ".join(f"nbits {n}" for n in kerns) + " | tuned (vs floor, vs dense) | "
+              "bf16 dense_decode (its floor) | default queue-filled | host us / launch |",
+              "|" + "---|" * (11 + len(kerns))]
     for name, K, N in SHAPES:
         for bits in (int(b) for b in args.bits.split(",")):
             bs = K if args.group == -1 else args.group
@@ -98,12 +100,15 @@ def main() -> int:
             for M in rows_list:
                 xs = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(M, N, device="cuda", dtype=torch.float32)
-                cells = []
+                cells, tuned = [], {}
                 floor = nbytes / bw
-                for kern in kerns.values():
+                for kname, kern in kerns.items():
                     t = time_graph(dev, lambda i, kern=kern: kern.launch(
                         M, xs.data_ptr(), K, ws[i % copies][3], y.data_ptr(), N, True), args.calls)
                     cells.append(f"{t * 1e6:.2f} ({t / floor:.2f}x)")
+                    if kname in TUNE_SETS:
+                        tuned[kname] = t
+                best = min(tuned, key=lambda k: tuned[k])  # what NBitsDecode.tune would keep (ties aside)
 
                 def nb_call(i: int) -> None:
                     kerns["default"].launch(M, xs.data_ptr(), K, ws[i % copies][3], y.data_ptr(), N, True)
@@ -117,6 +122,8 @@ def main() -> int:
                 h_dd = host_seconds_per_call(dev, dd_call, args.calls)
                 lines.append(f"| {name} | {K} x {N} | {bits} | {M} | {warps_for(K, bits)} | {nbytes / 1e6:.2f} | "
                              f"{floor * 1e6:.2f} | " + " | ".join(cells) +
+                             f" | {best} {tuned[best] * 1e6:.2f} ({tuned[best] / floor:.2f}x, "
+                             f"{tuned[best] / td:.2f}x dense)"
                              f" | {td * 1e6:.2f} ({td / (dbytes / bw):.2f}x) | {tq * 1e6:.2f} ({tq / floor:.2f}x) | "
                              f"{h_nb * 1e6:.0f} / {h_dd * 1e6:.0f} |")
                 log(lines[-1])
