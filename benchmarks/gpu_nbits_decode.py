@@ -13,7 +13,8 @@ behind a ~10 ms spin), and the host's cost of one eager launch (nbits / dense_de
 when ``calls`` x that cost outlasts the spin, the queue-filled figure is (host time - spin) / calls, not the kernel.
 One column per build of ``nbits_decode.KNOB_SETS`` (default: 4-bit dequantised in packed bf16 arithmetic, 256 row
 bytes per warp; exact: in float32, rounded once; u1: one super-step per register batch; m32: 32 weight rows per CTA;
-xpre: a register batch's activations loaded at its top; bpw128 / bpw512: 128 / 512 row bytes per warp, twice / half
+xpre: a register batch's activations loaded at its top; pf8: 8 more super-steps of a warp's share prefetched into L2
+before the programmatic wait; bpw128 / bpw512: 128 / 512 row bytes per warp, twice / half
 as many warps: other sums, the others but exact give the default's bits).
 """
 

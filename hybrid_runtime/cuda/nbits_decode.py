@@ -59,7 +59,9 @@ class NBitsKnobs:
     """One build: ``u`` super-steps (a 16-byte chunk per lane and row) per register batch (the 32-row kernels take
     u / 2, at least 1), two batches in flight per warp; ``rows`` weight rows per CTA (16 or 32); ``exact`` the
     4-bit dequantisation (module docstring); ``xpre``: a register batch's activation (x) fragments loaded at its top,
-    before its first dequantisation (else per super-step; the same bits either way);
+    before its first dequantisation (else per super-step; the same bits either way); ``pf``: super-steps of a
+    warp's share past its first register batch prefetched into L2 before the programmatic wait (the 16-row kernels
+    without act order; the same bits);
     ``bytes_per_warp``: bytes of a weight row per warp the host aims for (:func:`warps_for`)."""
 
     u: int = 2
@@ -67,6 +69,7 @@ class NBitsKnobs:
     exact: bool = False
     bytes_per_warp: int = 256
     xpre: bool = False
+    pf: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,6 +77,8 @@ class NBitsKnobs:
             problems.append(f"u {self.u} not in 1..8")
         if self.rows not in (16, 32):
             problems.append(f"rows {self.rows} not 16 or 32")
+        if not 0 <= self.pf <= 64:
+            problems.append(f"pf {self.pf} not in 0..64")
         if self.bytes_per_warp < 64 or self.bytes_per_warp % 64:
             problems.append(f"bytes_per_warp {self.bytes_per_warp}: a positive multiple of 64")
         if problems:
@@ -81,14 +86,14 @@ class NBitsKnobs:
 
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
         return (f"-DDT={DT_CODES[dtype]}", f"-DNB_BITS={bits}", f"-DNB_U={self.u}", f"-DNB_EXACT={int(self.exact)}",
-                f"-DNB_XPRE={int(self.xpre)}")
+                f"-DNB_XPRE={int(self.xpre)}", f"-DNB_PF={self.pf}")
 
     def kernel(self, perm: bool = False) -> str:
         return ("nb_gemm_m16" if self.rows == 16 else "nb_gemm_m32") + ("_perm" if perm else "")
 
     def same_bits(self, other: NBitsKnobs, bits: int) -> bool:
         """Whether ``other`` gives this build's bits for ``bits``-bit weights: the same split of K and, at 4 bits,
-        the same dequantisation (8-bit always runs the exact one); u, rows and xpre never change a result."""
+        the same dequantisation (8-bit always runs the exact one); u, rows, xpre and pf never change a result."""
         return self.bytes_per_warp == other.bytes_per_warp and (bits == 8 or self.exact == other.exact)
 
 
@@ -101,12 +106,13 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "u1": NBitsKnobs(u=1),
     "m32": NBitsKnobs(rows=32),
     "xpre": NBitsKnobs(xpre=True),
+    "pf8": NBitsKnobs(pf=8),
     "bpw128": NBitsKnobs(bytes_per_warp=128),
     "bpw512": NBitsKnobs(bytes_per_warp=512),
 }
 # The builds :meth:`NBitsDecode.tune` times per shape at load: the default's split of K and dequantisation, so
 # whichever wins, every output element has the same bits.
-TUNE_SETS: tuple[str, ...] = ("default", "u1", "m32", "xpre")
+TUNE_SETS: tuple[str, ...] = ("default", "u1", "m32", "xpre", "pf8")
 
 
 def row_bytes(K: int, bits: int) -> int:

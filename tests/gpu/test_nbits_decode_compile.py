@@ -89,6 +89,13 @@ def test_the_weight_loads_go_out_before_the_programmatic_wait() -> None:
     assert "ld.global.nc.f32" in body[:wait], "no scale load before the wait"
     # X is read only after the wait (plain global loads of the activations)
     assert not re.search(r"ld\.global\.v4\.u32|ld\.global\.u16", body[:wait])
+    assert "prefetch.global.L2" not in body
+    # the pf build: L2 prefetches of the weights, also before the wait
+    text = ptx(source(SOURCE), SOURCE, KNOB_SETS["pf8"].options("bfloat16", 4))
+    body = text[text.index(".entry nb_gemm_m16("):]
+    body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
+    wait = body.index("griddepcontrol.wait")
+    assert "prefetch.global.L2" in body[:wait] and "prefetch.global.L2" not in body[wait:]
 
 
 def test_tuning_candidates_keep_the_bits() -> None:
@@ -153,11 +160,13 @@ def _op(**kw: int) -> NBitsOperand:
 def test_knobs_and_host_rules() -> None:
     assert DEFAULT_KNOBS.kernel() == "nb_gemm_m16" and KNOB_SETS["m32"].kernel(perm=True) == "nb_gemm_m32_perm"
     assert not DEFAULT_KNOBS.exact and KNOB_SETS["exact"].exact
-    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}):
+    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}, {"pf": -1}, {"pf": 65}):
         with pytest.raises(ValueError, match="nbits_decode knobs"):
             NBitsKnobs(**bad)
-    assert DEFAULT_KNOBS.options("float16", 8) == ("-DDT=1", "-DNB_BITS=8", "-DNB_U=2", "-DNB_EXACT=0", "-DNB_XPRE=0")
-    assert KNOB_SETS["xpre"].options("bfloat16", 4)[-1] == "-DNB_XPRE=1"
+    assert DEFAULT_KNOBS.options("float16", 8) == ("-DDT=1", "-DNB_BITS=8", "-DNB_U=2", "-DNB_EXACT=0", "-DNB_XPRE=0",
+                                                   "-DNB_PF=0")
+    assert KNOB_SETS["xpre"].options("bfloat16", 4)[-2:] == ("-DNB_XPRE=1", "-DNB_PF=0")
+    assert KNOB_SETS["pf8"].options("bfloat16", 4)[-1] == "-DNB_PF=8"
     # warps from a row's packed bytes / 256: 2048 int4 = 1 KiB -> 4, int8 -> 8; 512 int4 = 256 B -> 1; 4096 int4 -> 8
     assert warps_for(2048, 4) == 4 and warps_for(2048, 8) == 8 and warps_for(512, 4) == 1 and warps_for(4096, 4) == 8
     assert warps_for(32, 4) == 1 and warps_for(2048, 4, KNOB_SETS["bpw512"]) == 2

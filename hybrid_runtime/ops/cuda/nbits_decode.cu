@@ -75,6 +75,10 @@ typedef unsigned char u8;
 #ifndef NB_XPRE
 #define NB_XPRE 0
 #endif
+#ifndef NB_PF
+#define NB_PF 0
+#endif
+static_assert(NB_PF >= 0 && NB_PF <= 64, "NB_PF must be 0..64");
 static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
 #define NB_U32 (NB_U > 1 ? NB_U / 2 : 1)  // the 32-row kernels: half the batch (the same chunks in flight per lane)
 #define NB_MAXW 8
@@ -429,6 +433,22 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
     for (int h = 0; h < 2; ++h) rows[mt][h] = row_ptrs(a, min(row0 + mt * 16 + g + 8 * h, a.N - 1));  // clamped
   Batch<MT, U> ba, bb;
   load_batch<MT, U>(ba, a, rows, t, C, s0, s1);  // before the wait: weights do not depend on the kernel before this one
+#if NB_PF > 0
+  // the next NB_PF super-steps of the warp's share into L2, also before the wait (lane t == 0 of each row: a
+  // super-step's 64 bytes of a row lie in one 128-byte line); the register batches then load them from L2. The
+  // 16-row kernels without act order only (the 32-row and the act-order 8-bit ones spilled at 128 registers with
+  // it, NVRTC 13)
+#pragma unroll 1
+  for (int i = 0; i < (MT == 1 && !PERM ? NB_PF : 0); ++i) {
+    const int s = s0 + U + i;
+    if (s >= s1) break;
+    if (t == 0)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows[mt][h].w + 4 * s) : "memory");
+  }
+#endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
