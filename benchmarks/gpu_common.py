@@ -1,10 +1,17 @@
-"""Shared by the GPU benchmarks: device-to-device copy bandwidth and queue-filled event timing.
+"""Shared by the GPU benchmarks: device-to-device copy bandwidth, queue-filled event timing and CUDA-graph timing.
 
 Timing method: every call goes on the legacy default stream (shared with PyTorch). A spin kernel is
 queued first so that the host enqueues all timed calls while the GPU is still busy; CUDA events around
 the calls then measure back-to-back GPU time, free of Python launch overhead. Each call may use a
 different input set (``fn(i)``), so repeated calls do not re-read data from L2. Reported: the median of
 ``reps`` such measurements of the mean time per call.
+
+Queue-filled timing is only GPU time while the host enqueues the calls faster than the spin lasts: ``calls`` x the
+host cost of one launch must stay under the spin (2e7 cycles, ~10 ms). A Python launch of a kernel with many
+parameters costs tens of microseconds (``kernels.pack_args`` builds each parameter with numpy), so 200 calls of one
+can outlast the spin and the figure becomes (host time - spin) / calls, whatever the kernel does.
+:func:`time_graph` has no host cost in the figure (the calls are captured once in a CUDA graph and replayed, as a
+decode step is served) and :func:`host_seconds_per_call` measures the host side alone.
 """
 
 from __future__ import annotations
@@ -82,6 +89,50 @@ def time_on_stream(dev: Any, fn: Callable[[int], Any], calls: int, runs: int = 3
         dev.record(e1)
         out.append(dev.elapsed_ms(e0, e1) / calls / 1e3)
     return statistics.median(out)
+
+
+def time_graph(dev: Any, fn: Callable[[int], Any], calls: int, runs: int = 3, warmup: Iterable[int] = (0,),
+               graph_cls: Any = None) -> float:
+    """Median over ``runs`` of the mean GPU time (seconds) per call of ``calls`` back-to-back ``fn(i)``
+    (i = 0 .. calls - 1), captured once in a CUDA graph (``graph_cls``: default ``cuda.driver.CudaGraph``) on
+    ``dev``'s stream and replayed between ``dev``'s own events: no host launch cost in the figure. ``warmup``:
+    indices called eagerly first (compiles, loads, checks every launch); one untimed replay before the runs."""
+    if graph_cls is None:
+        from hybrid_runtime.cuda.driver import CudaGraph as graph_cls
+    for i in warmup:
+        fn(i)
+    dev.synchronize()
+
+    def body() -> None:
+        for i in range(calls):
+            fn(i)
+
+    g = graph_cls(dev, body)
+    try:
+        g.launch()
+        out = []
+        for _ in range(runs):
+            e0, e1 = dev.event(), dev.event()
+            dev.record(e0)
+            g.launch()
+            dev.record(e1)
+            out.append(dev.elapsed_ms(e0, e1) / calls / 1e3)
+        return statistics.median(out)
+    finally:
+        g.destroy()
+
+
+def host_seconds_per_call(dev: Any, fn: Callable[[int], Any], calls: int, clock: Callable[[], float] = time.perf_counter
+                          ) -> float:
+    """Host seconds one ``fn(i)`` takes to enqueue (the Python launch path alone), the mean over ``calls`` calls
+    after a synchronize; the GPU work is waited for afterwards, outside the figure."""
+    dev.synchronize()
+    t0 = clock()
+    for i in range(calls):
+        fn(i)
+    t = (clock() - t0) / calls
+    dev.synchronize()
+    return t
 
 
 def log(*a: Any) -> None:

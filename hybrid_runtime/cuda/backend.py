@@ -64,7 +64,10 @@ from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
 from .moe_router import supported as router_supported
+from .nbits_decode import DEFAULT_KNOBS as NBITS_DEFAULT_KNOBS
+from .nbits_decode import KNOB_SETS as NBITS_KNOB_SETS
 from .nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
+from .nbits_decode import TUNE_SETS as NBITS_TUNE_SETS
 from .nbits_decode import NBitsDecode, NBitsOperand
 from .nbits_decode import problems as nbits_problems
 from .prefill_attention import (
@@ -238,6 +241,7 @@ class CudaBackend:
     _fault: str | None = None  # a test-only fault for the next step (inject_fault)
     capture_bytes = 0  # device memory that warm-up and graph capture took (capture_graphs)
     dense_tune_seconds = 0.0  # what tune_dense_decode took at load
+    nbits_tune_seconds = 0.0  # what tune_nbits_decode took at load
     prefill_plans = 0  # prefill steps planned for the tensor-core prefill-attention kernel
     moe_slots_lowp = True  # prefill MoE slots in the bundle dtype (moe); False: float32 (tests, benchmarks)
 
@@ -333,7 +337,9 @@ class CudaBackend:
         self._nbits_ops: dict[int, NBitsOperand] = {}
         self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
         if self.w.packed_only:
-            self.nbits = NBitsDecode(self.dev, self.dtype)
+            # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
+            self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
+                                     [NBITS_KNOB_SETS[k] for k in NBITS_TUNE_SETS])
             self.nbits_deq = NBitsDequant(self.dev, self.dtype)
             self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)
             for bits in sorted({p.bits for p in self.w.packed_only.values()}):
@@ -1264,6 +1270,36 @@ class CudaBackend:
                      len(shapes[(N, K)]), names.get(kn, kn), t[kn] * 1e6, t[self.dense.knobs] * 1e6)
         self.dense_tune_seconds = time.perf_counter() - t0
 
+    def tune_nbits_decode(self) -> None:
+        """Time the int4 / int8 decode GEMM's builds on this model's packed-only linears at 1 and max-batch rows
+        (<= 16) and keep the fastest per (N, K, bits) (NBitsDecode.tune; the candidates differ in loads in flight,
+        rows per CTA and when activations are loaded, not in results). Logged; the choice is
+        :attr:`NBitsDecode.choice`."""
+        assert self.nbits is not None
+        shapes: dict[tuple[int, int, int], list[NBitsOperand]] = {}
+        for op in self._nbits_ops.values():
+            shapes.setdefault((op.N, op.K, op.bits), []).append(op)
+        if not shapes:
+            return
+        t0 = time.perf_counter()
+        ldx = max(-(-op.k_in // 8) * 8 for ops in shapes.values() for op in ops)
+        shapes = {k: v for k, v in shapes.items() if not nbits_problems(self.dtype, 1, ldx, 0, v[0])}
+        if not shapes:
+            return
+        x = self.dev.zeros((NBITS_MAX_ROWS, ldx), self.dtype)
+        out = self.dev.empty((NBITS_MAX_ROWS, max(N for N, _, _ in shapes)), "float32")
+        rows = sorted({1, min(NBITS_MAX_ROWS, max(self.buckets))})
+        times = self.nbits.tune(shapes, x.ptr, ldx, out.ptr, rows=rows)
+        self.dev.synchronize()
+        del x, out
+        names = {kn: name for name, kn in NBITS_KNOB_SETS.items()}
+        for (N, K, bits), t in times.items():
+            kn = self.nbits.choice[(N, K, bits)]
+            log.info("packed decode GEMM %dx%d int%d (%d weights): nbits_decode build %s, %.1f us per call (default "
+                     "%.1f)", N, K, bits, len(shapes[(N, K, bits)]), names.get(kn, kn), t[kn] * 1e6,
+                     t[self.nbits.knobs] * 1e6)
+        self.nbits_tune_seconds = time.perf_counter() - t0
+
     def capture_graphs(self, forward: Callable[[CudaCtx], Any], buckets: Sequence[int] | None = None) -> None:
         """Warm up and capture one graph per (bucket, plan class), largest bucket first (``buckets``: only these;
         default all). A class whose plan the guard refuses, or whose capture fails, is left out (its steps run
@@ -1277,6 +1313,12 @@ class CudaBackend:
             except Exception as e:  # a timing run is an optimisation: the default build serves without it
                 self.dense.choice.clear()
                 log.warning("dense decode GEMM build timing failed, every shape keeps the default build: %s", e)
+        if self.nbits is not None and len(self.nbits.builds) > 1 and not self.nbits.choice:
+            try:
+                self.tune_nbits_decode()
+            except Exception as e:  # as above: the default build serves without it
+                self.nbits.choice.clear()
+                log.warning("int4 / int8 decode GEMM build timing failed, every shape keeps the default build: %s", e)
         for bucket in reversed([b for b in self.buckets if buckets is None or b in buckets]):
             if cfg.attention_layers:
                 L = lim.max_seq_len

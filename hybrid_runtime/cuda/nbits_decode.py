@@ -36,10 +36,11 @@ bfloat16 first (a relative error of at most 2^-8 per block scale on top of the w
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import CudaDevice, DeviceArray
+from .driver import CudaDevice, CudaGraph, DeviceArray
 from .kernels import Module, load_module
 
 SOURCE = "nbits_decode.cu"
@@ -57,13 +58,18 @@ SHAPE_RULES = ("bfloat16 or float16; bits 4 or 8; block size a multiple of 16 di
 class NBitsKnobs:
     """One build: ``u`` super-steps (a 16-byte chunk per lane and row) per register batch (the 32-row kernels take
     u / 2, at least 1), two batches in flight per warp; ``rows`` weight rows per CTA (16 or 32); ``exact`` the
-    4-bit dequantisation (module docstring);
+    4-bit dequantisation (module docstring); ``xpre``: a register batch's activation (x) fragments loaded at its top,
+    before its first dequantisation (else per super-step; the same bits either way); ``pf``: super-steps of a
+    warp's share past its first register batch prefetched into L2 before the programmatic wait (the 16-row kernels
+    without act order; the same bits);
     ``bytes_per_warp``: bytes of a weight row per warp the host aims for (:func:`warps_for`)."""
 
     u: int = 2
     rows: int = 16
     exact: bool = False
     bytes_per_warp: int = 256
+    xpre: bool = False
+    pf: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,27 +77,42 @@ class NBitsKnobs:
             problems.append(f"u {self.u} not in 1..8")
         if self.rows not in (16, 32):
             problems.append(f"rows {self.rows} not 16 or 32")
+        if not 0 <= self.pf <= 64:
+            problems.append(f"pf {self.pf} not in 0..64")
         if self.bytes_per_warp < 64 or self.bytes_per_warp % 64:
             problems.append(f"bytes_per_warp {self.bytes_per_warp}: a positive multiple of 64")
         if problems:
             raise ValueError("nbits_decode knobs: " + "; ".join(problems))
 
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
-        return (f"-DDT={DT_CODES[dtype]}", f"-DNB_BITS={bits}", f"-DNB_U={self.u}", f"-DNB_EXACT={int(self.exact)}")
+        return (f"-DDT={DT_CODES[dtype]}", f"-DNB_BITS={bits}", f"-DNB_U={self.u}", f"-DNB_EXACT={int(self.exact)}",
+                f"-DNB_XPRE={int(self.xpre)}", f"-DNB_PF={self.pf}")
 
     def kernel(self, perm: bool = False) -> str:
         return ("nb_gemm_m16" if self.rows == 16 else "nb_gemm_m32") + ("_perm" if perm else "")
 
+    def same_bits(self, other: NBitsKnobs, bits: int) -> bool:
+        """Whether ``other`` gives this build's bits for ``bits``-bit weights: the same split of K and, at 4 bits,
+        the same dequantisation (8-bit always runs the exact one); u, rows, xpre and pf never change a result."""
+        return self.bytes_per_warp == other.bytes_per_warp and (bits == 8 or self.exact == other.exact)
+
 
 DEFAULT_KNOBS = NBitsKnobs()
-# The builds the benchmark compares (all but bpw512 split K alike: the same order of sums).
+# The builds the benchmark compares. bpw128 / bpw512 split K in twice / half as many warps as the default (other
+# sums); all the others split it alike and, but for exact, dequantise alike: the same bits as the default.
 KNOB_SETS: dict[str, NBitsKnobs] = {
     "default": DEFAULT_KNOBS,
     "exact": NBitsKnobs(exact=True),
     "u1": NBitsKnobs(u=1),
     "m32": NBitsKnobs(rows=32),
+    "xpre": NBitsKnobs(xpre=True),
+    "pf8": NBitsKnobs(pf=8),
+    "bpw128": NBitsKnobs(bytes_per_warp=128),
     "bpw512": NBitsKnobs(bytes_per_warp=512),
 }
+# The builds :meth:`NBitsDecode.tune` times per shape at load: the default's split of K and dequantisation, so
+# whichever wins, every output element has the same bits.
+TUNE_SETS: tuple[str, ...] = ("default", "u1", "m32", "xpre", "pf8")
 
 
 def row_bytes(K: int, bits: int) -> int:
@@ -100,7 +121,9 @@ def row_bytes(K: int, bits: int) -> int:
 
 def warps_for(K: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
     """Warps per CTA: a row's packed bytes / bytes_per_warp, clamped to 1..8 (fixed per shape: the bits do not
-    depend on n)."""
+    depend on n). The default 256 bytes: 4 warps of 4 super-steps (64 bytes of a row each) for a 2048-column int4
+    row; bpw128 gives 8 warps of 2, a warp's whole share in the one register batch loaded before the programmatic
+    wait (half the bytes in flight per warp, twice the warps)."""
     return max(1, min(MAX_WARPS, row_bytes(K, bits) // knobs.bytes_per_warp))
 
 
@@ -218,28 +241,81 @@ def launch_args(n: int, x: int, ldx: int, w: NBitsOperand, out: int, ldo: int, o
             ("ptr", bias), ("ptr", residual), ("i64", ldr), ("ptr", out), ("i64", ldo), ("i32", int(out_f32))]
 
 
-class NBitsDecode:
-    """The int4 / int8 decode-GEMM kernels for one dtype on one device (one build per bit width, compiled on
-    first use)."""
+def pick(times: Mapping[NBitsKnobs, float], primary: NBitsKnobs) -> NBitsKnobs:
+    """The fastest build of ``times`` (seconds); ``primary`` on a tie or when it is the only one measured."""
+    if not times or times.get(primary, float("inf")) <= min(times.values()):
+        return primary
+    return min(times, key=lambda kn: times[kn])
 
-    def __init__(self, device: CudaDevice, dtype: str, knobs: NBitsKnobs = DEFAULT_KNOBS) -> None:
+
+class NBitsDecode:
+    """The int4 / int8 decode-GEMM kernels for one dtype on one device: the primary build (:class:`NBitsKnobs`,
+    one module per bit width, compiled on first use) and the ``candidates`` :meth:`tune` may choose per shape
+    instead (each with the primary's split of K and dequantisation: the same bits)."""
+
+    def __init__(self, device: CudaDevice, dtype: str, knobs: NBitsKnobs = DEFAULT_KNOBS,
+                 candidates: Sequence[NBitsKnobs] = ()) -> None:
         if dtype not in DT_CODES:
             raise ValueError(f"the int4 / int8 decode GEMM runs bfloat16 / float16, not {dtype!r}")
+        if bad := [c for c in candidates if c.bytes_per_warp != knobs.bytes_per_warp or c.exact != knobs.exact]:
+            raise ValueError(f"nbits_decode candidates {bad} split K or dequantise differently from {knobs}: their "
+                             "results would not have the same bits")
         self.device, self.dtype, self.knobs = device, dtype, knobs
-        self.modules: dict[int, Module] = {}
+        self.builds: tuple[NBitsKnobs, ...] = tuple(dict.fromkeys([knobs, *candidates]))
+        self.modules: dict[tuple[NBitsKnobs, int], Module] = {}
+        self.choice: dict[tuple[int, int, int], NBitsKnobs] = {}  # (N, K, bits) -> the build tune() picked
 
-    def module(self, bits: int) -> Module:
-        if bits not in self.modules:
-            self.modules[bits] = load_module(SOURCE, self.knobs.options(self.dtype, bits), self.device.arch)
-        return self.modules[bits]
+    def module(self, bits: int, knobs: NBitsKnobs | None = None) -> Module:
+        """The build ``knobs`` (default: the primary) for ``bits``, compiled and loaded on first use."""
+        kn = knobs or self.knobs
+        if (kn, bits) not in self.modules:
+            self.modules[(kn, bits)] = load_module(SOURCE, kn.options(self.dtype, bits), self.device.arch)
+        return self.modules[(kn, bits)]
+
+    def knobs_for(self, N: int, K: int, bits: int) -> NBitsKnobs:
+        return self.choice.get((N, K, bits), self.knobs)
+
+    def tune(self, shapes: Mapping[tuple[int, int, int], Sequence[NBitsOperand]], x: int, ldx: int, out: int,
+             rows: Sequence[int] = (1,), reps: int = 2) -> dict[tuple[int, int, int], dict[NBitsKnobs, float]]:
+        """Time every build on each shape and keep the fastest in :attr:`choice`, as ``DenseDecode.tune``.
+        ``shapes``: (N, K, bits) -> the operands of that shape (a model's layers: one call per weight, rotating, so
+        the stream comes from memory as in a step); ``x`` (T ``[16, ldx]``, 16-byte aligned, ldx % 8 == 0 and >=
+        every k_in) and ``out`` (float32 ``[16, max N]``): scratch device buffers. Each build's calls are captured
+        in a CUDA graph and its replay timed with events (no host launch cost in the figure), summed over ``rows``.
+        Returns the seconds per call of every (shape, build)."""
+        dev, result = self.device, {}
+        for (N, K, bits), ops in shapes.items():
+            times: dict[NBitsKnobs, float] = {}
+            for kn in self.builds:
+                def body(kn: NBitsKnobs = kn, ops: Sequence[NBitsOperand] = ops) -> None:
+                    for n in rows:
+                        for w in ops:
+                            self.launch(n, x, ldx, w, out, w.N, True, knobs=kn)
+
+                body()  # compiles and loads the build, checks every launch
+                g = CudaGraph(dev, body)
+                try:
+                    g.launch()
+                    e0, e1 = dev.event(), dev.event()
+                    dev.record(e0)
+                    for _ in range(reps):
+                        g.launch()
+                    dev.record(e1)
+                    times[kn] = dev.elapsed_ms(e0, e1) / 1e3 / (reps * len(ops) * len(rows))
+                finally:
+                    g.destroy()
+            self.choice[(N, K, bits)] = pick(times, self.knobs)
+            result[(N, K, bits)] = times
+        return result
 
     def launch(self, n: int, x: int, ldx: int, w: NBitsOperand, out: int, ldo: int, out_f32: bool,
-               residual: int = 0, ldr: int = 0, bias: int = 0) -> None:
-        """``out = x @ w.T (+ bias) (+ residual)`` on n rows (device pointers; shapes in the module docstring).
-        ValueError before any launch for a product :func:`check` refuses; the launch itself passes the guard
+               residual: int = 0, ldr: int = 0, bias: int = 0, knobs: NBitsKnobs | None = None) -> None:
+        """``out = x @ w.T (+ bias) (+ residual)`` on n rows (device pointers; shapes in the module docstring) with
+        the build ``knobs`` (default: the one :meth:`tune` chose for the shape, else the primary). ValueError
+        before any launch for a product :func:`check` refuses; the launch itself passes the guard
         (``Kernel.launch``)."""
         check(self.dtype, n, ldx, x, w)
-        kn = self.knobs
-        self.module(w.bits).kernel(kn.kernel(bool(w.perm))).launch(
+        kn = knobs or self.knobs_for(w.N, w.K, w.bits)
+        self.module(w.bits, kn).kernel(kn.kernel(bool(w.perm))).launch(
             self.device, grid(w.N, kn), (32 * warps_for(w.K, w.bits, kn), 1, 1), 0,
             launch_args(n, x, ldx, w, out, ldo, out_f32, residual, ldr, bias), pdl=True)

@@ -19,7 +19,9 @@ from test_cuda_compile import nvrtc_or_skip, ptx
 from hybrid_runtime.cuda.nbits_decode import (
     DEFAULT_KNOBS,
     KNOB_SETS,
+    MAX_WARPS,
     SOURCE,
+    TUNE_SETS,
     NBitsDecode,
     NBitsKnobs,
     NBitsOperand,
@@ -27,6 +29,7 @@ from hybrid_runtime.cuda.nbits_decode import (
     check,
     grid,
     launch_args,
+    pick,
     problems,
     warps_for,
 )
@@ -86,6 +89,66 @@ def test_the_weight_loads_go_out_before_the_programmatic_wait() -> None:
     assert "ld.global.nc.f32" in body[:wait], "no scale load before the wait"
     # X is read only after the wait (plain global loads of the activations)
     assert not re.search(r"ld\.global\.v4\.u32|ld\.global\.u16", body[:wait])
+    assert "prefetch.global.L2" not in body
+    # the pf build: L2 prefetches of the weights, also before the wait
+    text = ptx(source(SOURCE), SOURCE, KNOB_SETS["pf8"].options("bfloat16", 4))
+    body = text[text.index(".entry nb_gemm_m16("):]
+    body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
+    wait = body.index("griddepcontrol.wait")
+    assert "prefetch.global.L2" in body[:wait] and "prefetch.global.L2" not in body[wait:]
+
+
+def test_tuning_candidates_keep_the_bits() -> None:
+    """tune() may only choose among builds with the primary's split of K and dequantisation (same bits whatever
+    wins); pick() keeps the primary on a tie."""
+    for name in TUNE_SETS:
+        assert KNOB_SETS[name].same_bits(DEFAULT_KNOBS, 4) and KNOB_SETS[name].same_bits(DEFAULT_KNOBS, 8), name
+    assert not KNOB_SETS["bpw128"].same_bits(DEFAULT_KNOBS, 8) and not KNOB_SETS["exact"].same_bits(DEFAULT_KNOBS, 4)
+    assert KNOB_SETS["exact"].same_bits(DEFAULT_KNOBS, 8)  # 8-bit always dequantises exactly
+    kern = NBitsDecode(None, "bfloat16", DEFAULT_KNOBS, [KNOB_SETS[n] for n in TUNE_SETS])  # type: ignore[arg-type]
+    assert kern.builds[0] == DEFAULT_KNOBS and len(kern.builds) == len(TUNE_SETS) and kern.modules == {}
+    for bad in ("bpw128", "exact"):
+        with pytest.raises(ValueError, match="same bits"):
+            NBitsDecode(None, "bfloat16", DEFAULT_KNOBS, [KNOB_SETS[bad]])  # type: ignore[arg-type]
+    u1, m32 = KNOB_SETS["u1"], KNOB_SETS["m32"]
+    assert pick({DEFAULT_KNOBS: 2.0, u1: 1.0, m32: 1.5}, DEFAULT_KNOBS) == u1
+    assert pick({DEFAULT_KNOBS: 1.0, u1: 1.0}, DEFAULT_KNOBS) == DEFAULT_KNOBS
+    assert pick({}, DEFAULT_KNOBS) == DEFAULT_KNOBS and pick({u1: 3.0}, DEFAULT_KNOBS) == u1
+    assert kern.knobs_for(12288, 2048, 4) == DEFAULT_KNOBS
+    kern.choice[(12288, 2048, 4)] = m32
+    assert kern.knobs_for(12288, 2048, 4) == m32 and kern.knobs_for(12288, 2048, 8) == DEFAULT_KNOBS
+
+
+def test_xpre_loads_the_batch_activations_before_its_first_mma() -> None:
+    """The xpre build's PTX: in the main loop, a batch's activation loads (plain v4 loads) all come before its first
+    mma; the default's interleave (one batch: U super-steps x 4 vectors of 16 bytes for one n-group)."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import source
+
+    def first_batch(options: tuple[str, ...]) -> str:
+        text = ptx(source(SOURCE), SOURCE, options)
+        body = text[text.index(".entry nb_gemm_m16("):]
+        body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
+        return body[body.index("griddepcontrol.wait"):]
+
+    for name, before in (("xpre", DEFAULT_KNOBS.u * 4), ("default", 4)):
+        body = first_batch(KNOB_SETS[name].options("bfloat16", 4))
+        head = body[:body.index("mma.sync")]
+        assert len(re.findall(r"ld\.global(?:\.nc)?\.v4\.u32", head)) == before, name
+
+
+def test_the_split_of_k_fits_32_bit_arithmetic() -> None:
+    """The kernel splits a row's S super-steps over nw warps as (S w) / nw in 32-bit unsigned arithmetic (the
+    model: exact integers); the host keeps K < 2^24, so S nw < 2^22 never wraps, and the split covers [0, S) in order
+    with no gap for every warp count the host chooses."""
+    K_max = (1 << 24) - 32
+    for bits in (4, 8):
+        S = (K_max * bits // 128 + 3) // 4
+        assert S * MAX_WARPS < 1 << 22
+    for S in range(1, 70):
+        for nw in range(1, MAX_WARPS + 1):
+            bounds = [(S * w) // nw for w in range(nw + 1)]
+            assert bounds[0] == 0 and bounds[-1] == S and bounds == sorted(bounds)
 
 
 def _op(**kw: int) -> NBitsOperand:
@@ -97,13 +160,20 @@ def _op(**kw: int) -> NBitsOperand:
 def test_knobs_and_host_rules() -> None:
     assert DEFAULT_KNOBS.kernel() == "nb_gemm_m16" and KNOB_SETS["m32"].kernel(perm=True) == "nb_gemm_m32_perm"
     assert not DEFAULT_KNOBS.exact and KNOB_SETS["exact"].exact
-    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}):
+    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}, {"pf": -1}, {"pf": 65}):
         with pytest.raises(ValueError, match="nbits_decode knobs"):
             NBitsKnobs(**bad)
-    assert DEFAULT_KNOBS.options("float16", 8) == ("-DDT=1", "-DNB_BITS=8", "-DNB_U=2", "-DNB_EXACT=0")
-    # warps from a row's packed bytes: 2048 int4 = 1 KiB -> 4, int8 -> 8; 512 int4 = 256 B -> 1; 4096 int4 -> 8
+    assert DEFAULT_KNOBS.options("float16", 8) == ("-DDT=1", "-DNB_BITS=8", "-DNB_U=2", "-DNB_EXACT=0", "-DNB_XPRE=0",
+                                                   "-DNB_PF=0")
+    assert KNOB_SETS["xpre"].options("bfloat16", 4)[-2:] == ("-DNB_XPRE=1", "-DNB_PF=0")
+    assert KNOB_SETS["pf8"].options("bfloat16", 4)[-1] == "-DNB_PF=8"
+    # warps from a row's packed bytes / 256: 2048 int4 = 1 KiB -> 4, int8 -> 8; 512 int4 = 256 B -> 1; 4096 int4 -> 8
     assert warps_for(2048, 4) == 4 and warps_for(2048, 8) == 8 and warps_for(512, 4) == 1 and warps_for(4096, 4) == 8
     assert warps_for(32, 4) == 1 and warps_for(2048, 4, KNOB_SETS["bpw512"]) == 2
+    # / 128: twice the warps (two 64-byte super-steps each for a 2048-column int4 row), clamped to 8
+    bpw128 = KNOB_SETS["bpw128"]
+    assert warps_for(2048, 4, bpw128) == 8 and warps_for(512, 4, bpw128) == 2 and warps_for(4096, 4, bpw128) == 8
+    assert warps_for(512, 8, bpw128) == 4 and warps_for(2048, 8, bpw128) == 8 and warps_for(64, 4, bpw128) == 1
     assert grid(12288) == (768, 1, 1) and grid(64) == (4, 1, 1) and grid(40, KNOB_SETS["m32"]) == (2, 1, 1)
     assert [bs_shift(b) for b in (16, 32, 128, 2048, 48, 96)] == [4, 5, 7, 11, -1, -1]
     assert problems("bfloat16", 16, 2048, 4096, _op()) == []
@@ -223,6 +293,8 @@ CASES = [  # N, K, bits, bs, asym, k_in (None: no perm), n, mt_count, nw
     (16, 96, 8, 48, True, None, 8, 1, 1),  # a block size that is not a power of two (the kernel divides)
     (17, 160, 8, 160, True, None, 3, 1, 2),  # one block per row (group size -1); N past the last m-tile
     (33, 96, 4, 96, False, 90, 12, 2, 1),  # 4-bit, one block per row, 3 chunks, act order
+    (24, 2048, 4, 128, True, None, 3, 1, 8),  # bpw128's split of a 2048-column int4 row: 8 warps of 2 super-steps
+    (16, 512, 8, 64, False, 500, 16, 1, 4),  # bpw128, 8-bit: 4 warps of 2 super-steps, act order
 ]
 
 

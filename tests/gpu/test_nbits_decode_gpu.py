@@ -173,8 +173,37 @@ def test_every_knob_set(dev, bits) -> None:
             r = rig if kn.exact == DEFAULT_KNOBS.exact else Rig(dev, dtype, p, seed=2, fast=not kn.exact)
             got = r.run(NBitsDecode(dev, dtype, kn), 7, out_f32=True)
             r.check(got, 7)
-            if kn.bytes_per_warp == DEFAULT_KNOBS.bytes_per_warp and (kn.exact == DEFAULT_KNOBS.exact or bits == 8):
+            if kn.same_bits(DEFAULT_KNOBS, bits):
                 assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (dtype, name)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tune_picks_a_build_per_shape_with_the_same_bits(dev, bits) -> None:
+    """NBitsDecode.tune times every candidate (CUDA graphs) on each shape and keeps one of them; a launch then
+    runs the chosen build, whose bits are the default build's (batch invariance and results do not depend on
+    which build a load's timing picked)."""
+    from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, KNOB_SETS, TUNE_SETS, NBitsDecode
+
+    dtype = "bfloat16"
+    rigs = [Rig(dev, dtype, make_packed(np.random.default_rng(bits + i), K, N, bits, 128, False, i == 1), seed=i)
+            for i, (K, N) in enumerate([(2048, 1024), (512, 264)])]
+    base = [r.run(NBitsDecode(dev, dtype), 16, out_f32=True) for r in rigs]
+    kern = NBitsDecode(dev, dtype, DEFAULT_KNOBS, [KNOB_SETS[n] for n in TUNE_SETS])
+    ldx = -(-max(r.p.k_in for r in rigs) // 8) * 8  # scratch x: every k_in, 16-byte rows
+    x = dev.upload(host_bits(np.zeros((16, ldx), np.float32), dtype), dtype=dtype)
+    out = dev.upload(np.zeros((16, 1024), np.float32))
+    shapes = {(r.p.N, r.p.K, bits): [r.op] for r in rigs}
+    times = kern.tune(shapes, x.ptr, ldx, out.ptr, rows=(1, 16))
+    assert set(times) == set(shapes) and set(kern.choice) == set(shapes)
+    for key, t in times.items():
+        assert set(t) == set(kern.builds) and all(v > 0 for v in t.values())
+        assert kern.choice[key] == min(t, key=t.get) or t[DEFAULT_KNOBS] <= min(t.values())
+    for r, b in zip(rigs, base, strict=True):
+        got = r.run(kern, 16, out_f32=True)
+        assert np.array_equal(got.view(np.uint32), b.view(np.uint32)), kern.choice
+        for n in (1, 7):
+            one = r.run(kern, n, out_f32=True)
+            assert np.array_equal(one[:n].view(np.uint32), b[:n].view(np.uint32))
 
 
 @pytest.mark.parametrize("perm", [False, True])

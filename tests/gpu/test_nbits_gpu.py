@@ -263,6 +263,11 @@ def test_packed_linears_match_the_dequantised_bundle(root: Path, case: str) -> N
         return [r for r in rules if not r.startswith(("without a perm", "ldx"))]
 
     fits = [n for n, p in packed.w.packed_only.items() if not kernel_rules(p)]
+    # the load's timing of the kernel's builds (capture_graphs does it; the runners here run eagerly): one build
+    # kept per packed shape that fits, each with the default's bits, so every bound below holds whichever won
+    packed.tune_nbits_decode()
+    tuned = {(p.N, p.K, p.bits) for n, p in packed.w.packed_only.items() if n in fits}
+    assert set(packed.nbits.choice) == tuned and set(packed.nbits.choice.values()) <= set(packed.nbits.builds)
     runners = [ModelRunner(gpu_b, gm, backend=plain), ModelRunner(gpu_b, gm, backend=packed)]
     prefill_steps = -(-37 // 5)
     steps = _drive(runners, gm, seed=len(case))

@@ -479,3 +479,56 @@ def test_device_waiting_is_set_only_while_synchronize_blocks(monkeypatch: pytest
     with pytest.raises(driver.CudaError):
         dev.synchronize()
     assert not dev.waiting.is_set()
+
+
+def test_tune_nbits_decode_times_each_packed_shape_once() -> None:
+    """CudaBackend.tune_nbits_decode hands NBitsDecode.tune the packed-only linears grouped by (N, K, bits), only
+    those the kernel takes, with one scratch x wide enough for every k_in (16-byte rows) and the 1 / max-bucket row
+    counts (a fake device and a recording tune: the timing itself runs on the GPU, tests/gpu/test_nbits_gpu.py)."""
+    from hybrid_runtime.cuda.backend import CudaBackend
+    from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, KNOB_SETS, NBitsOperand
+
+    class Arr:
+        def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+            self.shape, self.dtype, self.ptr = shape, dtype, 4096 * (1 + len(made))
+            made.append(self)
+
+    class Dev:
+        def zeros(self, shape: tuple[int, ...], dtype: str) -> Arr:
+            return Arr(shape, dtype)
+
+        def empty(self, shape: tuple[int, ...], dtype: str) -> Arr:
+            return Arr(shape, dtype)
+
+        def synchronize(self) -> None:
+            pass
+
+    class Tuner:
+        knobs = DEFAULT_KNOBS
+
+        def __init__(self) -> None:
+            self.choice: dict = {}
+            self.calls: list = []
+
+        def tune(self, shapes: dict, x: int, ldx: int, out: int, rows: list[int]) -> dict:
+            self.calls.append((shapes, x, ldx, out, rows))
+            for key in shapes:
+                self.choice[key] = KNOB_SETS["u1"]
+            return {key: {DEFAULT_KNOBS: 2e-6, KNOB_SETS["u1"]: 1e-6} for key in shapes}
+
+    made: list[Arr] = []
+    in_proj = [NBitsOperand(256 * i, 64, 0, 0, 2048, 12288, 4, 128, 2048) for i in (1, 2)]
+    act_order = NBitsOperand(256 * 3, 64, 0, 64, 2048, 1024, 4, 128, 2030)  # k_in 2030: x rows padded to 2032+
+    out_proj = NBitsOperand(256 * 4, 64, 0, 0, 4096, 2048, 8, 128, 4096)
+    refused = NBitsOperand(256 * 5, 64, 0, 0, 64, 64, 4, 128, 64)  # K below its block: the scratch path
+    be = object.__new__(CudaBackend)
+    be.dtype, be.buckets, be.dev, be.nbits = "bfloat16", (1, 4, 32), Dev(), Tuner()
+    be._nbits_ops = {op.B: op for op in (*in_proj, act_order, out_proj, refused)}
+    be.tune_nbits_decode()
+    assert len(be.nbits.calls) == 1
+    shapes, x, ldx, out, rows = be.nbits.calls[0]
+    assert shapes == {(12288, 2048, 4): in_proj, (1024, 2048, 4): [act_order], (2048, 4096, 8): [out_proj]}
+    assert ldx == 4096 and rows == [1, 16]
+    assert made[0].shape == (16, 4096) and made[0].dtype == "bfloat16" and x == made[0].ptr
+    assert made[1].shape == (16, 12288) and made[1].dtype == "float32" and out == made[1].ptr
+    assert be.nbits_tune_seconds >= 0.0 and set(be.nbits.choice) == set(shapes)

@@ -1,5 +1,6 @@
-"""benchmarks.gpu_common.time_on_stream, the queue-filled timing the GPU kernel benchmarks share, on a fake
-device and a fake torch (the benchmarks themselves run only on a GPU)."""
+"""benchmarks.gpu_common.time_on_stream (the queue-filled timing the GPU kernel benchmarks share), time_graph (the
+calls captured once in a CUDA graph and replayed) and host_seconds_per_call, on a fake device, a fake graph and a
+fake torch (the benchmarks themselves run only on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import types
 
 import pytest
 
-from benchmarks.gpu_common import time_on_stream
+from benchmarks.gpu_common import host_seconds_per_call, time_graph, time_on_stream
 
 
 class FakeDevice:
@@ -51,3 +52,62 @@ def test_time_on_stream_warms_up_spins_and_times_each_run(monkeypatch: pytest.Mo
     calls = [x for x in log if isinstance(x, int)]
     assert calls == list(range(150))  # run r calls fn(r * 50 + i): a fresh input set per run
     assert t == pytest.approx(1e-3)  # runs 0 and 1: 1 ms per call, run 2 (fn(100..149)): 3 ms; median 1 ms
+
+
+class FakeGraph:
+    """Records fn()'s calls at capture (no clock) and replays them, each advancing the device clock."""
+
+    def __init__(self, dev: FakeDevice, body) -> None:
+        self.dev, self.calls, self.destroyed = dev, [], False
+        dev.log.append("capture")
+        dev.capturing = self.calls
+        try:
+            body()
+        finally:
+            dev.capturing = None
+
+    def launch(self) -> None:
+        self.dev.log.append("replay")
+        for ms in self.calls:
+            self.dev.clock += ms
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def test_time_graph_captures_once_and_times_each_replay() -> None:
+    log: list = []
+    dev = FakeDevice(log)
+    dev.capturing = None
+    graphs: list[FakeGraph] = []
+
+    def fn(i: int) -> None:
+        log.append(i)
+        if dev.capturing is not None:
+            dev.capturing.append(2.0 + i)  # ms on the GPU when replayed
+        else:
+            dev.clock += 1000.0  # an eager call (the warm-up): never inside a timed replay
+
+    def graph(d: FakeDevice, body) -> FakeGraph:
+        graphs.append(FakeGraph(d, body))
+        return graphs[-1]
+
+    t = time_graph(dev, fn, 3, runs=5, warmup=(9,), graph_cls=graph)
+    assert log[:4] == [9, "sync", "capture", 0] and log[4:7] == [1, 2, "replay"]
+    assert log[7:] == ["record", "replay", "record"] * 5
+    assert t == pytest.approx((2.0 + 3.0 + 4.0) / 3 * 1e-3)  # the replays' GPU time per call, in seconds
+    assert len(graphs) == 1 and graphs[0].destroyed
+
+
+def test_host_seconds_per_call_is_the_enqueue_time_alone() -> None:
+    log: list = []
+    dev = FakeDevice(log)
+    now = [0.0]
+
+    def fn(i: int) -> None:
+        log.append(i)
+        now[0] += 0.5 + i  # host seconds this call takes
+
+    t = host_seconds_per_call(dev, fn, 4, clock=lambda: now[0])
+    assert log == ["sync", 0, 1, 2, 3, "sync"]
+    assert t == pytest.approx((0.5 + 1.5 + 2.5 + 3.5) / 4)

@@ -72,6 +72,13 @@ typedef unsigned char u8;
 #ifndef NB_EXACT
 #define NB_EXACT 1
 #endif
+#ifndef NB_XPRE
+#define NB_XPRE 0
+#endif
+#ifndef NB_PF
+#define NB_PF 0
+#endif
+static_assert(NB_PF >= 0 && NB_PF <= 64, "NB_PF must be 0..64");
 static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
 #define NB_U32 (NB_U > 1 ? NB_U / 2 : 1)  // the 32-row kernels: half the batch (the same chunks in flight per lane)
 #define NB_MAXW 8
@@ -350,14 +357,27 @@ __device__ __forceinline__ void load_batch(Batch<MT, U>& b, const NbArgs& a, con
 template <int MT, int U, bool PERM, int NG>
 __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT, U>& b, const NbArgs& a,
                                           const u16* const (&xr)[2], const bool (&xok)[2], int t, int C, int s, int s1) {
+#if NB_XPRE
+  uint4 xb[U][NG][NB_CC / 8];  // the whole batch's X fragments first
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int c = 4 * (s + i) + t;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) x_chunk<PERM>(xb[i][q], a, xr[q], c * NB_CC, s + i < s1 && c < C && xok[q]);
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < U; ++i) {
     if (s + i >= s1) break;  // warp-uniform
+#if NB_XPRE
+    const uint4(&xv)[NG][NB_CC / 8] = xb[i];
+#else
     const int c = 4 * (s + i) + t;
     const bool ok = c < C;
     uint4 xv[NG][NB_CC / 8];
 #pragma unroll
     for (int q = 0; q < NG; ++q) x_chunk<PERM>(xv[q], a, xr[q], c * NB_CC, ok && xok[q]);
+#endif
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
       u32 xp[NG][NB_PAIRS];
@@ -403,7 +423,9 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
   const int row0 = blockIdx.x * RM;
   const int C = a.K / NB_CC;  // chunks per row (the host checks K * BITS / 8 % 16 == 0)
   const int S = (C + 3) >> 2;
-  const int s0 = (int)((long long)S * warp / nw), s1 = (int)((long long)S * (warp + 1) / nw);
+  // 32-bit unsigned division (S * nw < 2^22: the host keeps K < 2^24), not a 64-bit one: the weight addresses wait
+  // on this split, so it is the prologue's critical path
+  const int s0 = (int)((unsigned)(S * warp) / (unsigned)nw), s1 = (int)((unsigned)(S * (warp + 1)) / (unsigned)nw);
   Row rows[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -411,6 +433,22 @@ __device__ __forceinline__ void nb_cta(const NbArgs& a, const float* __restrict_
     for (int h = 0; h < 2; ++h) rows[mt][h] = row_ptrs(a, min(row0 + mt * 16 + g + 8 * h, a.N - 1));  // clamped
   Batch<MT, U> ba, bb;
   load_batch<MT, U>(ba, a, rows, t, C, s0, s1);  // before the wait: weights do not depend on the kernel before this one
+#if NB_PF > 0
+  // the next NB_PF super-steps of the warp's share into L2, also before the wait (lane t == 0 of each row: a
+  // super-step's 64 bytes of a row lie in one 128-byte line); the register batches then load them from L2. The
+  // 16-row kernels without act order only (the 32-row and the act-order 8-bit ones spilled at 128 registers with
+  // it, NVRTC 13)
+#pragma unroll 1
+  for (int i = 0; i < (MT == 1 && !PERM ? NB_PF : 0); ++i) {
+    const int s = s0 + U + i;
+    if (s >= s1) break;
+    if (t == 0)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows[mt][h].w + 4 * s) : "memory");
+  }
+#endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
