@@ -323,8 +323,9 @@ class CudaBackend:
                 raise ValueError("need a bundle directory or preloaded weights")
             # a GPTQ bundle's packed weights are dequantised at load; keep_packed keeps their device copies too
             # (DeviceWeights.packed; counted in the weights' bytes and taken before the memory plan reads free memory)
-            # packed_linears (bf16 / fp16 GPTQ bundles; off by default: on the H200 the int4 / int8 decode GEMM is still
-            # slower than dense_decode over the dequantised bf16 weights, benchmarks/results/gpu_nbits_decode_h200.md):
+            # packed_linears (bf16 / fp16 GPTQ bundles; off by default: the int4 / int8 decode GEMM beats dense_decode
+            # over the dequantised bf16 weights on the H200 (benchmarks/results/gpu_nbits_decode_h200.md), but prefill
+            # then dequantises a scratch copy per product, and that step-level trade is not measured yet):
             # the dense linear weights stored packed stay only packed; decode GEMMs of <= NBITS_MAX_ROWS rows read
             # them with the int4 / int8 kernel, the others dequantise them into a scratch buffer first (_gemm).
             # float32 bundles (the parity configuration) always dequantise everything.
