@@ -40,33 +40,13 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+from hybrid_runtime.host_memory import release_free_heap
+
 log = logging.getLogger("deploy.heap_debug")
 
 SNAPSHOT_GLOB = "heap-*.tracemalloc"
 SNAPSHOT_COMM = "hybrid-heapsnap"  # the forked snapshot child's name (/proc/<pid>/comm): the soak skips it
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-def release_free_heap() -> bool:
-    """Return malloc's free memory to the system (glibc ``malloc_trim(0)``, called without the GIL: a ctypes
-    ``CDLL`` function); False where there is no glibc."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 @functools.cache

@@ -78,6 +78,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _seconds_at_least_0(text: str) -> float:
+    value = float(text.strip())
+    if not value >= 0.0 or value == float("inf"):  # NaN and inf refused too
+        raise ValueError
+    return value
+
+
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -100,6 +107,7 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "intra_op_threads": (_int_at_least(0), "an integer >= 0 (0 = onnxruntime's default)"),
     "device": (_device, "auto, cpu, cuda or cuda:N"),
     "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
+    "heap_trim_interval_s": (_seconds_at_least_0, "seconds >= 0 such as 60 (0 = never return freed heap memory)"),
     "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
     "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
@@ -119,6 +127,7 @@ class ModelParameters:
     intra_op_threads: int = 0
     device: str = "auto"
     gpu_memory_fraction: float = 0.9
+    heap_trim_interval_s: float = 60.0
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
 
@@ -129,7 +138,8 @@ class ModelParameters:
                               profile_pinning=self.profile_pinning, default_max_tokens=self.default_max_tokens,
                               kv_cache_bytes=self.kv_cache_bytes, intra_op_threads=self.intra_op_threads,
                               device=instance_device(self.device, instance_kind, instance_device_id),
-                              gpu_memory_fraction=self.gpu_memory_fraction)
+                              gpu_memory_fraction=self.gpu_memory_fraction,
+                              heap_trim_interval_s=self.heap_trim_interval_s)
 
 
 def instance_device(device: str, instance_kind: str, instance_device_id: int) -> str:

@@ -50,6 +50,8 @@ COUNTERS = {
     "decode_eager": ("decode_eager_steps_total", "Decode steps of a cuda bundle launched eagerly, by reason", "reason"),
     "step_seconds": ("engine_step_seconds_total", "Wall time of engine steps by phase (run, sample, events)",
                      "phase"),
+    "heap_trims": ("heap_trims_total", "glibc malloc_trim calls of the engine thread (heap_trim_interval_s)", None),
+    "heap_trim_seconds": ("heap_trim_seconds_total", "Time spent in the engine thread's malloc_trim calls", None),
 }
 LATENCIES = {
     "ttft": ("time_to_first_token_seconds", "Time from request arrival to its first token"),

@@ -67,6 +67,9 @@ class Metrics:
         self.cuda_graphs_captured = 0
         self.graph_replays = Counter[str]()
         self.decode_eager = Counter[str]()
+        # glibc malloc_trim calls of the engine thread (RuntimeOptions.heap_trim_interval_s) and their time
+        self.heap_trims = 0
+        self.heap_trim_seconds = 0.0
         self.ttft = Histogram()
         self.itl = Histogram()
 
@@ -90,6 +93,8 @@ class Metrics:
                 "cuda_graphs_captured": self.cuda_graphs_captured,
                 "graph_replays": dict(self.graph_replays),
                 "decode_eager": dict(self.decode_eager),
+                "heap_trims": self.heap_trims,
+                "heap_trim_seconds": self.heap_trim_seconds,
                 "ttft": {"n": self.ttft.n, "sum": self.ttft.total, "buckets": list(self.ttft.counts)},
                 "itl": {"n": self.itl.n, "sum": self.itl.total, "buckets": list(self.itl.counts)},
             }

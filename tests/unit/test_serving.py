@@ -209,6 +209,30 @@ def test_runtime_options_are_validated(default_bundle: Path) -> None:
         RuntimeOptions(profile_pinning="shared")
     with pytest.raises(BundleError, match="exceeds the bundle"):
         ServingEngine(default_bundle, RuntimeOptions(max_batch_size=17))
+    with pytest.raises(ConfigError, match="heap_trim_interval_s"):
+        RuntimeOptions(heap_trim_interval_s=-1.0)
+
+
+def test_engine_thread_trims_the_heap_on_its_interval_and_counts_it(default_bundle: Path) -> None:
+    """With heap_trim_interval_s the engine thread calls malloc_trim between steps (and while idle), at most once
+    per interval, and the metrics count the calls; 0 never trims."""
+    from hybrid_runtime.host_memory import release_free_heap
+
+    if not release_free_heap():
+        pytest.skip("no glibc malloc_trim here")
+    eng = ServingEngine(default_bundle, RuntimeOptions(heap_trim_interval_s=0.2)).start()
+    off = ServingEngine(default_bundle, RuntimeOptions(heap_trim_interval_s=0)).start()
+    try:
+        for e in (eng, off):
+            generate(e, _requests(4, seed=5, prefix="trim"))
+        time.sleep(1.0)
+        on_stats, off_stats = eng.stats(), off.stats()
+    finally:
+        eng.shutdown()
+        off.shutdown()
+    assert 2 <= on_stats["heap_trims"] <= 20, on_stats["heap_trims"]  # ~ (run time + 1 s) / 0.2 s, never per step
+    assert on_stats["heap_trim_seconds"] > 0
+    assert off_stats["heap_trims"] == 0 and off_stats["heap_trim_seconds"] == 0
 
 
 def test_shutdown_sends_final_cancelled_to_inflight(default_bundle: Path) -> None:

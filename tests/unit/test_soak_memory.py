@@ -216,3 +216,43 @@ def test_unload_hang_is_recognised_only_in_its_upstream_shape() -> None:
     assert not unload_hang(busy)["no_inflight_inferences"]
     clean = "\n".join(HANG_LOG.splitlines()[:3]) + '\nI1201 server.cc:345] "Timeout 5: Found 0 live models and 0 ..."'
     assert unload_hang(clean) == {"exit_timeout_expired": False, "no_inflight_inferences": True, "live_model_waits": 0}
+
+
+def test_release_free_heap_returns_a_threads_arena_memory() -> None:
+    """What the engine thread's periodic trim is for: memory a thread freed stays in ITS glibc arena (issue 21's
+    47-minute soak: the engine thread's arena kept ~5 MiB more free memory after the longest request), and
+    malloc_trim(0) gives the whole free pages of every arena back, not only the main one's."""
+    import threading
+
+    def anon_mib() -> float:
+        return mem.status_kib(os.getpid(), ("RssAnon",))["RssAnon"] / 1024.0
+
+    if not release_free_heap():
+        pytest.skip("no glibc malloc_trim here")
+    kept: list[list[bytearray]] = []
+
+    def work() -> None:  # blocks below the mmap threshold, freed in this thread: they stay in its arena
+        blocks = [bytearray(4000) for _ in range(20_000)]  # ~76 MiB
+        kept.append(blocks[::64])
+        del blocks
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    before = anon_mib()
+    assert release_free_heap()
+    assert anon_mib() < before - 30.0 and len(kept[0]) == 313
+
+
+def test_heap_trimmer_calls_at_most_once_per_interval() -> None:
+    from hybrid_runtime.host_memory import HeapTrimmer
+
+    now = [0.0]
+    calls: list[float] = []
+    trimmer = HeapTrimmer(10.0, trim=lambda: calls.append(now[0]) or True, clock=lambda: now[0])
+    for t in (0.0, 5.0, 9.99, 10.0, 10.5, 19.9, 20.0, 45.0, 46.0):
+        now[0] = t
+        trimmer.maybe_trim()
+    assert calls == [10.0, 20.0, 45.0] and trimmer.trims == 3
+    never = HeapTrimmer(0.0, trim=lambda: calls.append(-1.0) or True, clock=lambda: 1e9)
+    assert not never.maybe_trim() and never.trims == 0 and calls[-1] == 45.0

@@ -68,12 +68,23 @@ def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
     ("log_level", "chatty", "debug, info, warning, error"),
     ("intra_op_threads", "1.5", "integer >= 0"),
     ("heap_snapshot_period_s", "0", "integer >= 1"),
+    ("heap_trim_interval_s", "-5", "seconds >= 0"),
+    ("heap_trim_interval_s", "nan", "seconds >= 0"),
+    ("heap_trim_interval_s", "often", "seconds >= 0"),
 ])
 def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
     with pytest.raises(ParameterError) as e:
         parse_parameters(_config(engine_dir=str(tmp_path), **{key: value}), tmp_path)
     msg = str(e.value)
     assert key in msg and repr(value) in msg and expect in msg and "config.pbtxt" in msg
+
+
+def test_heap_trim_interval_reaches_the_runtime(tmp_path: Path) -> None:
+    assert parse_parameters(_config(engine_dir=str(tmp_path)), tmp_path).runtime_options().heap_trim_interval_s == 60
+    p = parse_parameters(_config(engine_dir=str(tmp_path), heap_trim_interval_s="2.5"), tmp_path)
+    assert p.heap_trim_interval_s == 2.5 and p.runtime_options().heap_trim_interval_s == 2.5
+    assert parse_parameters(_config(engine_dir=str(tmp_path), heap_trim_interval_s="0"),
+                            tmp_path).runtime_options().heap_trim_interval_s == 0
 
 
 def test_heap_debugging_parameters(tmp_path: Path) -> None:
