@@ -10,9 +10,11 @@ random ids and ``--new`` tokens each, greedy) in a fresh process of its own and 
   parameters without the embedding table, whose rows are read from the file, :mod:`hybrid_runtime.engine.table_rows`),
   the GDN state slots (resident rows only: the padding-sink row is never written on the CPU), the KV page pool,
   and the remainder (the sessions' own heap, library code first run at load);
-* what serving adds, per piece of the runner's pipeline (engine segments, GDN, attention, MoE, head, sampler:
-  RSS growth measured around each call, summed over the workload; a piece's first prefill step shows the
-  intermediates it leaves resident: its outputs, onnxruntime's shared arena, glibc's arenas, code).
+* what serving adds, and which piece of the runner's pipeline raised the peak (engine segments, GDN, attention,
+  MoE, head: the growth of the process's high-water mark VmHWM during each call, summed over the workload;
+  growth between calls, such as the sampler's, is the rest of the step). What a piece leaves resident: its
+  outputs, onnxruntime's shared arena (process-wide, so the first piece to need a larger region is charged),
+  glibc's arenas, library code run for the first time.
 
 It attributes; it changes nothing. The bundle is the one ``make bench`` builds (``--root``, default build/bench).
 """
@@ -50,13 +52,13 @@ def worker(bundle: Path, batch: int, new: int) -> dict:
 
     stages = {"imports": status()}
     growth: Counter[str] = Counter()
-    for name in PIECES:  # RSS growth around each call of the backend's pipeline pieces
+    for name in PIECES:  # growth of the high-water mark during each call of the backend's pipeline pieces
         orig = getattr(bk.HostBackend, name)
 
         def timed(self, *args, _orig=orig, _name=name, **kwargs):
-            before = status()["VmRSS"]
+            before = status()["VmHWM"]
             out = _orig(self, *args, **kwargs)
-            growth[_name] += status()["VmRSS"] - before
+            growth[_name] += status()["VmHWM"] - before
             return out
 
         setattr(bk.HostBackend, name, timed)
@@ -105,10 +107,10 @@ def report(name: str, batch: int, res: dict) -> str:
     rest = load["VmRSS"] - imp["VmRSS"] - sum(held.values())
     lines.append(f"| rest of the load (the sessions' own heap, library code first run) | {rest:.1f} |")
     serving = work["VmRSS"] - load["VmRSS"]
-    lines.append(f"| serving (RSS growth after load); each piece's growth summed over its calls (what it frees "
-                 f"is not subtracted, so the pieces add up to more): | {serving:.1f} |")
+    lines.append(f"| serving: RSS growth after load | {serving:.1f} |")
+    lines.append(f"| peak growth after load (VmHWM), raised during: | {work['VmHWM'] - load['VmHWM']:.1f} |")
     labels = {"segment": "engine segments", "gdn": "GDN operator", "attention": "attention operator",
-              "moe": "MoE operator", "head": "head", "execute": "whole steps (includes the pieces above)"}
+              "moe": "MoE operator", "head": "head", "execute": "whole steps (the pieces above and the rest)"}
     lines += [f"| &nbsp; {labels[k]} | {res['growth'].get(k, 0.0):.1f} |" for k in PIECES]
     lines.append(f"| transient above the final RSS | {work['VmHWM'] - work['VmRSS']:.1f} |")
     goal = RSS_GOALS.get(name)
