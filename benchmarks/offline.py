@@ -13,7 +13,9 @@ beside it, which is how noisy the machine was.
   transformers: ``generate`` minus one forward of the prompt, over the 63 tokens after the first);
 * prefill tok/s: prompt tokens over prefill time (ours: the serving loop's prefill steps, in chunks of the
   bundle's ``max_num_tokens``; transformers: one forward of the whole batch);
-* peak RSS: the process's high-water mark (VmHWM) after loading, prefill and decode;
+* peak RSS: the process's high-water mark (VmHWM) after loading, prefill and decode (the lowest of the
+  repeats); where a model has a goal (:data:`RSS_GOALS`: qwen3-next-334m at batch 16 within 1.5 GB, issue
+  18) a line after the table gives ours over the goal as a ratio (<= 1.00x meets it);
 * our step split: share of decode-step time in the engine segments, the GDN, attention and MoE operators,
   and outside them (Python: scheduling, sampling, bookkeeping).
 
@@ -59,6 +61,8 @@ QWEN3_NEXT_334M = {  # issue 18: 333.6M parameters, ~170M active per token
     "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 32000, "tie_word_embeddings": False,
 }
 MODELS: dict[str, dict | None] = {"default": None, "large": LARGE, "qwen3-next-334m": QWEN3_NEXT_334M}
+# Peak-RSS goals (model -> (batch, bytes)): issue 18, the 334M shape at batch 16 within 1.5 GB (1.5e9 bytes).
+RSS_GOALS: dict[str, tuple[int, float]] = {"qwen3-next-334m": (16, 1.5e9)}
 
 
 def _prepare(root: Path, name: str) -> tuple[Path, Path]:
@@ -206,7 +210,19 @@ def _cell(vals: list[float], fmt: str = "{:.0f}") -> str:
     return fmt.format(best) + spread
 
 
-def measure(name: str, root: Path, repeats: int, batches: tuple[int, ...]) -> list[str]:
+def rss_goal_line(name: str, batch: int, peak: int) -> str | None:
+    """Our peak RSS (bytes, the best of the repeats) next to the model's goal at that batch, as a ratio
+    (<= 1.00x meets it); None when the model has no goal at this batch."""
+    if RSS_GOALS.get(name, (None,))[0] != batch:
+        return None
+    goal = RSS_GOALS[name][1]
+    return (f"peak RSS goal, {name} batch {batch}: ours {peak / 2**20:.1f} MiB, goal <= {goal / 1e9:.1f} GB "
+            f"({goal / 2**20:.1f} MiB): **{peak / goal:.3f}x** ({'met' if peak <= goal else 'not met'})")
+
+
+def measure(name: str, root: Path, repeats: int, batches: tuple[int, ...],
+            notes: list[str] | None = None) -> list[str]:
+    """The table rows of model ``name``; lines about goals (peak RSS) are appended to ``notes``."""
     ckpt, bundle = _prepare(root, name)
     from hybrid_runtime.config import Manifest
 
@@ -231,6 +247,8 @@ def measure(name: str, root: Path, repeats: int, batches: tuple[int, ...]) -> li
                  " / ".join(f"{split[k]:.0%}" for k in ("segments", "gdn", "attention", "moe")) + f" / {other:.0%}"]
         rows.append("| " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
+        if (line := rss_goal_line(name, b, min(r["peak_rss"] for r in o))) is not None and notes is not None:
+            notes.append(line)
         if b == PREFILL_BATCH:
             ol, hl = [r["prefill_long_tps"] for r in o], [r["prefill_long_tps"] for r in h]
             rows.append(f"| {name} | | prefill {PREFILL_BATCH} x {PREFILL_LEN} | | | | {_cell(ol)} | {_cell(hl)} | "
@@ -265,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model(s) {unknown}: choose from {', '.join(MODELS)}")
     batches = tuple(int(b) for b in args.batches.split(","))
     print(HEADER, flush=True)
-    rows = [r for n in names for r in measure(n, args.root, args.repeats, batches)]
-    table = HEADER + "\n" + "\n".join(rows)
+    notes: list[str] = []
+    rows = [r for n in names for r in measure(n, args.root, args.repeats, batches, notes)]
+    table = HEADER + "\n" + "\n".join(rows) + "".join("\n\n" + line for line in notes)
     print("\n" + table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,45 @@
+"""The offline benchmark's peak-RSS goal line (issue 18: the 334M shape at batch 16 within 1.5 GB) and the RSS
+breakdown's report: ratios from the measured bytes, printed only where the model has a goal at that batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.offline import RSS_GOALS, rss_goal_line
+from benchmarks.rss_breakdown import report
+
+
+def test_goal_line_ratio_and_verdict() -> None:
+    batch, goal = RSS_GOALS["qwen3-next-334m"]
+    assert (batch, goal) == (16, 1.5e9)
+    over = rss_goal_line("qwen3-next-334m", 16, 1_554_526_208)
+    assert over is not None and "1482.5 MiB" in over and "1430.5 MiB" in over and "**1.036x**" in over
+    assert over.endswith("(not met)")
+    under = rss_goal_line("qwen3-next-334m", 16, int(goal) - 1)
+    assert under is not None and under.endswith("(met)") and "**1.000x**" in under
+    assert rss_goal_line("qwen3-next-334m", 4, 1) is None  # the goal is at batch 16 only
+    assert rss_goal_line("default", 16, 1) is None
+
+
+def _stage(rss: float, anon: float, hwm: float | None = None) -> dict[str, float]:
+    return {"VmRSS": rss, "VmHWM": rss if hwm is None else hwm, "RssAnon": anon, "RssFile": rss - anon}
+
+
+def test_breakdown_report_splits_the_load_and_names_the_goal() -> None:
+    res = {"stages": {"imports": _stage(80.0, 30.0), "loaded": _stage(1450.0, 1393.0),
+                      "warm": _stage(1477.0, 1418.0), "workload": _stage(1482.0, 1423.0, 1484.0)},
+           "held": {"weights": 1147.5, "state": 150.5, "kv": 51.0},
+           "growth": {"segment": 14.0, "attention": 15.0}, "max_num_tokens": 128}
+    text = report("qwen3-next-334m", 16, res)
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+             if line.startswith("| ")]
+    rows = {c[0]: c[1] for c in cells if len(c) == 2}
+    assert float(rows["rest of the load (the sessions' own heap, library code first run)"]) \
+        == pytest.approx(1450.0 - 80.0 - 1147.5 - 150.5 - 51.0)
+    assert float(rows["serving: RSS growth after load"]) == pytest.approx(32.0)
+    assert float(rows["peak growth after load (VmHWM), raised during:"]) == pytest.approx(34.0)
+    assert float(rows["&nbsp; attention operator"]) == pytest.approx(15.0)
+    assert float(rows["&nbsp; MoE operator"]) == 0.0  # a piece that raised nothing
+    assert float(rows["transient above the final RSS"]) == pytest.approx(2.0)
+    assert text.endswith(f"**{1484.0 * 2**20 / 1.5e9:.3f}x**")
+    assert "goal" not in report("qwen3-next-334m", 4, res)  # no goal at batch 4
