@@ -232,6 +232,7 @@ def _stub_backend(fused: bool, dtype: str = "bfloat16", moe_decode: str = "auto"
         if tensor_cores else None
     be.moe_mma_decode = SimpleNamespace(launch=lambda *a, **kw: rec.calls.append("moe_mma_decode"))
     be.moe_mma_decode_one = be.moe_mma_decode  # the dn_pre build 1-row steps take: the same launch here
+    be.moe_mma_decode_many = be.moe_mma_decode  # the "many" build of steps past 16 rows: likewise
 
     class _Router:
         def launch(self, n, h, ldh, router, logits, ld, num_experts, k_, renorm, fold_shared, bufs) -> None:
