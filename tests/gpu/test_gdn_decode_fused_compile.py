@@ -434,8 +434,8 @@ class _FakeBackend:
 
     from hybrid_runtime.cuda.backend import CudaBackend as _B
 
-    _op, gdn, segment, _alloc_arena, _launch, _prof, _ptr = (_B._op, _B.gdn, _B.segment, _B._alloc_arena,
-                                                            _B._launch, _B._prof, _B._ptr)
+    _op, gdn, segment, _alloc_arena, _arena_shapes, _launch, _prof, _ptr = (
+        _B._op, _B.gdn, _B.segment, _B._alloc_arena, _B._arena_shapes, _B._launch, _B._prof, _B._ptr)
 
     def __init__(self, cfg: Any, fused: bool, dtype: str = "bfloat16") -> None:
         from hybrid_runtime.cuda.driver import DeviceArray

@@ -114,6 +114,7 @@ def _stub(dtype: str = "bfloat16", tensor_cores: bool = True, H: int = 128):
     be.moe_prefill = SimpleNamespace(launch=lambda *a, **kw: rec.append(("moe_prefill", kw.get("y_dtype"))),
                                      route=lambda *a, **kw: None) if tensor_cores else None
     be.moe_mma_decode = SimpleNamespace(launch=lambda *a, **kw: rec.append(("moe_mma_decode",)))
+    be.moe_mma_decode_many = be.moe_mma_decode  # the build of decode steps past 16 rows: the same record
     be.moe_router = None
     return be, rec, mw
 
