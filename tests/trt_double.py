@@ -26,7 +26,11 @@ import numpy as np
 
 from builder.tensorrt import expected_profiles
 from hybrid_runtime.config import Manifest, SegmentSpec
+from hybrid_runtime.engine import Phase
 from hybrid_runtime.engine.ort_session import cpu_session, session_options
+from hybrid_runtime.runner import ModelRunner
+from hybrid_runtime.sampling import SamplingParams
+from hybrid_runtime.scheduler import Scheduler, Sequence
 
 TRT_VERSION = "10.13.0.35"
 ARCH = "sm_89"
@@ -279,3 +283,34 @@ def write_trt_bundle(cpu: Path, trt: Path, arch: str = ARCH) -> Path:
                         toolkit={"tensorrt_flavor": "tensorrt", "tensorrt_version": TRT_VERSION},
                         target={"device": "cuda", "arch": arch, "compute_capability": f"{major}.{minor}"}).save(trt)
     return trt
+
+
+def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, every: int = 3, group: int = 4,
+          on_step: Any = None) -> tuple[list[list[int]], list[Phase]]:
+    """A continuously batched greedy workload (prefill and decode steps interleave); ``on_step(phase)`` after each
+    step. Returns every request's tokens and the phase of every step."""
+    lim = runner.manifest.limits
+    sched = Scheduler(lim, lim.max_batch_size, lim.num_kv_pages, runner.ops.reset_slot)
+    seqs = [Sequence(str(i), p, SamplingParams(max_tokens=max_new), max_len=len(p) + max_new)
+            for i, p in enumerate(prompts)]
+    pending, phases, step = list(seqs), [], 0
+    while pending or sched.running or sched.waiting:
+        if step % every == 0:
+            for s in pending[:group]:
+                sched.add(s)
+            pending = pending[group:]
+        step += 1
+        batch = sched.schedule()
+        if batch is None:
+            continue
+        logits = runner.run(batch.phase, batch.steps)
+        phases.append(batch.phase)
+        if on_step is not None:
+            on_step(batch.phase)
+        sched.advance(batch)
+        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
+        for s, row in zip(need, logits):
+            s.output_ids.append(int(np.argmax(row)))
+            if len(s.output_ids) >= max_new:
+                sched.finish(s)
+    return [s.output_ids for s in seqs], phases

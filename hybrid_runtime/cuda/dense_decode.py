@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .driver import CudaDevice, CudaGraph
+from .driver import CudaDevice, graph_replay_seconds
 from .kernels import Module, load_module
 
 SOURCE = "dense_decode.cu"
@@ -157,17 +157,7 @@ class DenseDecode:
                             self.launch(n, x, ldx, w, N, K, out, N, True, knobs=kn)
 
                 body()  # loads the kernel, checks every launch
-                g = CudaGraph(dev, body)
-                try:
-                    g.launch()
-                    e0, e1 = dev.event(), dev.event()
-                    dev.record(e0)
-                    for _ in range(reps):
-                        g.launch()
-                    dev.record(e1)
-                    times[kn] = dev.elapsed_ms(e0, e1) / 1e3 / (reps * len(ptrs) * len(rows))
-                finally:
-                    g.destroy()
+                times[kn] = graph_replay_seconds(dev, body, reps) / (len(ptrs) * len(rows))
             self.choice[(N, K)] = pick(times, self.knobs)
             result[(N, K)] = times
         return result

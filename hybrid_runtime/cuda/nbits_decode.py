@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import CudaDevice, CudaGraph, DeviceArray
+from .driver import CudaDevice, DeviceArray, graph_replay_seconds
 from .kernels import Module, load_module
 
 SOURCE = "nbits_decode.cu"
@@ -293,17 +293,7 @@ class NBitsDecode:
                             self.launch(n, x, ldx, w, out, w.N, True, knobs=kn)
 
                 body()  # compiles and loads the build, checks every launch
-                g = CudaGraph(dev, body)
-                try:
-                    g.launch()
-                    e0, e1 = dev.event(), dev.event()
-                    dev.record(e0)
-                    for _ in range(reps):
-                        g.launch()
-                    dev.record(e1)
-                    times[kn] = dev.elapsed_ms(e0, e1) / 1e3 / (reps * len(ops) * len(rows))
-                finally:
-                    g.destroy()
+                times[kn] = graph_replay_seconds(dev, body, reps) / (len(ops) * len(rows))
             self.choice[(N, K, bits)] = pick(times, self.knobs)
             result[(N, K, bits)] = times
         return result

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -32,9 +31,7 @@ from hybrid_runtime.engine.trt_buffers import SegmentBuffers
 from hybrid_runtime.pipeline import SegmentPlan, plan_segments
 from hybrid_runtime.program import moe_layers, runtime_weights
 from hybrid_runtime.runner import ModelRunner, resolve_device
-from hybrid_runtime.sampling import SamplingParams
-from hybrid_runtime.scheduler import Scheduler, Sequence
-from tests.trt_double import FakeCuda, FakeTrt, Recorder, make_double, write_trt_bundle
+from tests.trt_double import FakeCuda, FakeTrt, Recorder, drive, make_double, write_trt_bundle
 
 MAX_BATCH, MAX_TOKENS = 16, 64
 
@@ -112,37 +109,6 @@ def bound_runner(trt_dir: Path, pinning: str = "per_context") -> tuple[ModelRunn
     assert isinstance(cuda, FakeCuda)
     be = BoundHostBackend(trt_dir, m, fake, cuda, pinning)
     return ModelRunner(trt_dir, m, backend=be, device="cpu"), be, fake, rec
-
-
-def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, every: int = 3, group: int = 4,
-          on_step: Any = None) -> tuple[list[list[int]], list[Phase]]:
-    """A continuously batched greedy workload (prefill and decode steps interleave); ``on_step(phase)`` after each
-    step. Returns every request's tokens and the phase of every step."""
-    lim = runner.manifest.limits
-    sched = Scheduler(lim, lim.max_batch_size, lim.num_kv_pages, runner.ops.reset_slot)
-    seqs = [Sequence(str(i), p, SamplingParams(max_tokens=max_new), max_len=len(p) + max_new)
-            for i, p in enumerate(prompts)]
-    pending, phases, step = list(seqs), [], 0
-    while pending or sched.running or sched.waiting:
-        if step % every == 0:
-            for s in pending[:group]:
-                sched.add(s)
-            pending = pending[group:]
-        step += 1
-        batch = sched.schedule()
-        if batch is None:
-            continue
-        logits = runner.run(batch.phase, batch.steps)
-        phases.append(batch.phase)
-        if on_step is not None:
-            on_step(batch.phase)
-        sched.advance(batch)
-        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
-        for s, row in zip(need, logits):
-            s.output_ids.append(int(np.argmax(row)))
-            if len(s.output_ids) >= max_new:
-                sched.finish(s)
-    return [s.output_ids for s in seqs], phases
 
 
 def _prompts(n: int = 16) -> list[list[int]]:

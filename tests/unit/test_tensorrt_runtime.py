@@ -21,9 +21,7 @@ from hybrid_runtime.config import BundleError, Manifest
 from hybrid_runtime.engine import Phase, ShapeError, load_engine
 from hybrid_runtime.engine.tensorrt import TrtEngine
 from hybrid_runtime.runner import ModelRunner
-from hybrid_runtime.sampling import SamplingParams
-from hybrid_runtime.scheduler import Scheduler, Sequence
-from tests.trt_double import FakeTrt, Recorder, make_double, write_trt_bundle
+from tests.trt_double import FakeTrt, Recorder, drive, make_double, write_trt_bundle
 
 MAX_BATCH, MAX_TOKENS = 16, 64
 
@@ -37,35 +35,6 @@ def bundles(default_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
     build_bundle(default_checkpoint, cpu, BuildOptions(max_batch_size=MAX_BATCH, max_input_len=48, max_seq_len=96,
                                                        max_num_tokens=MAX_TOKENS), progress=lambda _m: None)
     return cpu, write_trt_bundle(cpu, root / "trt")
-
-
-def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, every: int = 3, group: int = 4
-          ) -> tuple[list[list[int]], list[Phase]]:
-    """A continuously batched greedy workload: ``group`` requests arrive every ``every`` steps, so prefill
-    and decode steps interleave; returns every request's tokens and the phase of every step."""
-    lim = runner.manifest.limits
-    sched = Scheduler(lim, lim.max_batch_size, lim.num_kv_pages, runner.state.reset)
-    seqs = [Sequence(str(i), p, SamplingParams(max_tokens=max_new), max_len=len(p) + max_new)
-            for i, p in enumerate(prompts)]
-    pending, phases, step = list(seqs), [], 0
-    while pending or sched.running or sched.waiting:
-        if step % every == 0:
-            for s in pending[:group]:
-                sched.add(s)
-            pending = pending[group:]
-        step += 1
-        batch = sched.schedule()
-        if batch is None:
-            continue
-        logits = runner.run(batch.phase, batch.steps)
-        phases.append(batch.phase)
-        sched.advance(batch)
-        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
-        for s, row in zip(need, logits):
-            s.output_ids.append(int(np.argmax(row)))
-            if len(s.output_ids) >= max_new:
-                sched.finish(s)
-    return [s.output_ids for s in seqs], phases
 
 
 def _prompts(n: int = 16) -> list[list[int]]:
