@@ -314,3 +314,17 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new: int, every: in
             if len(s.output_ids) >= max_new:
                 sched.finish(s)
     return [s.output_ids for s in seqs], phases
+
+
+MAX_BATCH, MAX_TOKENS = 16, 64  # the limits of the test bundles below (DECODE 1..16 rows, PREFILL 1..64 tokens)
+
+
+def cpu_and_trt_bundles(checkpoint: Path, root: Path) -> tuple[Path, Path]:
+    """(an onnxruntime bundle of ``checkpoint`` at :data:`MAX_BATCH` / :data:`MAX_TOKENS`, the same bundle as a
+    TensorRT bundle whose plans are the double's JSON plans), under ``root``."""
+    from builder.bundle import BuildOptions, build_bundle
+
+    cpu = root / "cpu"
+    build_bundle(checkpoint, cpu, BuildOptions(max_batch_size=MAX_BATCH, max_input_len=48, max_seq_len=96,
+                                               max_num_tokens=MAX_TOKENS), progress=lambda _m: None)
+    return cpu, write_trt_bundle(cpu, root / "trt")

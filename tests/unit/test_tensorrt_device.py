@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.bundle import BuildOptions, build_bundle
 from builder.checkpoint import Checkpoint, load_weights
 from hybrid_runtime.backend import HostBackend, HostCtx
 from hybrid_runtime.config import BundleError, ConfigError, Manifest
@@ -31,19 +30,22 @@ from hybrid_runtime.engine.trt_buffers import SegmentBuffers
 from hybrid_runtime.pipeline import SegmentPlan, plan_segments
 from hybrid_runtime.program import moe_layers, runtime_weights
 from hybrid_runtime.runner import ModelRunner, resolve_device
-from tests.trt_double import FakeCuda, FakeTrt, Recorder, drive, make_double, write_trt_bundle
-
-MAX_BATCH, MAX_TOKENS = 16, 64
+from tests.trt_double import (
+    MAX_BATCH,
+    MAX_TOKENS,
+    FakeCuda,
+    FakeTrt,
+    Recorder,
+    cpu_and_trt_bundles,
+    drive,
+    make_double,
+)
 
 
 @pytest.fixture(scope="module")
 def bundles(default_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(CPU bundle, the same bundle as a TensorRT bundle whose plans are the double's JSON plans)."""
-    root = tmp_path_factory.mktemp("trt_device")
-    cpu = root / "cpu"
-    build_bundle(default_checkpoint, cpu, BuildOptions(max_batch_size=MAX_BATCH, max_input_len=48, max_seq_len=96,
-                                                       max_num_tokens=MAX_TOKENS), progress=lambda _m: None)
-    return cpu, write_trt_bundle(cpu, root / "trt")
+    return cpu_and_trt_bundles(default_checkpoint, tmp_path_factory.mktemp("trt_device"))
 
 
 # ---- the device-resident flow over the double's host-backed device ----------------------------------------

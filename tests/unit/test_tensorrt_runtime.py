@@ -15,26 +15,27 @@ from typing import Any
 import numpy as np
 import pytest
 
-from builder.bundle import BuildOptions, build_bundle
 from hybrid_runtime import trt_compat
 from hybrid_runtime.config import BundleError, Manifest
 from hybrid_runtime.engine import Phase, ShapeError, load_engine
 from hybrid_runtime.engine.tensorrt import TrtEngine
 from hybrid_runtime.runner import ModelRunner
-from tests.trt_double import FakeTrt, Recorder, drive, make_double, write_trt_bundle
-
-MAX_BATCH, MAX_TOKENS = 16, 64
+from tests.trt_double import (
+    MAX_BATCH,
+    MAX_TOKENS,
+    FakeTrt,
+    Recorder,
+    cpu_and_trt_bundles,
+    drive,
+    make_double,
+)
 
 
 # ---- bundles -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bundles(default_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(CPU bundle, the same bundle as a TensorRT bundle whose plans are the double's JSON plans)."""
-    root = tmp_path_factory.mktemp("trt_runtime")
-    cpu = root / "cpu"
-    build_bundle(default_checkpoint, cpu, BuildOptions(max_batch_size=MAX_BATCH, max_input_len=48, max_seq_len=96,
-                                                       max_num_tokens=MAX_TOKENS), progress=lambda _m: None)
-    return cpu, write_trt_bundle(cpu, root / "trt")
+    return cpu_and_trt_bundles(default_checkpoint, tmp_path_factory.mktemp("trt_runtime"))
 
 
 def _prompts(n: int = 16) -> list[list[int]]:
