@@ -126,7 +126,7 @@ def worker_ours(bundle: Path, batch: int) -> dict:
     from hybrid_runtime.sampling import SamplingParams
     from hybrid_runtime.serving import GenerationRequest, RuntimeOptions, ServingEngine, generate
 
-    eng = ServingEngine(bundle, RuntimeOptions()).start()
+    eng = ServingEngine(bundle, RuntimeOptions(warmup=False)).start()  # the workload warms up below
     vocab = eng.manifest.model.vocab_size
     split: dict[Phase, Counter] = {Phase.PREFILL: Counter(), Phase.DECODE: Counter()}
     runner, step = eng.runner, eng.runner.step

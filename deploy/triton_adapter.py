@@ -64,6 +64,13 @@ def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError
+    return value in ("true", "1", "yes", "on")
+
+
 def _device(text: str) -> str:
     value = text.strip().lower()
     if value != "auto":
@@ -108,6 +115,7 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "device": (_device, "auto, cpu, cuda or cuda:N"),
     "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
     "heap_trim_interval_s": (_seconds_at_least_0, "seconds >= 0 such as 60 (0 = never return freed heap memory)"),
+    "warmup": (_boolean, "true or false"),
     "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
     "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
@@ -128,6 +136,7 @@ class ModelParameters:
     device: str = "auto"
     gpu_memory_fraction: float = 0.9
     heap_trim_interval_s: float = 60.0
+    warmup: bool = True
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
 
@@ -139,7 +148,7 @@ class ModelParameters:
                               kv_cache_bytes=self.kv_cache_bytes, intra_op_threads=self.intra_op_threads,
                               device=instance_device(self.device, instance_kind, instance_device_id),
                               gpu_memory_fraction=self.gpu_memory_fraction,
-                              heap_trim_interval_s=self.heap_trim_interval_s)
+                              heap_trim_interval_s=self.heap_trim_interval_s, warmup=self.warmup)
 
 
 def instance_device(device: str, instance_kind: str, instance_device_id: int) -> str:

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = [GenerationRequest("prompt", prompt_ids=ids, params=defaults)]
         engine = ServingEngine(args.engine, RuntimeOptions(
             max_batch_size=args.max_batch_size, multi_block_mode=args.multi_block_mode,
-            profile_pinning=args.profile_pinning, device=args.device)).start()
+            profile_pinning=args.profile_pinning, device=args.device, warmup=False)).start()  # one-shot: no warm-up
     except (RequestValidationError, ConfigError, BundleError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

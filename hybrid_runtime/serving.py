@@ -82,6 +82,11 @@ class RuntimeOptions:
     # glibc keeps in its arenas (the working set of the longest request so far) goes back to the system instead of
     # staying resident for the process's life. 0 = never. ~11 ms per trim on the 2-core CI machine under a soak.
     heap_trim_interval_s: float = 60.0
+    # Run synthetic requests at start() before serving: one prompt of the largest prefill and a full batch of
+    # shorter ones, each decoding two tokens. The allocators (onnxruntime's arenas, glibc's heaps, CUDA graphs
+    # of a cuda bundle) then reach their working size at load, not an hour into serving, so the process's memory
+    # is flat from the first request (the 2-hour soak's arena doubling after warm-up). Metrics start at zero after.
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.device != "auto":
@@ -201,6 +206,9 @@ class ServingEngine:
 
     # ---- public, thread-safe ---------------------------------------------------------------------
     def start(self) -> ServingEngine:
+        """Warm up (``options.warmup``), then start the engine thread."""
+        if self.options.warmup:
+            self._warmup()
         self._thread = threading.Thread(target=self._loop, name="hybrid-engine", daemon=True)
         self._thread.start()
         return self
@@ -258,6 +266,63 @@ class ServingEngine:
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+    def warmup_plan(self) -> list[list[int]]:
+        """Prompt lengths of the warm-up rounds (each round's sequences run together to completion).
+
+        Round 1: one prompt of the largest prefill chunk (``max_num_tokens``, within ``max_input_len``).
+        Round 2: ``max_batch_size`` prompts sharing that chunk (a many-sequence prefill, then a full-batch
+        decode). Both are capped so that their KV pages fit the pool; each sequence decodes two tokens.
+        """
+        lim, pages = self.manifest.limits, self.scheduler.pages
+        new = 2
+        longest = min(lim.max_num_tokens, lim.max_input_len, lim.max_seq_len - new,
+                      pages.num_pages * pages.page_size - new)
+        rounds = [[longest]] if longest >= 1 else []
+        b = self.max_batch_size
+        each = min(lim.max_num_tokens // b, lim.max_input_len, lim.max_seq_len - new,
+                   (pages.num_pages // b) * pages.page_size - new)
+        if b > 1 and each >= 1:
+            rounds.append([each] * b)
+        return rounds
+
+    def _warmup(self) -> None:
+        """Run :meth:`warmup_plan` synchronously (before the engine thread exists), then zero the metrics.
+
+        Greedy, EOS ignored, a fixed seed: the engine's seed stream for unseeded requests is not touched, and
+        injected test faults (counted in engine steps) count from the first served step.
+        """
+        t0 = time.perf_counter()
+        fault, self._fault = self._fault, None
+        params = SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True)
+        vocab = self.manifest.model.vocab_size
+        rng = np.random.default_rng(0)
+        steps = 0
+        try:
+            for r, lengths in enumerate(self.warmup_plan()):
+                for i, n in enumerate(lengths):
+                    ids = rng.integers(0, vocab, n).tolist()
+                    self._admit(GenerationRequest(f"warmup-{r}-{i}", prompt_ids=tuple(ids), params=params),
+                                ids, _discard, t0)
+                while self._live:
+                    batch = self.scheduler.schedule()
+                    if batch is None:
+                        raise RuntimeError(f"warm-up round {r} ({lengths}) could not be scheduled")
+                    self._step(batch)
+                    steps += 1
+                    if self.fatal is not None:
+                        raise RuntimeError(f"warm-up failed: {self._fatal_text()}")
+                failed = self.metrics.finished.get("error", 0)
+                if failed:
+                    raise RuntimeError(f"warm-up round {r} ({lengths}): {failed} sequence(s) failed; see the log")
+        finally:
+            for live in list(self._live.values()):
+                self._final(live, "cancelled")
+            self._fault = fault
+        self._steps_run = 0
+        self.metrics = Metrics()
+        self._update_gauges()
+        log.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - t0)
 
     # ---- validation ----------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
@@ -439,6 +504,10 @@ class ServingEngine:
                 m.cuda_graphs_captured = len(gs.captured)
                 m.graph_replays = Counter({f"b{k[0]}x{k[1]}": v for k, v in gs.replays.items()})
                 m.decode_eager = gs.eager.copy()
+
+
+def _discard(ev: Event) -> None:
+    """The warm-up's sink."""
 
 
 def generate(engine: ServingEngine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Event]:

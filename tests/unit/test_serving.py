@@ -286,3 +286,50 @@ def test_offline_cli_runs_a_jsonl_workload_in_input_order(default_bundle: Path, 
                            "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=120)
     assert json.loads(solo.stdout)["output_ids"] == rows[0]["output_ids"]
+
+
+def test_warmup_plan_covers_the_largest_prefill_and_a_full_batch_within_the_pool(default_bundle: Path) -> None:
+    eng = ServingEngine(default_bundle, RuntimeOptions(warmup=False))
+    lim, b = eng.manifest.limits, eng.max_batch_size
+    (longest,), batch = eng.warmup_plan()
+    assert longest == min(lim.max_num_tokens, lim.max_input_len, lim.max_seq_len - 2)
+    assert len(batch) == b and sum(batch) <= lim.max_num_tokens and min(batch) >= 1
+    page_bytes = 2 * 16 * 2 * 64 * 4 * 2  # as in the KV-pool test below: 16-token pages
+    small = ServingEngine(default_bundle, RuntimeOptions(kv_cache_bytes=4 * page_bytes, warmup=False))
+    assert small.warmup_plan() == [[4 * 16 - 2]]  # one long prompt that fits 4 pages; no batch of 16 fits
+
+
+def test_warmup_leaves_no_trace_in_metrics_slots_or_tokens(default_bundle: Path) -> None:
+    """start() with the warm-up: the counters start at zero, every slot and page is free, and what is served
+    after it (greedy and seeded sampling, in a batch) is token for token what an engine without it serves."""
+    reqs = _requests(6, seed=11, prefix="w", sampled_every=2)
+    cold = ServingEngine(default_bundle, RuntimeOptions(warmup=False)).start()
+    try:
+        want = [e.output_ids for e in generate(cold, reqs)]
+    finally:
+        cold.shutdown()
+    warm = ServingEngine(default_bundle, RuntimeOptions(warmup=True)).start()
+    try:
+        s = warm.stats()
+        assert s["prompt_tokens"] == 0 and s["tokens_generated"] == 0 and not any(s["steps"].values()), s
+        assert s["slots_in_use"] == 0 and s["kv_pages_in_use"] == 0 and s["requests_running"] == 0
+        got = [e.output_ids for e in generate(warm, reqs)]
+        assert warm.stats()["prompt_tokens"] == sum(len(r.prompt_ids or ()) for r in reqs)
+    finally:
+        warm.shutdown()
+    assert got == want
+
+
+def test_a_failing_warmup_stops_start_with_the_reason(default_bundle: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybrid_runtime.backend import DeviceLost
+
+    eng = ServingEngine(default_bundle, RuntimeOptions(warmup=True))
+
+    def lost(*a: object, **k: object) -> None:
+        raise DeviceLost("test: device gone during warm-up")
+
+    monkeypatch.setattr(eng.runner, "step", lost)
+    with pytest.raises(RuntimeError, match="warm-up failed: device failure: test: device gone"):
+        eng.start()
+    assert eng._thread is None and not eng._live

@@ -71,6 +71,7 @@ def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
     ("heap_trim_interval_s", "-5", "seconds >= 0"),
     ("heap_trim_interval_s", "nan", "seconds >= 0"),
     ("heap_trim_interval_s", "often", "seconds >= 0"),
+    ("warmup", "maybe", "true or false"),
 ])
 def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
     with pytest.raises(ParameterError) as e:
@@ -85,6 +86,13 @@ def test_heap_trim_interval_reaches_the_runtime(tmp_path: Path) -> None:
     assert p.heap_trim_interval_s == 2.5 and p.runtime_options().heap_trim_interval_s == 2.5
     assert parse_parameters(_config(engine_dir=str(tmp_path), heap_trim_interval_s="0"),
                             tmp_path).runtime_options().heap_trim_interval_s == 0
+
+
+def test_warmup_parameter_reaches_the_runtime(tmp_path: Path) -> None:
+    assert parse_parameters(_config(engine_dir=str(tmp_path)), tmp_path).runtime_options().warmup is True
+    for text, want in (("false", False), ("0", False), ("True", True), ("no", False), (" on ", True)):
+        assert parse_parameters(_config(engine_dir=str(tmp_path), warmup=text),
+                                tmp_path).runtime_options().warmup is want, text
 
 
 def test_heap_debugging_parameters(tmp_path: Path) -> None:
