@@ -20,8 +20,9 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
     blocks, then off-diagonal blocks) and forms u, w as two tensor-core products with T (the fp32 build and
     ``"tf32_v1"`` run a float32 SIMT forward substitution instead), and its state pass runs 64 value columns
     per CTA (grid ``(ceil(dv/64), nv, S)``: half the W / Q / K reloads of the 32-column CTAs of
-    ``"tf32_v2"``, the same numerics). The build is fixed per object (never chosen per step), so batch
-    invariance holds within each.
+    ``"tf32_v2"``, the same numerics). The build is fixed per object; the "tf32" object runs its state pass
+    on the 32-column twin for steps too small to fill the GPU (``state_cols_for``: the same bits, so batch
+    invariance holds).
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -183,6 +184,16 @@ class CudaGdn:
                                             device.arch)
             for name, nbytes in zip(("gdn_chunk_prep", "gdn_chunk_state"), self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
+        # "tf32" also loads the 32-column state pass ("tf32_v2": the same prep, workspace and bits) for steps whose
+        # 64-column grid would leave SMs idle (state_cols_for): a single long prompt runs nv CTAs per 64 columns.
+        self.narrow_module = None
+        self.narrow_smem = chunk_state_smem(dk, "tf32_v2")
+        if self.chunk_module is not None and precision == "tf32" and fits("tf32_v2"):
+            self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
+                                                            f"-DDV={dv}", f"-DTC={TC_BUILD['tf32_v2']}"),
+                                             device.arch)
+            self.narrow_module.kernel("gdn_chunk_state").set_max_dynamic_smem(device, self.narrow_smem)
+        self.narrow_below = device.limits.sm_count  # state_cols_for's threshold (0: never the 32-column twin)
         self.conv_row = layout.conv_row_bytes // layout.itemsize  # element strides from the same layout
         self.rec_row = layout.recurrent_row_bytes // layout.itemsize
         # Prefill scan: tokens staged per chunk, as many as fit the default 48 KB of shared memory.
@@ -310,6 +321,17 @@ class CudaGdn:
                             g.ptr, beta.ptr, conv_w, x.ptr, o.ptr, workspace=ws, n_tokens=N, mode=mode)
         return o
 
+    def state_cols_for(self, S: int) -> int:
+        """Value columns per ``gdn_chunk_state`` CTA for a step of ``S`` sequences: ``self.chunk_cols``, except
+        that the "tf32" build takes its 32-column twin when that grid, ``ceil(dv/32) * nv * S`` CTAs, still
+        fits one wave of one CTA per SM (one 8192-token prompt of Qwen3.5-35B-A3B: 128 CTAs on 132 SMs instead of
+        64; H200, 30 layers: 43.9 -> 41.6 ms of GDN. Two prompts: 256 narrow CTAs were slower than 128 wide
+        ones, 8 x 4k GDN 32 -> 42 ms). The two state passes round the same operands in the same k order, so the
+        choice changes no bit (``tests/gpu/test_gdn_chunk_gpu.py``) and prefill stays batch invariant."""
+        if self.narrow_module is not None and -(-self.dv // 32) * self.nv * S <= self.narrow_below:
+            return 32
+        return self.chunk_cols
+
     def workspace_bytes(self, max_tokens: int) -> int:
         """Bytes of the chunked prefill's workspace for steps of up to ``max_tokens`` packed tokens:
         ``4 * max_tokens * nv * (dk + dv + 64 + 4)`` (w ``[N, nv, dk]``, u ``[N, nv, dv]``, Aqk rows
@@ -382,8 +404,11 @@ class CudaGdn:
             d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),
              ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
-        m.kernel("gdn_chunk_state").launch(
-            d, (-(-self.dv // self.chunk_cols), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
+        cols = self.state_cols_for(S)
+        sm, smem = (self.narrow_module, self.narrow_smem) if cols != self.chunk_cols else (m, self.chunk_smem[1])
+        assert sm is not None
+        sm.kernel("gdn_chunk_state").launch(
+            d, (-(-self.dv // cols), self.nv, S), (CHUNK_THREADS, 1, 1), smem,
             [("ptr", x_ptr), ("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row),
              ("ptr", ws_w), ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("ptr", o_ptr), ("i32", S),
              ("i32", self.nk), ("i32", self.nv)], pdl=True)
