@@ -25,11 +25,11 @@ from threadpoolctl import threadpool_limits
 
 from .backend import FAULT_KINDS, DeviceLost, SampleRow
 from .config import BundleError, ConfigError, Manifest
-from .engine.base import PINNING_MODES
+from .engine.base import PINNING_MODES, Phase
 from .host_memory import HeapTrimmer
 from .kv_cache import KVLayout
 from .metrics import Metrics
-from .ops.base import parse_device
+from .ops.base import SeqStep, parse_device
 from .runner import ModelRunner
 from .sampler import TokenLogprobs, make_rng
 from .sampling import RequestValidationError, SamplingParams
@@ -268,11 +268,12 @@ class ServingEngine:
         return f"req-{next(self._ids)}"
 
     def warmup_plan(self) -> list[list[int]]:
-        """Prompt lengths of the warm-up rounds (each round's sequences run together to completion).
+        """Prompt lengths of the scheduled warm-up rounds (each round's sequences run together to completion).
 
         Round 1: one prompt of the largest prefill chunk (``max_num_tokens``, within ``max_input_len``).
         Round 2: ``max_batch_size`` prompts sharing that chunk (a many-sequence prefill, then a full-batch
         decode). Both are capped so that their KV pages fit the pool; each sequence decodes two tokens.
+        :meth:`warmup_long_steps` adds the longest contexts.
         """
         lim, pages = self.manifest.limits, self.scheduler.pages
         new = 2
@@ -286,8 +287,31 @@ class ServingEngine:
             rounds.append([each] * b)
         return rounds
 
+    def warmup_long_steps(self) -> list[tuple[Phase, list[SeqStep]]]:
+        """The warm-up's direct steps at the longest contexts, which the scheduled rounds do not reach: the last
+        prefill chunk of a ``max_input_len`` prompt (``max_num_tokens`` queries over the whole prompt), then a
+        decode step of as many rows at context ``max_seq_len`` as the page pool holds (at least one row, at the
+        longest context the pool holds). Attention's intermediates grow with the context, so these are the
+        step's largest. Synthetic: free slots and pages while nothing is admitted, token id 0, the KV and
+        state they read are whatever the pool holds (their outputs are discarded; admission zeroes a slot, and
+        a sequence reads only the KV positions it wrote)."""
+        lim, pages = self.manifest.limits, self.scheduler.pages
+        ps, total = pages.page_size, pages.num_pages
+        out: list[tuple[Phase, list[SeqStep]]] = []
+        prompt = min(lim.max_input_len, total * ps)
+        chunk = min(lim.max_num_tokens, prompt)
+        if prompt > chunk:  # a prompt of one chunk is round 1's
+            out.append((Phase.PREFILL, [SeqStep(0, list(range(-(-prompt // ps))), prompt - chunk, [0] * chunk)]))
+        ctx = min(lim.max_seq_len, total * ps)
+        per = -(-ctx // ps)
+        rows = max(1, min(self.max_batch_size, total // per))
+        out.append((Phase.DECODE, [SeqStep(r, list(range(r * per, (r + 1) * per)), ctx - 1, [0])
+                                   for r in range(rows)]))
+        return out
+
     def _warmup(self) -> None:
-        """Run :meth:`warmup_plan` synchronously (before the engine thread exists), then zero the metrics.
+        """Run :meth:`warmup_plan`'s rounds through the scheduler and :meth:`warmup_long_steps` straight on the
+        runner, synchronously (before the engine thread exists), then zero the metrics.
 
         Greedy, EOS ignored, a fixed seed: the engine's seed stream for unseeded requests is not touched, and
         injected test faults (counted in engine steps) count from the first served step.
@@ -315,6 +339,19 @@ class ServingEngine:
                 failed = self.metrics.finished.get("error", 0)
                 if failed:
                     raise RuntimeError(f"warm-up round {r} ({lengths}): {failed} sequence(s) failed; see the log")
+            if self.scheduler.slots.num_used or self.scheduler.pages.num_used:
+                raise RuntimeError("warm-up: slots or pages still in use after its rounds")
+            for phase, seq_steps in self.warmup_long_steps():
+                try:
+                    self.runner.step(phase, seq_steps, [SampleRow(params, np.random.default_rng(0))] * len(seq_steps))
+                except DeviceLost as e:
+                    self.fatal = e
+                    raise RuntimeError(f"warm-up failed: {self._fatal_text()}") from e
+                except Exception as e:
+                    raise RuntimeError(f"warm-up {phase.name.lower()} step of {len(seq_steps)} sequence(s) at "
+                                       f"context {seq_steps[0].start_pos + len(seq_steps[0].token_ids)} failed: "
+                                       f"{type(e).__name__}: {e}") from e
+                steps += 1
         finally:
             for live in list(self._live.values()):
                 self._final(live, "cancelled")

@@ -297,6 +297,19 @@ def test_warmup_plan_covers_the_largest_prefill_and_a_full_batch_within_the_pool
     page_bytes = 2 * 16 * 2 * 64 * 4 * 2  # as in the KV-pool test below: 16-token pages
     small = ServingEngine(default_bundle, RuntimeOptions(kv_cache_bytes=4 * page_bytes, warmup=False))
     assert small.warmup_plan() == [[4 * 16 - 2]]  # one long prompt that fits 4 pages; no batch of 16 fits
+    # the longest contexts: the last chunk of a max_input_len prompt, then max_seq_len decode rows
+    (pre, (p_step,)), (dec, d_steps) = eng.warmup_long_steps()
+    assert pre.name == "PREFILL" and len(p_step.token_ids) == lim.max_num_tokens
+    assert p_step.start_pos + len(p_step.token_ids) == lim.max_input_len
+    assert len(p_step.page_table) * 16 >= lim.max_input_len
+    per = -(-lim.max_seq_len // 16)
+    assert dec.name == "DECODE" and len(d_steps) == min(b, lim.num_kv_pages // per)
+    assert all(s.start_pos == lim.max_seq_len - 1 and len(s.page_table) == per for s in d_steps)
+    assert len({s.slot for s in d_steps}) == len(d_steps)
+    pages = [p for s in d_steps for p in s.page_table]
+    assert len(set(pages)) == len(pages) and max(pages) < lim.num_kv_pages
+    ((dec_small, (only,)),) = small.warmup_long_steps()  # 4 pages: one row at the 64-token context they hold
+    assert dec_small.name == "DECODE" and only.start_pos == 63 and list(only.page_table) == [0, 1, 2, 3]
 
 
 def test_warmup_leaves_no_trace_in_metrics_slots_or_tokens(default_bundle: Path) -> None:
