@@ -289,7 +289,8 @@ class ServingEngine:
 
     def warmup_long_steps(self) -> list[tuple[Phase, list[SeqStep]]]:
         """The warm-up's direct steps at the longest contexts, which the scheduled rounds do not reach: the last
-        prefill chunk of a ``max_input_len`` prompt (``max_num_tokens`` queries over the whole prompt), then a
+        prefill chunk of a ``max_input_len`` prompt (``max_num_tokens`` queries over the whole prompt), a prefill
+        step of that prompt's last 64 tokens beside the first ``max_num_tokens - 64`` of another, then a
         decode step of as many rows at context ``max_seq_len`` as the page pool holds (at least one row, at the
         longest context the pool holds). Attention's intermediates grow with the context, so these are the
         step's largest. Synthetic: free slots and pages while nothing is admitted, token id 0, the KV and
@@ -300,8 +301,19 @@ class ServingEngine:
         out: list[tuple[Phase, list[SeqStep]]] = []
         prompt = min(lim.max_input_len, total * ps)
         chunk = min(lim.max_num_tokens, prompt)
+        per_prompt = -(-prompt // ps)
         if prompt > chunk:  # a prompt of one chunk is round 1's
-            out.append((Phase.PREFILL, [SeqStep(0, list(range(-(-prompt // ps))), prompt - chunk, [0] * chunk)]))
+            out.append((Phase.PREFILL, [SeqStep(0, list(range(per_prompt)), prompt - chunk, [0] * chunk)]))
+        # A step that packs the few last tokens of a long prompt with many first tokens of another: attention's
+        # queries are padded to the step's longest chunk over its longest context (blocks capped at
+        # attention_ort._MAX_PARTIALS), and onnxruntime's arena had no free region for it after the steps above:
+        # served, this shape doubled the arena 14 minutes into a soak.
+        tail = min(64, chunk // 2)
+        head_pages = -(-(chunk - tail) // ps)
+        if self.max_batch_size > 1 and prompt > tail and tail >= 1 and per_prompt + head_pages <= total:
+            out.append((Phase.PREFILL, [SeqStep(0, list(range(per_prompt)), prompt - tail, [0] * tail),
+                                        SeqStep(1, list(range(per_prompt, per_prompt + head_pages)), 0,
+                                                [0] * (chunk - tail))]))
         ctx = min(lim.max_seq_len, total * ps)
         per = -(-ctx // ps)
         rows = max(1, min(self.max_batch_size, total // per))
