@@ -49,3 +49,52 @@ def test_growing_tensors_do_not_pile_up_arena_regions() -> None:
     doubling, exact = _arena_mib(None), _arena_mib("same")
     assert doubling <= 16.0, f"{doubling:.1f} MiB of arena regions"
     assert exact >= 30.0, f"{exact:.1f} MiB: the exact-size strategy no longer piles up regions (update this test)"
+
+
+# A served burst after the engine's warm-up (a process of its own: the logger severity and the arena are global).
+# Its prefill steps pack long prompts' last chunks with other prompts' first tokens: the shape that made the
+# shared arena extend 14 minutes into a 2-hour soak when the warm-up had no such step.
+BURST = r"""
+import sys
+import numpy as np
+import onnxruntime
+onnxruntime.set_default_logger_severity(1)
+from hybrid_runtime.sampling import SamplingParams
+from hybrid_runtime.serving import GenerationRequest, RuntimeOptions, ServingEngine, generate
+
+eng = ServingEngine(sys.argv[1], RuntimeOptions(intra_op_threads=1))
+if sys.argv[2] == "without-packed-step":
+    steps = eng.warmup_long_steps
+    eng.warmup_long_steps = lambda: [s for s in steps() if not (s[0].name == "PREFILL" and len(s[1]) == 2)]
+eng.start()
+print("=== warm-up done", file=sys.stderr, flush=True)
+rng = np.random.default_rng(0)
+lens, news = [18, 448, 26, 20, 1021, 700, 64, 1024, 3, 900], [8, 4, 16, 2, 1, 32, 8, 2, 64, 4]
+reqs = [GenerationRequest(f"r{i}", prompt_ids=tuple(int(t) for t in rng.integers(3, 2000, n)),
+                          params=SamplingParams(max_tokens=m, ignore_eos=True))
+        for i, (n, m) in enumerate(zip(lens, news))]
+for r in range(3):
+    generate(eng, reqs[r:] + reqs[:r])
+eng.shutdown()
+"""
+
+
+def _extensions_after_warmup(bundle: object, mode: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", BURST, str(bundle), mode], capture_output=True, text=True, timeout=300,
+                         check=True)
+    after = out.stderr.split("=== warm-up done", 1)
+    assert len(after) == 2, out.stderr[-2000:]
+    return re.findall(r"Extending BFCArena.*rounded_bytes:(\d+)", after[1])
+
+
+def test_warmup_sizes_the_arena_for_served_load(default_checkpoint, tmp_path) -> None:
+    """After ServingEngine's warm-up a burst of mixed long and short prompts extends onnxruntime's arena no more (the
+    RSS at load is the RSS under load); without the warm-up's packed prefill step the same burst extends it. The
+    bundle has `make build`'s limits (max_input_len 1024, max_seq_len 2048: contexts long enough for attention's
+    blocks to reach their cap), as the soak serves."""
+    from builder.bundle import BuildOptions, build_bundle
+
+    bundle = tmp_path / "default"
+    build_bundle(default_checkpoint, bundle, BuildOptions(), progress=lambda _m: None)
+    assert _extensions_after_warmup(bundle, "full") == []
+    assert _extensions_after_warmup(bundle, "without-packed-step"), "the burst no longer needs the step"
