@@ -161,9 +161,9 @@ def main() -> int:
     zp = "asymmetric (zero-points stored)" if args.asym else "symmetric (no zero-points stored)"
     lines = [f"# Decode MoE over int4 / int8 packed experts vs bf16 ({dev.limits.name}, "
              f"{datetime.date.today().isoformat()})", "",
-             f"Qwen3.5-35B-A3B routed experts: H {H}, {E} experts of I {INTER}, top-{K}; the shared expert folded in as "
-             f"expert {E} for n <= {FOLD_MAX_TOKENS}; packed experts of group size {args.group}, {zp}, float32 scales; "
-             f"{STACKS} copies of every weight set, {ROUTINGS} random routings per n (no L2 reuse); "
+             f"Qwen3.5-35B-A3B routed experts: H {H}, {E} experts of I {INTER}, top-{K}; the shared expert folded in "
+             f"as expert {E} for n <= {FOLD_MAX_TOKENS}; packed experts of group size {args.group}, {zp}, "
+             f"float32 scales; {STACKS} copies of every weight set, {ROUTINGS} random routings per n (no L2 reuse); "
              f"`python3 -m benchmarks.gpu_moe_nbits_decode`. Copy bandwidth in this run: "
              f"**{copy_bw / 1e12:.2f} TB/s**. Floor = distinct experts x bytes per expert (packed codes + scales "
              f"(+ zero-points), or bf16) / copy bandwidth; routing not timed.", "",
