@@ -2,10 +2,10 @@
 
 Random packed experts (independent codes, float16-valued scales, zero-points) of the Qwen3.5-35B-A3B expert shape
 (H 2048, I 512, 256 experts + the shared one folded as expert 256, top-8) and a small one (H 256, I 128, 16 experts,
-top-4), int4 and int8, symmetric and asymmetric, group sizes 32 / 64 / 128; routing as the backend routes a step
-(fused.cu's moe_route up to 16 tokens, moe_topk + moe_group past that); steps of 1, 8, 16 tokens (the shared expert
-folded) and 64 (not folded; one expert taking every token: two passes of 32 pairs), experts without pairs (cold
-half of the experts), one expert with all pairs. Checked, per step:
+top-4), int4 and int8, symmetric and asymmetric, group sizes 32 / 64 / 128 / one block a row; routing as the backend
+routes a step (fused.cu's moe_route up to 16 tokens, moe_topk + moe_group past that); steps of 1, 8, 16 tokens
+(the shared expert folded) and 64 (not folded; one expert taking every token: two passes of 32 pairs), experts
+without pairs (cold half of the experts), one expert with all pairs. Checked, per step:
 
 * == dequantise-then-moe_decode: the experts dequantised on the device by the load path (nbits.cu) and run through
   moe_decode.cu's build with the same tiles (``NBitsKnobs.decode_knobs``): within |dy| <= 1e-5 max|y| (the stated
@@ -113,7 +113,8 @@ class Rig:
         self.host: dict = {}
         self._t = {}
         for kind, (R, K) in self.codes.items():
-            nb = K // group
+            bs = K if group == -1 else group  # -1: one block a row (gate_up and down then differ)
+            nb = K // bs
             rows = self.e_all * R
             scale = 0.01 if self.bits == 4 else 0.0006
             scales = (rng.uniform(0.5, 1.5, (rows, nb)) * scale).astype(np.float16).astype(np.float32)
@@ -124,10 +125,10 @@ class Rig:
             d_s = self.dev.upload(scales)
             d_z = self.dev.upload(zp) if zp is not None else None
             self.host[kind] = (scales, zp)
-            p = PackedLinear(self.dB[kind], d_s, d_z, None, K, R, self.bits, group, K, self.e_all)
+            p = PackedLinear(self.dB[kind], d_s, d_z, None, K, R, self.bits, bs, K, self.e_all)
             self.deq.launch(p, self.wt[kind].ptr, K, R * K)
             self.ops[kind] = (NBitsExperts(self.dB[kind].ptr, d_s.ptr, d_z.ptr if d_z is not None else 0, self.e_all,
-                                           R, K, self.bits, group), d_s, d_z)
+                                           R, K, self.bits, bs), d_s, d_z)
         self.dev.synchronize()
 
     @property
@@ -146,7 +147,8 @@ class Rig:
             for kind, (R, K) in self.codes.items():
                 s, z = self.host[kind]
                 sl = slice(e * R, (e + 1) * R)
-                w = host_dequant(self.hB[kind][sl], s[sl], None if z is None else z[sl], self.bits, self.group, K)
+                bs = K if self.group == -1 else self.group
+                w = host_dequant(self.hB[kind][sl], s[sl], None if z is None else z[sl], self.bits, bs, K)
                 out.append(to_f32(host_bits(w.astype(np.float32), self.dtype), self.dtype).astype(np.float64))
             self._t[e] = (out[0], out[1])
         return self._t[e]
@@ -253,10 +255,11 @@ def check_step(r: Rig, got: dict[str, np.ndarray], n: int, hb: np.ndarray, lg: n
 
 
 def _variants(shape: str, bits: int) -> list[tuple[int, bool]]:
-    """(group, asym): every one on the small shape; on the 35B shape two per bit width, all groups across them."""
+    """(group, asym; -1: one block a row): every one on the small shape; on the 35B shape two or three per bit width,
+    every group across them."""
     if shape == "small":
-        return [(g, a) for g in (32, 64, 128) for a in (False, True)]
-    return [(32, True), (128, False)] if bits == 4 else [(64, False), (128, True)]
+        return [(g, a) for g in (32, 64, 128, -1) for a in (False, True)]
+    return [(32, True), (128, False)] if bits == 4 else [(64, False), (128, True), (-1, True)]
 
 
 @pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
