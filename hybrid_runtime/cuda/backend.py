@@ -343,6 +343,12 @@ class CudaBackend:
             weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears,
                                          packed_experts=packed_experts)
         self.w = weights
+        self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
+        if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
+            for build in ("default", "many"):
+                self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
+                for bits in sorted({pk.gate_up.bits for pk in self.w.packed_moe.values()}):  # type: ignore
+                    self.moe_nbits[build].module(bits)
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None
@@ -1062,6 +1068,7 @@ class CudaBackend:
                 build = "many" if n > FOLD_MAX_TOKENS else "default"
                 if build not in self.moe_nbits:
                     self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
+                self.moe_nbits_calls += 1
                 with self._prof("moe_nbits_decode"):
                     self.moe_nbits[build].launch(n, h.ptr, h.ld, pk.gate_up, pk.down, H, inter, kk,  # type: ignore
                                                  self.ny, e_all, bufs)

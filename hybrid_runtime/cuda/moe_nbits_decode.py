@@ -225,20 +225,20 @@ class MoENBitsDecode:
             raise ValueError(f"the packed-expert decode MoE runs bfloat16 / float16, not {dtype!r}")
         self.device, self.dtype, self.knobs = device, dtype, knobs
         self.modules: dict[int, Module] = {}
-        self._smem_set: dict[tuple[int, str], int] = {}
 
     def module(self, bits: int) -> Module:
+        """The build for ``bits``, compiled, loaded and opted in to all the dynamic shared memory the device allows
+        on first use (a launch's own size varies with the block count; the opt-in is only a cap). Callers that
+        capture CUDA graphs call it before capturing (``CudaBackend`` does at load)."""
         if bits not in self.modules:
-            self.modules[bits] = load_module(SOURCE, self.knobs.options(self.dtype, bits), self.device.arch)
+            m = load_module(SOURCE, self.knobs.options(self.dtype, bits), self.device.arch)
+            for name in ("moe_nb_gate_up", "moe_nb_down"):
+                m.kernel(name).set_max_dynamic_smem(self.device)
+            self.modules[bits] = m
         return self.modules[bits]
 
-    def _kernel(self, bits: int, kind: str, smem: int) -> Any:
-        name = "moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down"
-        k = self.module(bits).kernel(name)
-        if smem > 48 * 1024 and self._smem_set.get((bits, kind), 0) < smem:
-            k.set_max_dynamic_smem(self.device, smem)
-            self._smem_set[(bits, kind)] = smem
-        return k
+    def _kernel(self, bits: int, kind: str) -> Any:
+        return self.module(bits).kernel("moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down")
 
     def launch(self, n: int, h: int, ldh: int, gu: NBitsExperts, dn: NBitsExperts, hidden: int, inter: int,
                kk: int, ny: int, e_all: int, bufs: MoEBuffers, parts: str = "both") -> None:
@@ -253,7 +253,7 @@ class MoENBitsDecode:
         gcap = groups_per_pass(n, kn.gmax)
         if parts in ("both", "gate_up"):
             smem = smem_bytes("gate_up", gcap, gu.bits, gu.n_blocks, kn)
-            self._kernel(gu.bits, "gate_up", smem).launch(
+            self._kernel(gu.bits, "gate_up").launch(
                 self.device, grid("gate_up", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
                 [("ptr", h), ("i64", ldh), ("ptr", gu.B), ("ptr", gu.scales), ("ptr", gu.zp),
                  ("i32", gu.block_size), ("i32", bs_shift(gu.block_size)), ("i32", hidden), ("i32", inter),
@@ -261,7 +261,7 @@ class MoENBitsDecode:
                  ("ptr", bufs.active), ("ptr", bufs.act)], pdl=True)
         if parts in ("both", "down"):
             smem = smem_bytes("down", gcap, dn.bits, dn.n_blocks, kn)
-            self._kernel(dn.bits, "down", smem).launch(
+            self._kernel(dn.bits, "down").launch(
                 self.device, grid("down", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
                 [("ptr", bufs.act), ("ptr", dn.B), ("ptr", dn.scales), ("ptr", dn.zp), ("i32", dn.block_size),
                  ("i32", bs_shift(dn.block_size)), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),

@@ -245,3 +245,53 @@ def _as_packed(w: HostExperts, e: int):
 
     return Packed(w.B[e], w.scales[e], None if w.zp is None else w.zp[e], None, w.K, w.rows, w.bits, w.block_size,
                   w.K)
+
+
+def _signature(src: str, name: str) -> list[str]:
+    """The parameter kinds ("ptr" / "i64" / "i32") of kernel ``name`` in the CUDA source."""
+    m = re.search(name + r"\(([^)]*)\)", src)
+    assert m, name
+    kinds = []
+    for p in m.group(1).split(","):
+        p = p.strip()
+        kinds.append("ptr" if "*" in p else "i64" if "long long" in p else "i32" if p.startswith("int ") else p)
+    return kinds
+
+
+def test_launch_arguments_match_the_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both launches pass the kernels' parameters in their order and kinds (no GPU: the kernels are recorders),
+    with the grids, block and shared memory of the host's rules."""
+    from hybrid_runtime.cuda.kernels import source
+    from hybrid_runtime.cuda.moe_prefill import MoEBuffers
+
+    src = source(SOURCE)
+    calls: list[tuple] = []
+
+    class Rec:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def launch(self, device, grid_, block, smem, args, pdl=False) -> None:
+            calls.append((self.name, grid_, block, smem, args, pdl))
+
+    monkeypatch.setattr(MoENBitsDecode, "_kernel", lambda self, bits, kind: Rec(
+        "moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down"))
+    moe = MoENBitsDecode(None, "bfloat16")  # type: ignore[arg-type]
+    gu, dn = _ops(bits=4, bs=64)
+    moe.launch(9, 4096, 2048, gu, dn, 2048, 512, 9, 10, 257, MoEBuffers(*range(16, 16 * 10, 16), 0))
+    assert [c[0] for c in calls] == ["moe_nb_gate_up", "moe_nb_down"]
+    for name, grid_, block, smem, args, pdl in calls:
+        assert [k for k, _ in args] == _signature(src, name), name
+        kind = "gate_up" if name.endswith("gate_up") else "down"
+        w = gu if kind == "gate_up" else dn
+        assert grid_ == grid(kind, 9, 9, 257, 2048, 512) and block == (128, 1, 1) and pdl
+        assert smem == smem_bytes(kind, 2, 4, w.K // 64)  # 9 tokens: 2 groups per pass
+        vals = dict(zip(_signature_names(src, name), (v for _, v in args), strict=True))
+        assert (vals["B"], vals["scales"], vals["zp"], vals["bs"], vals["bs_shift"]) == (w.B, w.scales, w.zp, 64, 6)
+        assert (vals["H"], vals["I"], vals["kk"], vals["E_all"], vals["gcap"]) == (2048, 512, 9, 257, 2)
+
+
+def _signature_names(src: str, name: str) -> list[str]:
+    m = re.search(name + r"\(([^)]*)\)", src)
+    assert m
+    return [re.split(r"[\s*]+", p.strip())[-1] for p in m.group(1).split(",")]

@@ -370,8 +370,8 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, bits
     steps = [list(r) for r in drv.prefill(chunk=5)] + [list(drv.decode()) for _ in range(decode_steps)]
     worst = max(float(np.abs(a - c).max()) for a, c in steps)
     print(f"\n[moe_nbits] backend packed_experts int{bits} {'sym' if sym else 'asym'}: {len(steps)} steps, max |logit "
-          f"diff| {worst:.3e}, weight bytes {packed.w.nbytes} vs {plain.w.nbytes}, nbits builds "
-          f"{sorted(packed.moe_nbits)}")
-    assert packed.moe_nbits, "no decode step ran the packed-expert kernels"
+          f"diff| {worst:.3e}, weight bytes {packed.w.nbytes} vs {plain.w.nbytes}, packed MoE launches "
+          f"{packed.moe_nbits_calls}")
+    assert packed.moe_nbits_calls > 0, "no decode step ran the packed-expert kernels"
     for i, (a, c) in enumerate(steps):
         assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
