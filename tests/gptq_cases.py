@@ -60,3 +60,23 @@ def build(ckpt: Path, out: Path, backend: str = "cuda", dtype: str = "float32", 
         build_bundle(ckpt, out, BuildOptions(backend=backend, dtype=dtype, **limits(**lim)),  # type: ignore[arg-type]
                      progress=lambda _m: None)
     return out
+
+
+# A Qwen3.5-MoE whose MoE layers the packed decode MoE takes (cuda/moe_nbits_decode.py): H 128, experts and the
+# (folded) shared expert of I 64, every expert linear quantized alike, no act order. Not in CASES: the shapes of
+# the other tests' models stay as they are.
+PACKED_EXPERTS = ("qwen3_5_moe", {"hidden_size": 128, "intermediate_size": 96, "moe_intermediate_size": 64,
+                                  "shared_expert_intermediate_size": 64})
+
+
+def packed_experts_bundle(root: Path, dtype: str = "bfloat16", bits: int = 4, group_size: int = 32,
+                          sym: bool = False) -> Path:
+    """The cuda bundle (``dtype``) of :data:`PACKED_EXPERTS` quantized by the tests' packer (gptq_v2)."""
+    model_type, overrides = PACKED_EXPERTS
+    float_dir = root / "float"
+    if not (root / "gptq").exists():
+        write_numpy_checkpoint(float_dir, tiny_raw_config(model_type, **overrides), seed=3)
+        write_tiny_tokenizer(float_dir, VOCAB)
+        gp.write_gptq_checkpoint(float_dir, root / "gptq", None, bits=bits, group_size=group_size, sym=sym,
+                                 fmt="gptq_v2")
+    return build(root / "gptq", root / f"b_{dtype}", dtype=dtype)

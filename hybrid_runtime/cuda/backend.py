@@ -59,6 +59,8 @@ from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
 from .moe_decode import KNOB_SETS as MOE_DECODE_KNOB_SETS
 from .moe_decode import MoEDecode
+from .moe_nbits_decode import KNOB_SETS as MOE_NBITS_KNOB_SETS
+from .moe_nbits_decode import MoENBitsDecode
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
@@ -253,7 +255,7 @@ class CudaBackend:
                  batch_invariant_attention: bool = True, fused_router: bool = True,
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
                  dense_decode_max_mb: float | None = None, keep_packed: bool = False,
-                 packed_linears: bool = False) -> None:
+                 packed_linears: bool = False, packed_experts: bool = False) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -303,6 +305,8 @@ class CudaBackend:
         self.moe_mma_decode: MoEDecode | None = None
         self.moe_mma_decode_one: MoEDecode | None = None  # the dn_pre build, for 1-row steps
         self.moe_mma_decode_many: MoEDecode | None = None  # KNOB_SETS["many"], for steps of > 16 rows
+        # the packed-expert decode MoE (packed_experts): default build up to 16 rows, "many" past that (same bits)
+        self.moe_nbits: dict[str, MoENBitsDecode] = {}
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
         self.blas = Blas(self.dev)
@@ -330,8 +334,21 @@ class CudaBackend:
             # them with the int4 / int8 kernel, the others dequantise them into a scratch buffer first (_gemm).
             # float32 bundles (the parity configuration) always dequantise everything.
             packed_linears = packed_linears and self.dtype in ("bfloat16", "float16")
-            weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears)
+            # packed_experts (bf16 / fp16 GPTQ bundles; off by default, not yet measured in a served step): the MoE
+            # layers whose experts stack as one packed operand keep them only packed (DeviceWeights.packed_moe);
+            # decode steps on the "mma_decode" path read them with the int4 / int8 decode MoE
+            # (cuda/moe_nbits_decode.py: the bits of moe_decode on the dequantised weights), every other use
+            # dequantises the layer into one scratch stack first (moe()).
+            packed_experts = packed_experts and self.dtype in ("bfloat16", "float16")
+            weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears,
+                                         packed_experts=packed_experts)
         self.w = weights
+        self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
+        if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
+            for build in ("default", "many"):
+                self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
+                for bits in sorted({pk.gate_up.bits for pk in self.w.packed_moe.values()}):  # type: ignore
+                    self.moe_nbits[build].module(bits)
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None
@@ -452,10 +469,10 @@ class CudaBackend:
         return manifest.dtype
 
     def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
-                      keep_packed: bool, packed_linears: bool) -> DeviceWeights:
+                      keep_packed: bool, packed_linears: bool, packed_experts: bool = False) -> DeviceWeights:
         """The bundle's weights on the device (a cuda bundle: every runtime weight, DeviceWeights.load)."""
         return DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
-                                  packed_linears=packed_linears)
+                                  packed_linears=packed_linears, packed_experts=packed_experts)
 
     # ------------------------------------------------------------------ allocation
 
@@ -1046,9 +1063,18 @@ class CudaBackend:
                 self._fused_route(n, h, mw, router, k, fold)
             else:
                 self._moe_route(n, router, k, fold)
-            with self._prof("moe_mma_decode"):
-                mma.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all,
-                                           bufs)
+            pk = self.w.packed_moe.get(layer)
+            if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
+                build = "many" if n > FOLD_MAX_TOKENS else "default"
+                if build not in self.moe_nbits:
+                    self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
+                self.moe_nbits_calls += 1
+                with self._prof("moe_nbits_decode"):
+                    self.moe_nbits[build].launch(n, h.ptr, h.ld, pk.gate_up, pk.down, H, inter, kk,  # type: ignore
+                                                 self.ny, e_all, bufs)
+            else:
+                with self._prof("moe_mma_decode"):
+                    mma.launch(n, h.ptr, h.ld, mw.gate_up.ptr, mw.down.ptr, H, inter, kk, self.ny, e_all, bufs)
         elif path == "tensor_cores":
             assert self.moe_prefill is not None
             # Tensor cores for every prefill step whatever its token count (a prompt takes the same path alone
@@ -1056,6 +1082,7 @@ class CudaBackend:
             # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
             # below, the shared expert folded in as expert E exactly when the CUDA-core path would fold it.
             bufs = self._moe_buffers()
+            self.w.dequantise_experts(layer)  # packed experts: into the scratch stack mw points at (else no-op)
             with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
                                         self.ny, bufs, fold_shared=fold, y_dtype=ydt)
@@ -1066,6 +1093,7 @@ class CudaBackend:
                 self._moe_route(n, router, k, fold)
             kk = k + int(fold)
             e_all = cfg.num_experts + int(fold)
+            self.w.dequantise_experts(layer)  # packed experts: into the scratch stack mw points at (else no-op)
             ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
             tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
             tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
@@ -1077,7 +1105,8 @@ class CudaBackend:
                          [("ptr", moe_act.ptr), ("ptr", mw.down.ptr), ("ptr", pw.ptr), ("i32", H), ("i32", inter),
                           ("i32", kk), ("i32", self.ny), ("i32", e_all), ("ptr", off.ptr), ("ptr", pl.ptr),
                           ("ptr", act_l.ptr), ("ptr", y.ptr), ("i32", tg_d)], smem=tg_d * inter * self.es)
-        if mw.fold and not fold:  # the folded shared expert run as two GEMMs on its slices of the stacks
+        if mw.fold and not fold and mw.shared_gate_up is None:  # the folded shared expert run as two GEMMs on its
+            # slices of the stacks (a packed-experts layer keeps its own dequantised copy: mw.shared_gate_up)
             sgu = DeviceArray(mw.gate_up.row_ptr(cfg.num_experts), (2 * inter, H), self.dtype, self.dev.ordinal)
             sdn = DeviceArray(mw.down.row_ptr(cfg.num_experts), (H, inter), self.dtype, self.dev.ordinal)
         else:

@@ -14,6 +14,13 @@ tensors in :attr:`DeviceWeights.packed` (for W4A16 / W8A16 kernels) instead of f
 counts them. ``packed_linears`` keeps the segments' dense linear weights that are stored packed whole (not MoE
 weights, not per-part ones) ONLY packed (:attr:`DeviceWeights.packed_only`, no float copy): the backend runs them
 with the int4 / int8 decode GEMM and, for prefill, dequantises them into a scratch buffer per GEMM.
+``packed_experts`` keeps the MoE layers whose experts stack as one packed operand (:func:`packed_layer_experts`:
+every expert weight, and the folded shared expert, stored packed with one bit width and block size, no act order,
+shapes the packed decode MoE takes) ONLY packed (:attr:`DeviceWeights.packed_moe`): decode steps read them with
+``cuda/moe_nbits_decode.py``; every other use (prefill, the shared expert's GEMMs) dequantises the layer into one
+scratch stack shared by all such layers (:meth:`DeviceWeights.dequantise_experts`), which their
+:class:`MoEWeights` ``gate_up`` / ``down`` point at. The folded shared expert of such a layer is also kept
+dequantised on its own (``shared_gate_up`` / ``shared_down``) for the steps that run it as GEMMs.
 """
 
 from __future__ import annotations
@@ -42,12 +49,62 @@ class MoEWeights:
     down: DeviceArray  # [E_all, H, I]
     num_experts: int  # E (routed)
     fold: bool  # the shared expert is expert E of gate_up / down
-    shared_gate_up: DeviceArray | None  # [2Is, H] when a shared expert exists and is not folded
+    shared_gate_up: DeviceArray | None  # [2Is, H] when a shared expert exists and is not folded, or its experts
+    # are kept only packed (then gate_up / down are the scratch stack; DeviceWeights.dequantise_experts)
     shared_down: DeviceArray | None  # [H, Is]
 
     @property
     def e_all(self) -> int:
         return self.num_experts + int(self.fold)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One MoE layer's experts kept only packed (``load(packed_experts=True)``): the stacked operands of
+    ``cuda/moe_nbits_decode.py`` (``gate_up`` / ``down``: :class:`~.moe_nbits_decode.NBitsExperts`, the shared
+    expert as expert E when folded) and the same arrays as :class:`~.quant.PackedLinear` (``sources``: gate_up, down)
+    for the dequantisation into the scratch stack."""
+
+    gate_up: object  # NBitsExperts (imported lazily: moe_nbits_decode -> moe_prefill -> weights)
+    down: object
+    sources: tuple[PackedLinear, PackedLinear]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.sources)
+
+
+def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str) -> tuple[object, object] | str:
+    """The stacked packed experts of MoE layer ``layer`` (host arrays, :class:`~.moe_nbits_decode.HostExperts`
+    gate_up ``[E_all, 2I, H]`` and down ``[E_all, H, I]``, the shared expert folded as expert E when the layer
+    folds it) from the bundle's stored weights (``quant.plan_weights``), or why they do not stack: a weight (or a
+    part) stored float, act order, mixed bit widths or block sizes, or a shape / dtype the packed decode MoE
+    refuses (``moe_nbits_decode.shape_problems``)."""
+    from .moe_nbits_decode import NBitsExperts, as_host_experts, fuse_rows, shape_problems, stack_experts
+
+    E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    si = cfg.shared_expert_intermediate_size
+    fold = si > 0 and si == inter
+    p = f"layers.{layer}.mlp."
+
+    def host(name: str):  # one stored weight as HostExperts (parts fused along the rows)
+        w = stored[name]
+        if w.kind == "packed" and w.packed is not None:
+            return as_host_experts(w.packed)
+        if w.kind == "parts" and all(hp is not None for _, _, hp, _ in w.parts):
+            return fuse_rows([as_host_experts(hp) for _, _, hp, _ in w.parts])
+        raise ValueError(f"{name} is stored {'in float' if w.kind == 'float' else 'with float parts'}")
+
+    try:
+        gu, dn = host(p + "experts.gate_up"), host(p + "experts.down")
+        if fold:
+            gu, dn = stack_experts([gu, host(p + "shared.gate_up")]), stack_experts([dn, host(p + "shared.down")])
+    except ValueError as e:
+        return str(e)
+    ops = [NBitsExperts(256, 256, 0, w.experts, w.rows, w.K, w.bits, w.block_size) for w in (gu, dn)]
+    if bad := shape_problems(dtype, H, inter, ops[0], ops[1], E + int(fold), cfg.num_experts_per_tok + int(fold)):
+        return "; ".join(bad)
+    return gu, dn
 
 
 class DeviceWeights:
@@ -62,6 +119,11 @@ class DeviceWeights:
         self.packed: dict[str, PackedLinear] = {}
         # dense linear weights kept only packed (load(packed_linears=True)): runtime weight name -> PackedLinear
         self.packed_only: dict[str, PackedLinear] = {}
+        # MoE layers whose experts are kept only packed (load(packed_experts=True)): layer -> PackedExperts, and
+        # the one scratch stack (gate_up, down) their MoEWeights point at (dequantise_experts fills it)
+        self.packed_moe: dict[int, PackedExperts] = {}
+        self.moe_scratch: tuple[DeviceArray, DeviceArray] | None = None
+        self._deq: NBitsDequant | None = None
         self._moe: dict[int, MoEWeights] = {}
         self.specs = {s.name: s for s in runtime_weight_specs(cfg, rope_len)}
 
@@ -81,22 +143,35 @@ class DeviceWeights:
             if a.ptr not in seen:
                 seen.add(a.ptr)
                 n += a.nbytes
-        return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values()])
+        return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values(),
+                                             *self.packed_moe.values()])
 
     def moe(self, layer: int) -> MoEWeights:
         return self._moe[layer]
+
+    def dequantise_experts(self, layer: int) -> None:
+        """Enqueue the dequantisation of packed layer ``layer``'s experts into the scratch stack its MoEWeights
+        ``gate_up`` / ``down`` point at (two launches on the device's stream; stream order keeps a later layer's
+        dequantisation behind this layer's readers). A no-op for a layer kept in float."""
+        pk = self.packed_moe.get(layer)
+        if pk is None:
+            return
+        assert self.moe_scratch is not None and self._deq is not None
+        for src, dst in zip(pk.sources, self.moe_scratch, strict=True):
+            self._deq.launch(src, dst.ptr, src.K, src.N * src.K)
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def load(cls, device: CudaDevice, bundle_dir: str | Path, manifest: Manifest,
              progress: Callable[[str], None] | None = None, keep_packed: bool = False,
-             packed_linears: bool = False) -> DeviceWeights:
+             packed_linears: bool = False, packed_experts: bool = False) -> DeviceWeights:
         """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype, and a GPTQ
         bundle's packed tensors against its quantization record, first: :func:`~.quant.plan_weights`). Packed
         weights are dequantised on the device into the bundle dtype; ``keep_packed`` keeps their device copies
         in :attr:`packed` (default: freed once dequantised). ``packed_linears``: the dense linear weights stored
-        packed whole are kept only packed, in :attr:`packed_only` (module docstring)."""
+        packed whole are kept only packed, in :attr:`packed_only`; ``packed_experts``: the MoE layers whose experts
+        stack as one packed operand keep them only packed, in :attr:`packed_moe` (module docstring; bf16 / fp16)."""
         cfg, rope_len = manifest.model, manifest.limits.max_seq_len
         self = cls(device, cfg, manifest.dtype, rope_len)
         path = Path(bundle_dir) / manifest.state_weights
@@ -125,7 +200,15 @@ class DeviceWeights:
                 put(s.name, a.ptr)
         self._alias_head()
         for layer in moe_layers(cfg):
-            self._moe[layer] = self._stack_moe(layer, put)
+            pair = packed_layer_experts(stored, layer, cfg, self.dtype) if packed_experts and deq is not None \
+                else "packed_experts off"
+            if isinstance(pair, str):
+                if packed_experts and progress:
+                    progress(f"layer {layer}: experts dequantised at load ({pair})")
+                self._moe[layer] = self._stack_moe(layer, put)
+            else:
+                assert deq is not None
+                self._moe[layer] = self._packed_moe_layer(layer, put, deq, pair)
         if deq is not None:
             device.synchronize()
             if progress:
@@ -170,6 +253,48 @@ class DeviceWeights:
     def _alias_head(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.arrays["lm_head"] = self.arrays["embed_tokens"]
+
+    def _packed_moe_layer(self, layer: int, put: Callable[[str, int], None], deq: NBitsDequant,
+                          pair: tuple) -> MoEWeights:
+        """Router (+ shared gate row) as :meth:`_stack_moe`; the experts uploaded as one stacked packed operand
+        (:class:`PackedExperts`); gate_up / down the scratch stack; the folded shared expert also dequantised on
+        its own (the steps that run it as GEMMs)."""
+        from .moe_nbits_decode import NBitsExperts
+
+        cfg, d = self.cfg, self.device
+        E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        si = cfg.shared_expert_intermediate_size
+        p = f"layers.{layer}.mlp."
+        fold = si > 0 and si == inter
+        e_all = E + int(fold)
+        e_pad = -(-(E + int(si > 0)) // ROUTER_ALIGN) * ROUTER_ALIGN
+        router = d.zeros((e_pad, H), self.dtype)
+        row = H * 2  # bytes of one bf16 / fp16 router row
+        put(p + "router", router.ptr)
+        if si:
+            put(p + "shared.gate", router.ptr + E * row)
+        sgu = sdn = None
+        if si:
+            sgu = d.empty((2 * si, H), self.dtype)
+            sdn = d.empty((H, si), self.dtype)
+            put(p + "shared.gate_up", sgu.ptr)
+            put(p + "shared.down", sdn.ptr)
+        srcs = []
+        for w in pair:  # PackedLinear's stacked layout: B [E, N, nb, bs * bits / 8], scales [E, N * nb], zp [E, ...]
+            assert w.experts == e_all
+            nb = w.K // w.block_size
+            B = d.upload(w.B.reshape(e_all, w.rows, nb, w.block_size * w.bits // 8))
+            sc = d.upload(w.scales.reshape(e_all, w.rows * nb))
+            zp = d.upload(w.zp.reshape(e_all, -1)) if w.zp is not None else None
+            srcs.append(PackedLinear(B, sc, zp, None, w.K, w.rows, w.bits, w.block_size, w.K, e_all))
+        self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0]), NBitsExperts.from_packed(srcs[1]),
+                                               (srcs[0], srcs[1]))
+        self._deq = deq
+        if self.moe_scratch is None:
+            self.moe_scratch = (d.empty((e_all, 2 * inter, H), self.dtype), d.empty((e_all, H, inter), self.dtype))
+        gate_up, down = self.moe_scratch
+        assert gate_up.shape == (e_all, 2 * inter, H) and down.shape == (e_all, H, inter)
+        return MoEWeights(router, e_pad, gate_up, down, E, fold, sgu, sdn)
 
     def _stack_moe(self, layer: int, put: Callable[[str, int], None] | None, fill: Callable[..., None] | None = None,
                    seed: int = 0, hidden: int = 0) -> MoEWeights:

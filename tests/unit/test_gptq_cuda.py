@@ -357,13 +357,14 @@ def kernel_writes(t: dict[str, np.ndarray], prefix: str, ldo: int, out_estride: 
     return dst, np.concatenate(vals).astype(np.float32)
 
 
-def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False, linears: bool = False):
+def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False, linears: bool = False,
+               experts: bool = False):
     from hybrid_runtime.cuda import weights as cw
 
     monkeypatch.setattr(cw, "NBitsDequant", FakeDequant)
     dev = FakeDevice()
     w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep,  # type: ignore[arg-type]
-                              packed_linears=linears)
+                              packed_linears=linears, packed_experts=experts)
     return dev, w
 
 
@@ -472,3 +473,57 @@ def test_the_runner_takes_a_gptq_cuda_bundle_and_refuses_other_gpu_backends(tmp_
     assert ModelRunner(bq, m, device="cuda", backend=be).backend is be  # type: ignore[arg-type]
     with pytest.raises(BundleError, match="onnxruntime \\(CPU\\) and cuda backends only"):
         ModelRunner(bq, dataclasses.replace(m, backend="tensorrt"), device="cpu", backend=be)  # type: ignore[arg-type]
+
+
+def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packed_experts``: every MoE layer whose experts stack as one packed operand keeps them only packed (the
+    stored bytes: routed experts' gate | up rows, then the folded shared expert as expert E); its MoEWeights stacks
+    are the one scratch pair, which ``dequantise_experts(layer)`` fills with exactly the plain load's stacks; the
+    folded shared expert's own copy is the plain stack's expert E; router and every other array as without the
+    option; fewer bytes. A layer that cannot stack (act order: another case) is loaded as before."""
+    from hybrid_runtime.cuda.moe_nbits_decode import as_host_experts, fuse_rows, stack_experts
+    from hybrid_runtime.program import moe_layers
+
+    bq = gc.packed_experts_bundle(tmp_path)
+    cfg = Manifest.load(bq).model
+    d0, w0 = _load_fake(bq, monkeypatch)
+    d1, w1 = _load_fake(bq, monkeypatch, experts=True)
+    layers = moe_layers(cfg)
+    E = cfg.num_experts
+    assert layers and set(w1.packed_moe) == set(layers) and w1.moe_scratch is not None
+    stored = plan_weights(SafetensorsFile(bq / "weights.safetensors"), Manifest.load(bq))
+
+    def host(name: str):
+        w = stored[name]
+        return as_host_experts(w.packed) if w.kind == "packed" else fuse_rows([as_host_experts(hp) for _, _, hp, _
+                                                                               in w.parts])
+
+    for layer in layers:
+        m0, m1, pk = w0.moe(layer), w1.moe(layer), w1.packed_moe[layer]
+        assert m0.fold and m1.fold and (m1.gate_up.ptr, m1.down.ptr) == tuple(a.ptr for a in w1.moe_scratch)
+        rd = lambda d, a: _bits(d.read(a.ptr, a.shape, a.dtype.name))  # noqa: E731
+        assert np.array_equal(rd(d1, m1.router), rd(d0, m0.router)), layer
+        assert np.array_equal(rd(d1, m1.shared_gate_up), rd(d0, m0.gate_up)[E]), layer
+        assert np.array_equal(rd(d1, m1.shared_down), rd(d0, m0.down)[E]), layer
+        p = f"layers.{layer}.mlp."
+        for src, op, (routed, shared) in zip(pk.sources, (pk.gate_up, pk.down),
+                                             (("experts.gate_up", "shared.gate_up"), ("experts.down", "shared.down")),
+                                             strict=True):
+            want = stack_experts([host(p + routed), host(p + shared)])
+            assert src.B.ptr == op.B and op.e_all == E + 1 and (op.rows, op.K) == (want.rows, want.K)
+            assert np.array_equal(d1.read(src.B.ptr, src.B.shape, "uint8").reshape(want.B.shape), want.B), layer
+            assert np.array_equal(d1.read(src.scales.ptr, src.scales.shape, "float32").reshape(want.scales.shape),
+                                  want.scales)
+            assert (src.zp is None) == (want.zp is None)
+        w1.dequantise_experts(layer)
+        assert np.array_equal(rd(d1, m1.gate_up), rd(d0, m0.gate_up)), layer
+        assert np.array_equal(rd(d1, m1.down), rd(d0, m0.down)), layer
+    for name, a in w0.arrays.items():
+        assert np.array_equal(_bits(d1.read(w1[name].ptr, a.shape, a.dtype.name)),
+                              _bits(d0.read(a.ptr, a.shape, a.dtype.name))), name
+    assert w1.nbytes < w0.nbytes
+    # act order (and float parts): the layers stay dequantised, as without the option
+    ckpt, _, _ = gc.checkpoints(tmp_path / "act", "next_folded_int4_g128_sym_act_v1")
+    ba = gc.build(ckpt, tmp_path / "act" / "bq", dtype="bfloat16")
+    _, wa = _load_fake(ba, monkeypatch, experts=True)
+    assert not wa.packed_moe and wa.moe_scratch is None

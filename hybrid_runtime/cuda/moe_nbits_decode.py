@@ -1,0 +1,362 @@
+"""The MoE of decode steps over int4 / int8 experts (``ops/cuda/moe_nbits_decode.cu``): :mod:`.moe_decode`'s two
+launches, routing contract, grids and output layout, with the experts' weights read PACKED (onnxruntime's
+MatMulNBits layout, :class:`hybrid_runtime.quant.NBitsWeight`) - 4x (int4) / 2x (int8) fewer weight bytes from DRAM
+than the bf16 experts.
+
+Operands (:class:`NBitsExperts`, device pointers): E_all experts of R rows and K columns stacked on axis 0, the same
+bits and block size bs for all of them, ``K % bs == 0``, no act order (``perm``; refused: a first version):
+
+* ``B`` uint8 ``[E_all * R, K * bits / 8]`` (codes along K; 4-bit two a byte, the low nibble first);
+* ``scales`` float32 ``[E_all * R, nb]``, nb = K / bs;
+* ``zp`` uint8 ``[E_all * R, ceil(nb / 2)]`` (4-bit, low nibble first) or ``[E_all * R, nb]`` (8-bit), or 0: every
+  zero-point is ``2^(bits-1)``.
+
+gate_up: R = 2I (rows 0..I-1 gate, I..2I-1 up), K = H; down: R = H, K = I. :func:`stack_experts` /
+:func:`fuse_rows` build these arrays on the host from per-expert (or per-part) packed weights; the shared expert is
+folded in as expert E like :mod:`.moe_decode`'s.
+
+Each k tile of a CTA's weight rows goes packed through the cp.async ring and is dequantised in shared memory into
+moe_decode's bf16 / fp16 staged tile, ``T((q - z) * s)`` in float32 rounded once (nbits.cu's dequantise-at-load
+weights, bit for bit); moe_decode's mma loop runs on it unchanged. Every act / y element therefore has moe_decode's
+bits on the dequantised weights for the same ``bk`` and ``warps``, and moe_decode's batch invariance carries over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .driver import CudaDevice
+from .kernels import Module, load_module
+from .moe_decode import DT_CODES, MAX_EXPERTS, DecodeKnobs, groups_per_pass, ny_grid
+from .moe_prefill import MoEBuffers
+
+SOURCE = "moe_nbits_decode.cu"
+BITS = (4, 8)
+GROUP = 8  # pairs per mma n-tile
+SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per CTA (H200)
+SHAPE_RULES = ("bfloat16 or float16; bits 4 or 8, the same for gate_up and down; H % 64 == 0, I % 64 == 0; block "
+               "size a multiple of 16 dividing K (H for gate_up, I for down); no act order; 1 <= E_all <= 1024; "
+               "16-byte aligned B and h rows (ldh % 8 == 0), 4-byte aligned scales")
+
+
+@dataclass(frozen=True)
+class NBitsKnobs:
+    """One build of ``moe_nbits_decode.cu``: moe_decode's knobs without its early / prefetch / dn_pre variants.
+    ``gu_cols`` act columns per gate_up CTA; ``dn_rows`` y rows per down CTA; ``gu_stages`` / ``dn_stages`` ring
+    depths; ``bk`` k per stage; ``gmax`` groups of 8 pairs per pass; ``warps``. Only ``bk`` and ``warps`` enter a
+    result's accumulation order."""
+
+    gu_cols: int = 16
+    gu_stages: int = 6
+    dn_rows: int = 64
+    dn_stages: int = 4
+    bk: int = 128
+    gmax: int = 4
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        DecodeKnobs(**asdict(self))  # the same rules (ValueError naming the knob)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def decode_knobs(self) -> DecodeKnobs:
+        """moe_decode's build with the same tiles: the same bits on the dequantised weights."""
+        return DecodeKnobs(**asdict(self))
+
+    def options(self, dtype: str, bits: int) -> tuple[str, ...]:
+        return (f"-DDT={DT_CODES[dtype]}", f"-DMN_BITS={bits}", f"-DMD_GU_COLS={self.gu_cols}",
+                f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}", f"-DMD_DN_STAGES={self.dn_stages}",
+                f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}")
+
+    def rows(self, kind: str) -> int:
+        """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
+        return 2 * self.gu_cols if kind == "gate_up" else self.dn_rows
+
+    def stages(self, kind: str) -> int:
+        return self.gu_stages if kind == "gate_up" else self.dn_stages
+
+
+DEFAULT_KNOBS = NBitsKnobs()
+# The builds the benchmark compares (and the compile test checks): name -> knobs. All split K alike (bk 128, 4
+# warps): the same bits as the default, and as moe_decode's default on the dequantised weights.
+KNOB_SETS: dict[str, NBitsKnobs] = {
+    "default": DEFAULT_KNOBS,
+    # twice the CTAs: 8 act columns / 32 y rows each (4x fewer bytes a CTA streams than bf16: more CTAs in flight)
+    "fine": NBitsKnobs(gu_cols=8, gu_stages=8, dn_rows=32, dn_stages=6),
+    # 32 act columns per gate_up CTA, as moe_decode's "many" (steps of many tokens)
+    "many": NBitsKnobs(gu_cols=32, gu_stages=4),
+}
+
+
+@dataclass(frozen=True)
+class NBitsExperts:
+    """E_all stacked packed experts on the device (pointers; ``zp`` 0 = absent): ``rows`` R and ``K`` per expert,
+    the layout of the module docstring."""
+
+    B: int
+    scales: int
+    zp: int
+    e_all: int
+    rows: int
+    K: int
+    bits: int
+    block_size: int
+    perm: int = 0
+
+    @classmethod
+    def from_packed(cls, p: Any) -> NBitsExperts:
+        """The operand of a stacked packed weight the loader keeps on the device (``cuda.quant.PackedLinear`` with
+        ``experts`` > 0). ValueError for act order, a row offset or unstacked weights."""
+        if p.experts < 1 or p.row0 != 0:
+            raise ValueError(f"moe_nbits_decode: a stacked weight of whole experts is needed (experts {p.experts}, "
+                             f"row0 {p.row0})")
+        return cls(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0, p.experts, p.N, p.K, p.bits,
+                   p.block_size, p.perm.ptr if p.perm is not None else 0)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.K // self.block_size if self.block_size > 0 else 0
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's packed codes, scales and zero-points (what a step reads per expert touched)."""
+        nb = self.n_blocks
+        zb = 0 if not self.zp else self.rows * ((nb + 1) // 2 if self.bits == 4 else nb)
+        return self.rows * self.K * self.bits // 8 + 4 * self.rows * nb + zb
+
+
+def stage_bytes(kind: str, gcap: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
+    """One ring stage: the CTA's weight rows packed (bk * bits / 8 bytes each) and 8 * gcap B rows of bk T."""
+    return knobs.rows(kind) * knobs.bk * bits // 8 + GROUP * gcap * knobs.bk * 2
+
+
+def smem_bytes(kind: str, gcap: int, bits: int, n_blocks: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
+    """Dynamic shared memory of one CTA: the dequantised T tile (rows x bk x 2), the (scale, zero) table (rows x
+    n_blocks x 8) and the ring - or the warps' partial sums that reuse it after the last k tile, if larger."""
+    rows = knobs.rows(kind)
+    ring = knobs.stages(kind) * stage_bytes(kind, gcap, bits, knobs)
+    red = knobs.warps * (rows // 16) * gcap * 32 * 16
+    return rows * knobs.bk * 2 + rows * n_blocks * 8 + max(ring, red)
+
+
+def grid(kind: str, n: int, kk: int, e_all: int, hidden: int, inter: int,
+         knobs: NBitsKnobs = DEFAULT_KNOBS) -> tuple[int, int, int]:
+    """Launch grid of ``kind``: (I / gu_cols or H / dn_rows, min(E_all, n * kk), 1), as moe_decode's."""
+    if kind == "gate_up":
+        return (inter // knobs.gu_cols, ny_grid(n, kk, e_all), 1)
+    if kind == "down":
+        return (hidden // knobs.dn_rows, ny_grid(n, kk, e_all), 1)
+    raise ValueError(f"kind {kind!r}: 'gate_up' or 'down'")
+
+
+def bs_shift(block_size: int) -> int:
+    """log2(block_size) for a power of two (the kernel shifts), else -1 (it divides)."""
+    return block_size.bit_length() - 1 if block_size > 0 and block_size & (block_size - 1) == 0 else -1
+
+
+def shape_problems(dtype: str, hidden: int, inter: int, gu: NBitsExperts, dn: NBitsExperts, e_all: int, kk: int,
+                   ldh: int | None = None, ny: int | None = None, knobs: NBitsKnobs = DEFAULT_KNOBS,
+                   gcap: int | None = None) -> list[str]:
+    """Why these kernels cannot run this step (empty: they can); :data:`SHAPE_RULES`, ``gu`` / ``dn`` of E_all
+    experts of [2I, H] / [H, I], the shared memory of the largest launch (``gcap``: default ``knobs.gmax``) within
+    the per-CTA limit."""
+    out = []
+    if dtype not in DT_CODES:
+        out.append(f"dtype {dtype!r} (bfloat16 / float16 only)")
+    if hidden < 64 or inter < 64 or hidden % 64 or inter % 64:
+        out.append(f"H {hidden}, I {inter}: both positive multiples of 64")
+    if hidden % knobs.dn_rows or inter % knobs.gu_cols:
+        out.append(f"H {hidden} % dn_rows {knobs.dn_rows} or I {inter} % gu_cols {knobs.gu_cols} != 0")
+    if not 1 <= e_all <= MAX_EXPERTS:
+        out.append(f"E_all {e_all}: needs 1 <= E_all <= {MAX_EXPERTS}")
+    if not 1 <= kk <= 32:
+        out.append(f"kk {kk}: needs 1 <= kk <= 32")
+    if ldh is not None and (ldh < hidden or ldh % 8):
+        out.append(f"ldh {ldh}: needs ldh >= H and ldh % 8 == 0")
+    if ny is not None and ny < kk:
+        out.append(f"ny {ny}: needs ny >= kk {kk}")
+    if gu.bits != dn.bits:
+        out.append(f"gate_up is {gu.bits}-bit, down {dn.bits}-bit: one build runs one bit width")
+    for name, w, rows, K in (("gate_up", gu, 2 * inter, hidden), ("down", dn, hidden, inter)):
+        where = f"{name} [{w.e_all} x {w.rows} x {w.K}, {w.bits}-bit, block {w.block_size}]"
+        if w.bits not in BITS:
+            out.append(f"{where}: bits must be 4 or 8")
+        if (w.rows, w.K) != (rows, K):
+            out.append(f"{where}: each expert must be [{rows}, {K}]")
+        if w.e_all < e_all:
+            out.append(f"{where}: fewer than E_all {e_all} experts")
+        bs = w.block_size
+        if bs < 16 or bs % 16:
+            out.append(f"{where}: block size must be a multiple of 16")
+        elif w.K % bs:
+            out.append(f"{where}: block size must divide K {w.K}")
+        if w.perm:
+            out.append(f"{where}: act order (g_idx / desc_act) is not supported for packed experts yet; keep these "
+                       "experts dequantised (packed_experts off)")
+        if w.B % 16 or not w.B:
+            out.append(f"{where}: B must be a 16-byte aligned (non-null) pointer")
+        if w.scales % 4 or not w.scales:
+            out.append(f"{where}: scales must be a 4-byte aligned (non-null) pointer")
+        if w.bits in BITS and bs >= 16 and w.K % bs == 0 and not out:
+            need = smem_bytes(name, knobs.gmax if gcap is None else gcap, w.bits, w.K // bs, knobs)
+            if need > SMEM_LIMIT:
+                out.append(f"{where}: {need} bytes of shared memory per CTA > {SMEM_LIMIT} (a larger block size)")
+    return out
+
+
+def check_shape(dtype: str, hidden: int, inter: int, gu: NBitsExperts, dn: NBitsExperts, e_all: int, kk: int,
+                ldh: int | None = None, ny: int | None = None, knobs: NBitsKnobs = DEFAULT_KNOBS) -> None:
+    """ValueError naming every rule of :func:`shape_problems` a step breaks."""
+    if p := shape_problems(dtype, hidden, inter, gu, dn, e_all, kk, ldh, ny, knobs):
+        raise ValueError("moe_nbits_decode: " + "; ".join(p))
+
+
+class MoENBitsDecode:
+    """The packed-expert decode MoE kernels of one build (:class:`NBitsKnobs`) for one dtype on one device; one
+    module per bit width, compiled on first use."""
+
+    def __init__(self, device: CudaDevice, dtype: str, knobs: NBitsKnobs = DEFAULT_KNOBS) -> None:
+        if dtype not in DT_CODES:
+            raise ValueError(f"the packed-expert decode MoE runs bfloat16 / float16, not {dtype!r}")
+        self.device, self.dtype, self.knobs = device, dtype, knobs
+        self.modules: dict[int, Module] = {}
+
+    def module(self, bits: int) -> Module:
+        """The build for ``bits``, compiled, loaded and opted in to all the dynamic shared memory the device allows
+        on first use (a launch's own size varies with the block count; the opt-in is only a cap). Callers that
+        capture CUDA graphs call it before capturing (``CudaBackend`` does at load)."""
+        if bits not in self.modules:
+            m = load_module(SOURCE, self.knobs.options(self.dtype, bits), self.device.arch)
+            for name in ("moe_nb_gate_up", "moe_nb_down"):
+                m.kernel(name).set_max_dynamic_smem(self.device)
+            self.modules[bits] = m
+        return self.modules[bits]
+
+    def _kernel(self, bits: int, kind: str) -> Any:
+        return self.module(bits).kernel("moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down")
+
+    def launch(self, n: int, h: int, ldh: int, gu: NBitsExperts, dn: NBitsExperts, hidden: int, inter: int,
+               kk: int, ny: int, e_all: int, bufs: MoEBuffers, parts: str = "both") -> None:
+        """The routed experts of a step after routing, as :meth:`.moe_decode.MoEDecode.launch` with packed
+        weights: h (T ``[n, ldh]``) -> ``bufs.act`` (T ``[n*kk, I]``), ``bufs.y`` (float32 ``[n, ny, H]``: slots
+        ``kk .. ny-1`` untouched), reading ``bufs.pair_w``, ``pair_list``, ``expert_off``, ``active``. ValueError
+        before any launch for a step :func:`check_shape` refuses; ``parts``: "both", "gate_up" or "down"."""
+        check_shape(self.dtype, hidden, inter, gu, dn, e_all, kk, ldh, ny, self.knobs)
+        if parts not in ("both", "gate_up", "down"):
+            raise ValueError(f"parts {parts!r}: 'both', 'gate_up' or 'down'")
+        kn = self.knobs
+        gcap = groups_per_pass(n, kn.gmax)
+        if parts in ("both", "gate_up"):
+            smem = smem_bytes("gate_up", gcap, gu.bits, gu.n_blocks, kn)
+            self._kernel(gu.bits, "gate_up").launch(
+                self.device, grid("gate_up", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
+                [("ptr", h), ("i64", ldh), ("ptr", gu.B), ("ptr", gu.scales), ("ptr", gu.zp),
+                 ("i32", gu.block_size), ("i32", bs_shift(gu.block_size)), ("i32", hidden), ("i32", inter),
+                 ("i32", kk), ("i32", e_all), ("i32", gcap), ("ptr", bufs.expert_off), ("ptr", bufs.pair_list),
+                 ("ptr", bufs.active), ("ptr", bufs.act)], pdl=True)
+        if parts in ("both", "down"):
+            smem = smem_bytes("down", gcap, dn.bits, dn.n_blocks, kn)
+            self._kernel(dn.bits, "down").launch(
+                self.device, grid("down", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
+                [("ptr", bufs.act), ("ptr", dn.B), ("ptr", dn.scales), ("ptr", dn.zp), ("i32", dn.block_size),
+                 ("i32", bs_shift(dn.block_size)), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
+                 ("i32", kk), ("i32", ny), ("i32", e_all), ("i32", gcap), ("ptr", bufs.expert_off),
+                 ("ptr", bufs.pair_list), ("ptr", bufs.active), ("ptr", bufs.y)], pdl=True)
+
+
+# ------------------------------------------------------------------------------------------- host stacking
+
+
+@dataclass(frozen=True)
+class HostExperts:
+    """Stacked packed experts on the host: ``B`` uint8 ``[E, R, K * bits / 8]``, ``scales`` float32 ``[E, R, nb]``,
+    ``zp`` uint8 ``[E, R, zrow]`` or None (the kernel's layout, module docstring)."""
+
+    B: np.ndarray
+    scales: np.ndarray
+    zp: np.ndarray | None
+    rows: int
+    K: int
+    bits: int
+    block_size: int
+
+    @property
+    def experts(self) -> int:
+        return int(self.B.shape[0])
+
+
+def _zrow(nb: int, bits: int) -> int:
+    return (nb + 1) // 2 if bits == 4 else nb
+
+
+def _default_zp(e: int, rows: int, nb: int, bits: int) -> np.ndarray:
+    """The zero-points a weight without them implies (2^(bits-1) every block), in the packed zp layout."""
+    fill = 0x88 if bits == 4 else 0x80
+    z = np.full((e, rows, _zrow(nb, bits)), fill, np.uint8)
+    if bits == 4 and nb % 2:
+        z[..., -1] = 0x08  # the unused high nibble of an odd count: 0, as a packer writes it
+    return z
+
+
+def as_host_experts(p: Any) -> HostExperts:
+    """One packed weight (anything with ``B``, ``scales``, ``zp``, ``perm``, ``K``, ``N``, ``bits``,
+    ``block_size`` (or ``bs``), optionally ``experts``: ``quant.HostPacked``, the tests' ``Packed``) as stacked
+    experts (an unstacked one: one expert). ValueError for act order or K % block_size != 0."""
+    K, R, bits = int(p.K), int(p.N), int(p.bits)
+    bs = int(p.block_size if hasattr(p, "block_size") else p.bs)
+    if getattr(p, "perm", None) is not None:
+        raise ValueError("packed experts with act order (g_idx / desc_act) are not supported by moe_nbits_decode "
+                         "yet: keep them dequantised")
+    if bits not in BITS or bs < 16 or bs % 16 or K % bs:
+        raise ValueError(f"packed experts [{R}, {K}] {bits}-bit, block {bs}: bits 4 / 8, a block size that is a "
+                         "multiple of 16 dividing K")
+    E = max(1, int(getattr(p, "experts", 0)))
+    nb = K // bs
+    B = np.ascontiguousarray(p.B, np.uint8).reshape(E, R, K * bits // 8)
+    scales = np.ascontiguousarray(p.scales, np.float32).reshape(E, R, nb)
+    zp = None if p.zp is None else np.ascontiguousarray(p.zp, np.uint8).reshape(E, R, _zrow(nb, bits))
+    return HostExperts(B, scales, zp, R, K, bits, bs)
+
+
+def stack_experts(parts: Sequence[HostExperts]) -> HostExperts:
+    """Experts of several stacked weights one after the other on axis 0 (the routed experts, then the shared
+    expert folded as expert E). They must agree in rows, K, bits and block size; where only some carry zero-points
+    the others get their implied ones (2^(bits-1))."""
+    if not parts:
+        raise ValueError("nothing to stack")
+    a = parts[0]
+    if bad := [i for i, p in enumerate(parts) if (p.rows, p.K, p.bits, p.block_size) != (a.rows, a.K, a.bits,
+                                                                                          a.block_size)]:
+        raise ValueError(f"experts {bad} differ from the first in rows / K / bits / block size "
+                         f"({[(parts[i].rows, parts[i].K, parts[i].bits, parts[i].block_size) for i in bad]} vs "
+                         f"{(a.rows, a.K, a.bits, a.block_size)}): one launch runs one layout")
+    nb = a.K // a.block_size
+    zp = None
+    if any(p.zp is not None for p in parts):
+        zp = np.concatenate([p.zp if p.zp is not None else _default_zp(p.experts, p.rows, nb, p.bits)
+                             for p in parts])
+    return HostExperts(np.concatenate([p.B for p in parts]), np.concatenate([p.scales for p in parts]), zp,
+                       a.rows, a.K, a.bits, a.block_size)
+
+
+def fuse_rows(parts: Sequence[HostExperts]) -> HostExperts:
+    """Row blocks of each expert one after the other (gate rows then up rows: w_gu [E][2I][H]); the same rules as
+    :func:`stack_experts`, but the row counts may differ."""
+    if not parts:
+        raise ValueError("nothing to fuse")
+    a = parts[0]
+    if bad := [i for i, p in enumerate(parts) if (p.experts, p.K, p.bits, p.block_size) != (a.experts, a.K, a.bits,
+                                                                                            a.block_size)]:
+        raise ValueError(f"parts {bad} differ from the first in experts / K / bits / block size")
+    nb = a.K // a.block_size
+    zp = None
+    if any(p.zp is not None for p in parts):
+        zp = np.concatenate([p.zp if p.zp is not None else _default_zp(p.experts, p.rows, nb, p.bits)
+                             for p in parts], axis=1)
+    return HostExperts(np.concatenate([p.B for p in parts], axis=1), np.concatenate([p.scales for p in parts], axis=1),
+                       zp, sum(p.rows for p in parts), a.K, a.bits, a.block_size)

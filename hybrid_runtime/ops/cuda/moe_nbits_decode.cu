@@ -1,0 +1,459 @@
+// MoE of decode steps over int4 / int8 experts (W4A16 / W8A16) kept in onnxruntime's MatMulNBits layout: the same
+// two launches, routing contract, grids, output layout and accumulation order as moe_decode.cu (read its header
+// first), with the weight operand read PACKED from global memory. Host side: hybrid_runtime/cuda/moe_nbits_decode.py.
+// Self-contained (no CUDA headers): NVRTC compiles it on a CPU.
+//
+// Compiled once per (dtype, bits) with -DDT=<1 float16 | 2 bfloat16> (T) and -DMN_BITS=<4 | 8>; knobs (-D) as
+// moe_decode.cu's: MD_GU_COLS, MD_DN_ROWS, MD_GU_STAGES, MD_DN_STAGES, MD_BK, MD_GMAX, MD_WARPS (no early / L2
+// prefetch / dn_pre variants).
+//
+// Weights: w_gu = E_all stacked MatMulNBits weights of [2I rows][K = H] (rows 0..I-1 gate, I..2I-1 up), w_d = E_all
+// of [H rows][K = I]; the same bits and block size bs for all experts of a launch, K % bs == 0, no act order:
+//   B      uint8 [E_all * R][K * BITS / 8]   codes along K; 4-bit two a byte, the low nibble first
+//   scales float32 [E_all * R][nb]            nb = K / bs
+//   zp     uint8 [E_all * R][zrow] or null    4-bit: zrow = ceil(nb / 2), two a byte, low nibble first; 8-bit:
+//                                             zrow = nb; null: every zero-point 2^(BITS-1)
+//   w[r, k] = T((q[r, k] - z[r, k / bs]) * s[r, k / bs])  computed in float32 and rounded once to T: the very T
+//   weight nbits.cu's dequantise-at-load writes (q - z is exact as 2^23 + q minus 2^23 + z; the product is one
+//   float32 rounding; then one cvt.rn).
+//
+// The pipeline: one CTA as moe_decode's, but each ring stage holds the CTA's RM weight rows PACKED (MD_BK * BITS / 8
+// bytes a row, unswizzled: 64 bytes int4 / 128 bytes int8 per 128 k) plus the pass's B rows (as moe_decode). Per k
+// tile kt:
+//   wait for stage kt; __syncthreads  (every warp is done with the previous tile's bf16 weights and ring slot)
+//   issue the copies of tile kt + STAGES - 1
+//   dequantise stage kt's packed rows into WT, ONE bf16 / fp16 tile of RM rows x MD_BK (moe_decode's swizzled row
+//   layout; each thread whole 8-code chunks: one 16-byte swizzled store each); __syncthreads
+//   moe_decode's k16 steps on WT (A) and the stage's B rows, unchanged.
+// Scales and zero-points: the CTA's rows' whole (scale, 2^23 + zero) table for its expert, float2 [RM][nb], read
+// once per CTA right after the first pass's prologue copies go out (its latency overlaps them), visible from the
+// main loop's first __syncthreads on.
+//
+// Results: WT holds exactly the T weights of moe_decode's staged tile had the weights been dequantised at load, the
+// k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y element has moe_decode's bits on the
+// dequantised weights for the same MD_BK and MD_WARPS (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for
+// bit), and moe_decode's batch-invariance argument holds unchanged (the accumulation order depends on K, MD_BK and
+// MD_WARPS only).
+// Shapes (the host checks): K % 64 == 0 (H and I), bs % 16 == 0, K % bs == 0, I % MD_GU_COLS == 0,
+// H % MD_DN_ROWS == 0, ldh % 8 == 0, 16-byte aligned h / B, 4-byte aligned scales.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned char u8;
+
+#ifndef DT
+#define DT 2
+#endif
+#if DT != 1 && DT != 2
+#error "moe_nbits_decode.cu is a tensor-core path: DT must be 1 (float16) or 2 (bfloat16)"
+#endif
+typedef u16 T;
+#ifndef MN_BITS
+#define MN_BITS 4
+#endif
+#if MN_BITS != 4 && MN_BITS != 8
+#error "MN_BITS must be 4 or 8"
+#endif
+
+#ifndef MD_GU_COLS
+#define MD_GU_COLS 16
+#endif
+#ifndef MD_DN_ROWS
+#define MD_DN_ROWS 64
+#endif
+#ifndef MD_GU_STAGES
+#define MD_GU_STAGES 6
+#endif
+#ifndef MD_DN_STAGES
+#define MD_DN_STAGES 4
+#endif
+#ifndef MD_BK
+#define MD_BK 128
+#endif
+#ifndef MD_GMAX
+#define MD_GMAX 4
+#endif
+#ifndef MD_WARPS
+#define MD_WARPS 4
+#endif
+#ifndef MD_MIN_CTAS
+#define MD_MIN_CTAS 3
+#endif
+
+#define MD_THREADS (MD_WARPS * 32)
+#define MD_ROWB (MD_BK * 2)                 // bytes of one staged T row (WT and B rows)
+#define MD_CPR (MD_BK / 8)                  // 16-byte T chunks (8 elements) per staged row
+#define MD_SPW (MD_BK / 16 / MD_WARPS)      // k16 steps per warp per stage
+#define MD_GU_RM (2 * MD_GU_COLS)           // weight rows per gate_up CTA
+#define MN_PROWB (MD_BK * MN_BITS / 8)      // packed bytes of one weight row per stage (64 / 128)
+#define MN_PCPR (MN_PROWB / 16)             // their 16-byte chunks (4 / 8)
+#define MN_CB (8 * MN_BITS / 8)             // packed bytes of 8 codes (4 / 8)
+#define MN_ZDEF (1u << (MN_BITS - 1))
+
+static_assert(MD_BK == 64 || MD_BK == 128, "MD_BK must be 64 or 128");
+static_assert(MD_SPW >= 1 && (MD_BK / 16) % MD_WARPS == 0, "(MD_BK / 16) must be a multiple of MD_WARPS");
+static_assert(MD_GMAX >= 1 && MD_GMAX <= 4, "MD_GMAX must be 1..4");
+static_assert(MD_GU_COLS % 8 == 0 && MD_GU_COLS >= 8, "MD_GU_COLS must be a multiple of 8");
+static_assert(MD_DN_ROWS % 16 == 0 && MD_DN_ROWS >= 16, "MD_DN_ROWS must be a multiple of 16");
+static_assert(MD_GU_STAGES >= 2 && MD_DN_STAGES >= 2, "a ring needs at least 2 stages");
+
+__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ T from_f32(float v) {
+  u16 h;
+#if DT == 1
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+}
+// Two float32 values rounded (each once) to one T pair: hi in the upper half, lo in the lower (the first in k order).
+__device__ __forceinline__ u32 pack2(float hi, float lo) {
+  u32 d;
+#if DT == 1
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+__device__ __forceinline__ float u2f(u32 u) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(u));
+  return f;
+}
+
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+extern __shared__ __align__(128) unsigned char mn_smem[];
+
+__device__ __forceinline__ float ld_nc_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.u8 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// Byte offset of 16-byte chunk c of a staged T row (chunks XOR-swizzled by row & 7), as moe_decode.cu.
+__device__ __forceinline__ u32 soff(int row, int c) { return (u32)(row * MD_ROWB + ((c ^ (row & 7)) << 4)); }
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(u32 (&r)[2], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+#if DT == 1
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// 8 codes (4-bit: one word, code i at bits 4 i; 8-bit: two words, code i at byte i % 4 of word i / 4) -> 8 T weights
+// (q - z) * s, 4 pairs in k order. zf = 2^23 + z.
+__device__ __forceinline__ uint4 dequant8(u32 w0, u32 w1, float s, float zf) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#if MN_BITS == 4
+    const u32 q = (w0 >> (4 * i)) & 15u;
+#else
+    const u32 q = ((i < 4 ? w0 : w1) >> (8 * (i & 3))) & 255u;
+#endif
+    v[i] = (u2f(0x4B000000u | q) - zf) * s;  // 2^23 + q - (2^23 + z) = q - z exactly, then one float32 rounding
+  }
+  return make_uint4(pack2(v[1], v[0]), pack2(v[3], v[2]), pack2(v[5], v[4]), pack2(v[7], v[6]));
+}
+
+#define MODE_GATE_UP 0
+#define MODE_DOWN 1
+
+// Global row (in the stacked [E_all * R] weight) of staged weight row `row` of CTA column block bx, expert e.
+// gate_up's staged row r: m-tile r / 16, rows 0..7 gate, 8..15 up of act columns bx * MD_GU_COLS + 8 (r / 16) + r % 8.
+template <int MODE, int RM>
+__device__ __forceinline__ size_t global_row(int row, int e, int bx, int H, int I) {
+  if (MODE == MODE_GATE_UP)
+    return (size_t)e * 2 * I + ((row & 15) < 8 ? 0 : I) + bx * MD_GU_COLS + (row >> 4) * 8 + (row & 7);
+  return (size_t)e * H + (size_t)bx * RM + row;
+}
+
+// One CTA of either kernel. RM weight rows (RM / 16 m-tiles), STAGES-deep ring; X = h ([n, ldx], a pair's row at
+// (p / kk) * ldx) or act ([pairs, I], row p at p * ldx); B / scales / zp = the stacked packed weights; K = the
+// reduction length.
+template <int MODE, int RM, int STAGES>
+__device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, const u8* __restrict__ B,
+                                        const float* __restrict__ scales, const u8* __restrict__ zp, int bs,
+                                        int bs_shift, int K, int H, int I, int kk, int ny, int E_all, int gcap,
+                                        const int* __restrict__ expert_off, const int* __restrict__ pair_list,
+                                        const int* __restrict__ active, const float* __restrict__ pair_w,
+                                        T* __restrict__ act, float* __restrict__ y) {
+  constexpr int MT = RM / 16;
+  constexpr int NPC = (RM * MN_PCPR + MD_THREADS - 1) / MD_THREADS;  // packed chunks per thread per stage (at most)
+  constexpr int NDQ = (RM * MD_CPR + MD_THREADS - 1) / MD_THREADS;   // 8-code chunks per thread to dequantise
+  __shared__ long long s_src[8 * MD_GMAX];  // element offset of each B row's source in X (-1: zero row)
+  __shared__ int s_pair[8 * MD_GMAX];
+  const int j = blockIdx.y;  // < gridDim.y <= E_all: active[j] is in bounds even past n_active
+  pdl_enter();
+  const int n_active = active[E_all];
+  if (j >= n_active) return;  // past the experts with pairs: nothing to do, nothing written
+  const int e = active[j];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  gcap = min(max(gcap, 1), MD_GMAX);
+  const int cap = 8 * gcap;  // pairs per pass
+  const int nb = K / bs;     // blocks per row (the host checks K % bs == 0)
+  const int zrow = MN_BITS == 4 ? (nb + 1) >> 1 : nb;
+  const size_t prow = (size_t)K * MN_BITS / 8;  // packed bytes of a whole row
+  // shared memory: WT [RM][MD_ROWB] | SZ float2 [RM][nb] | ring (STAGES x (RM packed rows, cap B rows)) or the
+  // warps' partial sums after the last k tile (moe_nbits_decode.py smem_bytes)
+  const u32 sbase = smem_u32(mn_smem);
+  const u32 sWT = sbase;
+  float2* s_sz = reinterpret_cast<float2*>(mn_smem + RM * MD_ROWB);
+  const u32 ring_off = (u32)(RM * MD_ROWB + RM * nb * 8);
+  const u32 sRing = sbase + ring_off;
+  const u32 stage_bytes = (u32)(RM * MN_PROWB + cap * MD_ROWB);
+  const int KT = (K + MD_BK - 1) / MD_BK;
+  const int tail = K - (KT - 1) * MD_BK;  // k of the last tile: MD_BK, or 64 when MD_BK is 128 and K % 128 == 64
+  const int tail_ch = tail >> 3;          // its 8-element chunks
+  const int tail_pch = tail * MN_BITS / 128;  // its 16-byte packed chunks
+
+  // This thread's packed chunks of every stage: chunk c = tid + i * MD_THREADS (< RM * MN_PCPR) is (row c / MN_PCPR,
+  // packed chunk c % MN_PCPR).
+  const u8* psrc[NPC];
+  u32 pdst[NPC];
+  int pch[NPC];
+#pragma unroll
+  for (int i = 0; i < NPC; ++i) {
+    const int c = tid + i * MD_THREADS, row = c / MN_PCPR, ch = c % MN_PCPR;
+    const bool ok = c < RM * MN_PCPR;
+    psrc[i] = B + (ok ? global_row<MODE, RM>(row, e, blockIdx.x, H, I) * prow : 0) + ch * 16;
+    pdst[i] = (u32)(row * MN_PROWB + ch * 16);
+    pch[i] = ok ? ch : MN_PCPR;  // MN_PCPR: never copied
+  }
+  // k tile kt's packed weight rows into ring slot `slot` (no commit)
+  auto load_w = [&](int slot, int kt) {
+    const u32 sP = sRing + slot * stage_bytes;
+    const size_t b0 = (size_t)kt * MN_PROWB;  // packed byte offset of the tile in a row
+    const int nch = kt == KT - 1 ? tail_pch : MN_PCPR;
+#pragma unroll
+    for (int i = 0; i < NPC; ++i)
+      if (pch[i] < nch) cp_async16(sP + pdst[i], psrc[i] + b0, 16);
+  };
+  // stage kt's packed rows (ring slot `slot`) -> WT: chunk c = tid + i * MD_THREADS is (row c / MD_CPR, 8-code chunk
+  // c % MD_CPR), k = kt * MD_BK + 8 (c % MD_CPR), its block k / bs (bs % 16 == 0: the 8 codes share one block)
+  auto dequant = [&](int slot, int kt) {
+    const unsigned char* sP = mn_smem + ring_off + slot * stage_bytes;
+    const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
+#pragma unroll
+    for (int i = 0; i < NDQ; ++i) {
+      const int c = tid + i * MD_THREADS, row = c / MD_CPR, ch = c % MD_CPR;
+      if (c < RM * MD_CPR && ch < nch) {
+        const int k = kt * MD_BK + ch * 8;
+        const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
+        const float2 sz = s_sz[row * nb + b];
+        const unsigned char* src = sP + row * MN_PROWB + ch * MN_CB;
+#if MN_BITS == 4
+        const u32 w0 = *reinterpret_cast<const u32*>(src), w1 = 0u;
+#else
+        const uint2 ww = *reinterpret_cast<const uint2*>(src);
+        const u32 w0 = ww.x, w1 = ww.y;
+#endif
+        *reinterpret_cast<uint4*>(mn_smem + soff(row, ch)) = dequant8(w0, w1, sz.x, sz.y);
+      }
+    }
+  };
+  const int p0 = expert_off[e], p1 = expert_off[e + 1];
+
+#pragma unroll 1
+  for (int base = p0; base < p1; base += cap) {
+    const int m = min(cap, p1 - base);  // this pass's pairs
+    const int ng = (m + 7) >> 3;        // groups in use
+    __syncthreads();                    // the previous pass is done with s_pair and with the ring
+    for (int r = tid; r < 8 * ng; r += MD_THREADS) {
+      const int p = r < m ? pair_list[base + r] : -1;
+      s_pair[r] = p;
+      s_src[r] = p < 0 ? -1ll : (MODE == MODE_GATE_UP ? (long long)(p / kk) * ldx : (long long)p * ldx);
+    }
+    __syncthreads();
+
+    // k tile kt's B rows (the pass's pairs; zero rows up to 8 ng) into ring slot `slot` (no commit)
+    auto load_b = [&](int slot, int kt) {
+      const u32 sB = sRing + slot * stage_bytes + RM * MN_PROWB;
+      const int k0 = kt * MD_BK;
+      const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
+      for (int c = tid; c < 8 * ng * MD_CPR; c += MD_THREADS) {
+        const int row = c / MD_CPR, ch = c % MD_CPR;
+        if (ch < nch) {
+          const long long src = s_src[row];  // zero rows: src-size 0 fills 16 zero bytes, reads nothing
+          cp_async16(sB + soff(row, ch), X + (src < 0 ? 0ll : src) + k0 + ch * 8, src < 0 ? 0 : 16);
+        }
+      }
+    };
+
+    float acc[MT][MD_GMAX][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int g = 0; g < MD_GMAX; ++g)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mt][g][q] = 0.f;
+
+    // Prologue: stages 0 .. STAGES-2, one commit group each.
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < KT) {
+        load_w(s, s);
+        load_b(s, s);
+      }
+      cp_commit();
+    }
+    if (base == p0) {
+      // The (scale, 2^23 + zero) table of the CTA's rows, once per CTA, while the prologue copies are in flight;
+      // the main loop's first __syncthreads publishes it.
+      for (int i = tid; i < RM * nb; i += MD_THREADS) {
+        const int row = i / nb, b = i - row * nb;
+        const size_t gr = global_row<MODE, RM>(row, e, blockIdx.x, H, I);
+        const float s = ld_nc_f32(scales + gr * nb + b);
+        u32 z = MN_ZDEF;
+        if (zp != nullptr) {
+          if (MN_BITS == 4)
+            z = (ld_nc_u8(zp + gr * zrow + (b >> 1)) >> (4 * (b & 1))) & 15u;
+          else
+            z = ld_nc_u8(zp + gr * zrow + b);
+        }
+        s_sz[i] = make_float2(s, 8388608.f + (float)z);
+      }
+    }
+
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_wait<STAGES - 2>();  // k tile kt has landed (this thread's copies) ...
+      __syncthreads();        // ... everyone's; every warp is done with WT and with the slot refilled below
+      const int nk = kt + STAGES - 1;
+      if (nk < KT) {
+        load_w(nk % STAGES, nk);
+        load_b(nk % STAGES, nk);
+      }
+      cp_commit();  // one group per iteration (possibly empty) keeps the wait count uniform
+      dequant(kt % STAGES, kt);
+      __syncthreads();  // WT holds tile kt's T weights
+      const u32 sB = sRing + (kt % STAGES) * stage_bytes + RM * MN_PROWB;
+      const int nsteps = (kt == KT - 1 ? tail_ch : MD_CPR) >> 1;  // k16 steps of this tile
+#pragma unroll
+      for (int ss = 0; ss < MD_SPW; ++ss) {
+        const int ks = warp * MD_SPW + ss;
+        if (ks >= nsteps) break;  // warp-uniform (a short last tile)
+        u32 b[MD_GMAX][2];
+#pragma unroll
+        for (int g = 0; g < MD_GMAX; ++g) {
+          if (g < ng) {  // B [pair][k]: lanes 0-7 rows 8g.. at chunk 2ks (k 0..7), lanes 8-15 at 2ks + 1
+            const int row = 8 * g + (lane & 7);
+            ldsm_x2(b[g], sB + soff(row, 2 * ks + ((lane >> 3) & 1)));
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          u32 a[4];  // A [row][k]: lanes 0-15 rows 0..15 at chunk 2ks, lanes 16-31 at 2ks + 1
+          const int row = mt * 16 + (lane & 15);
+          ldsm_x4(a, sWT + soff(row, 2 * ks + (lane >> 4)));
+#pragma unroll
+          for (int g = 0; g < MD_GMAX; ++g)
+            if (g < ng) mma16816(acc[mt][g], a, b[g]);
+        }
+      }
+    }
+    cp_wait<0>();
+    __syncthreads();  // the ring is drained and read: it becomes the warps' partial sums
+
+    // red[((w * MT + mt) * gcap + g) * 32 + lane]: warp w's fragment (mt, g) (RM * gcap * MD_WARPS * 32 bytes)
+    float4* red = reinterpret_cast<float4*>(mn_smem + ring_off);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int g = 0; g < MD_GMAX; ++g)
+        if (g < ng)
+          red[((warp * MT + mt) * gcap + g) * 32 + lane] =
+              make_float4(acc[mt][g][0], acc[mt][g][1], acc[mt][g][2], acc[mt][g][3]);
+    __syncthreads();
+    const int gl = lane >> 2, t4 = lane & 3;  // fragment rows gl, gl + 8; columns (pairs) 2 t4, 2 t4 + 1
+    for (int f = warp; f < MT * ng; f += MD_WARPS) {
+      const int mt = f / ng, g = f - mt * ng;
+      float4 v = red[(mt * gcap + g) * 32 + lane];
+#pragma unroll
+      for (int w = 1; w < MD_WARPS; ++w) {  // fixed order: warp 0 + warp 1 + ...
+        const float4 u = red[((w * MT + mt) * gcap + g) * 32 + lane];
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+      }
+      const float lo[2] = {v.x, v.y}, hi[2] = {v.z, v.w};  // rows gl / gl + 8 of columns 2 t4, 2 t4 + 1
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int q = 8 * g + 2 * t4 + c;
+        if (q >= m) continue;
+        const int p = s_pair[q];
+        if (MODE == MODE_GATE_UP) {
+          const int i = blockIdx.x * MD_GU_COLS + mt * 8 + gl;  // rows gl: gate of column i, gl + 8: its up
+          act[(size_t)p * I + i] = from_f32(siluf_(lo[c]) * hi[c]);
+        } else {
+          const int t = p / kk, slot = p - t * kk;
+          const float w = pair_w[p];
+          float* dst = y + ((size_t)t * ny + slot) * H + blockIdx.x * RM + mt * 16 + gl;
+          dst[0] = w * lo[c];
+          dst[8] = w * hi[c];
+        }
+      }
+    }
+  }
+}
+
+// grid (I / MD_GU_COLS, ny_grid), block MD_THREADS, dynamic smem (moe_nbits_decode.py smem_bytes). h [n, ldh] T;
+// w_gu packed [E_all * 2I][H * BITS / 8] (+ scales, zp); act [n*kk, I] T.
+extern "C" __global__ void __launch_bounds__(MD_THREADS, MD_MIN_CTAS)
+    moe_nb_gate_up(const T* __restrict__ h, long long ldh, const u8* __restrict__ B, const float* __restrict__ scales,
+                   const u8* __restrict__ zp, int bs, int bs_shift, int H, int I, int kk, int E_all, int gcap,
+                   const int* __restrict__ expert_off, const int* __restrict__ pair_list,
+                   const int* __restrict__ active, T* __restrict__ act) {
+  dec_cta<MODE_GATE_UP, MD_GU_RM, MD_GU_STAGES>(h, ldh, B, scales, zp, bs, bs_shift, H, H, I, kk, 0, E_all, gcap,
+                                               expert_off, pair_list, active, nullptr, act, nullptr);
+}
+
+// grid (H / MD_DN_ROWS, ny_grid), block MD_THREADS, dynamic smem (moe_nbits_decode.py smem_bytes). act [n*kk, I] T;
+// w_d packed [E_all * H][I * BITS / 8] (+ scales, zp); y [n, ny, H] float32 (ny >= kk).
+extern "C" __global__ void __launch_bounds__(MD_THREADS, MD_MIN_CTAS)
+    moe_nb_down(const T* __restrict__ act, const u8* __restrict__ B, const float* __restrict__ scales,
+                const u8* __restrict__ zp, int bs, int bs_shift, const float* __restrict__ pair_w, int H, int I,
+                int kk, int ny, int E_all, int gcap, const int* __restrict__ expert_off,
+                const int* __restrict__ pair_list, const int* __restrict__ active, float* __restrict__ y) {
+  dec_cta<MODE_DOWN, MD_DN_ROWS, MD_DN_STAGES>(act, I, B, scales, zp, bs, bs_shift, I, H, I, kk, ny, E_all, gcap,
+                                              expert_off, pair_list, active, pair_w, nullptr, y);
+}

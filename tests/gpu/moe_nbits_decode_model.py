@@ -1,0 +1,103 @@
+"""A numpy model of what ``ops/cuda/moe_nbits_decode.cu`` adds to moe_decode.cu (no GPU), every index expression
+transcribed from the kernel: the packed cp.async chunk mapping of a CTA's weight rows into a ring stage (rows of
+bk * bits / 8 bytes, short last k tiles), the (scale, 2^23 + zero) table of the CTA's rows, and the dequantisation of
+a stage into the swizzled T tile (8 codes a thread-chunk: nibble / byte order, the block of each chunk, float32
+(q - z) * s rounded once to T). :func:`wt_tiles` returns, per k tile, the T weights the mma loop then reads; the
+rest of the kernel is moe_decode.cu's, modelled by moe_decode_model.py.
+
+Not modelled: when copies land (the ring's wait counts are moe_decode's) and the __syncthreads that publish WT."""
+
+from __future__ import annotations
+
+import numpy as np
+from gpu_bits import host_bits, to_f32
+
+from hybrid_runtime.cuda.moe_nbits_decode import HostExperts, NBitsKnobs
+
+
+def _global_row(kind: str, row: int, e: int, bx: int, H: int, I: int, kn: NBitsKnobs) -> int:
+    if kind == "gate_up":
+        return e * 2 * I + (0 if (row & 15) < 8 else I) + bx * kn.gu_cols + (row >> 4) * 8 + (row & 7)
+    return e * H + bx * kn.rows(kind) + row
+
+
+def wt_tiles(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn: NBitsKnobs, dtype: str
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [RM, K] float32 as the CTA (bx, expert e) of ``kind`` dequantises them into WT, k tile by k tile,
+    read back through the swizzle (NaN where no thread wrote), global rows [RM] of the stacked weight)."""
+    rm = kn.rows(kind)
+    K = w.K
+    bits, bs = w.bits, w.block_size
+    nb = K // bs
+    zrow = (nb + 1) // 2 if bits == 4 else nb
+    prowb = kn.bk * bits // 8
+    pcpr = prowb // 16
+    cpr = kn.bk // 8
+    cb = 8 * bits // 8
+    threads = kn.threads
+    Bf = w.B.reshape(-1)  # [E_all * R * K * bits / 8] bytes
+    Sf = w.scales.reshape(-1)
+    Zf = None if w.zp is None else w.zp.reshape(-1)
+    prow = K * bits // 8
+    kt_n = -(-K // kn.bk)
+    tail = K - (kt_n - 1) * kn.bk
+    tail_ch, tail_pch = tail >> 3, tail * bits // 128
+
+    # the (scale, 2^23 + zero) table
+    sz = np.full((rm * nb, 2), np.nan, np.float32)
+    for i in range(rm * nb):
+        row, b = i // nb, i % nb
+        gr = _global_row(kind, row, e, bx, H, I, kn)
+        s = Sf[gr * nb + b]
+        if Zf is None:
+            z = 1 << (bits - 1)
+        elif bits == 4:
+            z = (int(Zf[gr * zrow + (b >> 1)]) >> (4 * (b & 1))) & 15
+        else:
+            z = int(Zf[gr * zrow + b])
+        sz[i] = (s, np.float32(8388608.0) + np.float32(z))
+
+    # this CTA's packed chunk copies: (stage byte offset, source byte offset, chunk) per (thread, i)
+    npc = -(-(rm * pcpr) // threads)
+    copies = []
+    for tid in range(threads):
+        for i in range(npc):
+            c = tid + i * threads
+            if c >= rm * pcpr:
+                continue
+            row, ch = c // pcpr, c % pcpr
+            copies.append((row * prowb + ch * 16, _global_row(kind, row, e, bx, H, I, kn) * prow + ch * 16, ch))
+    ndq = -(-(rm * cpr) // threads)
+    out = np.full((rm, K), np.nan, np.float32)
+    for kt in range(kt_n):
+        stage = np.full(rm * prowb, -1, np.int64)  # -1: a byte no copy of this tile wrote
+        nch = tail_pch if kt == kt_n - 1 else pcpr
+        for dst, src, ch in copies:
+            if ch < nch:
+                stage[dst:dst + 16] = Bf[src + kt * prowb:src + kt * prowb + 16]
+        wt = np.full((rm, cpr, 8), np.nan, np.float32)  # [row, PHYSICAL chunk, element]
+        nchd = tail_ch if kt == kt_n - 1 else cpr
+        for tid in range(threads):
+            for i in range(ndq):
+                c = tid + i * threads
+                row, ch = c // cpr, c % cpr
+                if not (c < rm * cpr and ch < nchd):
+                    continue
+                k = kt * kn.bk + ch * 8
+                b = k // bs
+                s, zf = sz[row * nb + b]
+                src = stage[row * prowb + ch * cb:row * prowb + ch * cb + cb]
+                assert (src >= 0).all(), "dequantised a byte that was not copied"
+                w0 = int.from_bytes(bytes(src[:4].astype(np.uint8)), "little")
+                w1 = int.from_bytes(bytes(src[4:8].astype(np.uint8)), "little") if bits == 8 else 0
+                v = np.empty(8, np.float32)
+                for j in range(8):
+                    q = (w0 >> (4 * j)) & 15 if bits == 4 else ((w0 if j < 4 else w1) >> (8 * (j & 3))) & 255
+                    v[j] = (np.float32(8388608.0 + q) - zf) * s  # float32 arithmetic, as the kernel
+                wt[row, ch ^ (row & 7)] = to_f32(host_bits(v, dtype), dtype)
+        # read back as the mma loop's ldmatrix does (logical chunk c at physical c ^ (row & 7)) over the tile's k
+        for row in range(rm):
+            for ch in range(nchd):
+                out[row, kt * kn.bk + ch * 8:kt * kn.bk + ch * 8 + 8] = wt[row, ch ^ (row & 7)]
+    rows = np.array([_global_row(kind, r, e, bx, H, I, kn) for r in range(rm)])
+    return out, rows

@@ -1,0 +1,297 @@
+"""The packed-expert decode MoE (``ops/cuda/moe_nbits_decode.cu``, ``cuda/moe_nbits_decode.py``) on any machine:
+NVRTC compiles both kernels for sm_90 in bf16 / fp16 x int4 / int8 for every knob set of the benchmark, without
+spills, within the registers and shared memory of their occupancy; the host's rules and refusals (shapes, act order,
+mixed bits, shared memory), grids == moe_decode's (so moe_decode_model's coverage proof carries over: every (pair,
+row) written exactly once), the stacking of per-expert packed weights (zero-points implied where absent, gate and
+up rows fused); and the numpy model of the packed ring stages and their dequantisation into the T tile
+(moe_nbits_decode_model.py) == an independent dequantiser (nbits_decode_model.dequantize_op) rounded as the
+dequantise-at-load path rounds, for int4 / int8, sym / asym, group sizes 32 / 64 / 128 / K, short last k tiles."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gpu_bits import host_bits, to_f32
+from moe_decode_model import coverage, routing
+from moe_nbits_decode_model import wt_tiles
+from nbits_decode_model import dequantize_op, random_packed
+from test_cuda_compile import check_log, nvrtc_or_skip
+
+from hybrid_runtime.cuda import moe_decode
+from hybrid_runtime.cuda.moe_nbits_decode import (
+    DEFAULT_KNOBS,
+    KNOB_SETS,
+    SOURCE,
+    HostExperts,
+    MoENBitsDecode,
+    NBitsExperts,
+    NBitsKnobs,
+    as_host_experts,
+    bs_shift,
+    check_shape,
+    fuse_rows,
+    grid,
+    shape_problems,
+    smem_bytes,
+    stack_experts,
+    stage_bytes,
+)
+
+SM_SMEM = 228 * 1024
+SM_REGS = 65536
+
+
+def _per_kernel(log: str) -> dict[str, tuple[int, int]]:
+    """kernel -> (registers, static smem bytes) from a ptxas -v log."""
+    out, cur = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            cur = m.group(1)
+        elif cur and (m := re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)):
+            out[cur] = (int(m.group(1)), int(m.group(2)))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(KNOB_SETS))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compiles_for_sm90_without_spills(dtype: str, bits: int, name: str) -> None:
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    kn = KNOB_SETS[name]
+    log = compile_log(source(SOURCE), SOURCE, kn.options(dtype, bits), "sm_90")
+    check_log(log)
+    res = _per_kernel(log)
+    assert set(res) == {"moe_nb_gate_up", "moe_nb_down"}, log
+    for kernel, kind in (("moe_nb_gate_up", "gate_up"), ("moe_nb_down", "down")):
+        regs, static = res[kernel]
+        # the 35B shape at group size 32 (the largest scale table): the largest launch fits one CTA, a batch-1
+        # launch (gcap 1) leaves room for 3 CTAs per SM by registers and 2 by shared memory
+        K = 2048 if kind == "gate_up" else 512
+        assert static + smem_bytes(kind, kn.gmax, bits, K // 32, kn) <= 227 * 1024, (kernel, log)
+        assert 2 * (static + smem_bytes(kind, 1, bits, K // 32, kn) + 1024) <= SM_SMEM, kernel
+        assert 3 * regs * kn.threads <= SM_REGS, (kernel, regs)
+
+
+def test_knobs_options_grids_and_shared_memory() -> None:
+    assert DEFAULT_KNOBS.options("bfloat16", 4) == (
+        "-DDT=2", "-DMN_BITS=4", "-DMD_GU_COLS=16", "-DMD_GU_STAGES=6", "-DMD_DN_ROWS=64", "-DMD_DN_STAGES=4",
+        "-DMD_BK=128", "-DMD_GMAX=4", "-DMD_WARPS=4")
+    for bad in ({"gu_cols": 12}, {"bk": 32}, {"gmax": 5}, {"warps": 3}, {"dn_stages": 1}):
+        with pytest.raises(ValueError, match="knobs"):
+            NBitsKnobs(**bad)
+    for name, kn in KNOB_SETS.items():  # every build splits K as moe_decode's default: the same bits
+        dk = kn.decode_knobs()
+        assert (dk.bk, dk.warps) == (moe_decode.DEFAULT_KNOBS.bk, moe_decode.DEFAULT_KNOBS.warps), name
+        for kind in ("gate_up", "down"):
+            for n, kk, e_all in ((1, 9, 257), (8, 9, 257), (64, 8, 256)):
+                assert grid(kind, n, kk, e_all, 2048, 512, kn) == moe_decode.grid(kind, n, kk, e_all, 2048, 512, dk)
+    assert grid("gate_up", 1, 9, 257, 2048, 512) == (32, 9, 1) and grid("down", 64, 8, 256, 2048, 512) == (32, 256, 1)
+    # a stage: 32 packed rows of 64 (int4) / 128 (int8) bytes + 8 gcap B rows of 256 bytes
+    assert stage_bytes("gate_up", 1, 4) == 32 * 64 + 8 * 256 and stage_bytes("down", 4, 8) == 64 * 128 + 32 * 256
+    # WT + (scale, zero) table + ring
+    assert smem_bytes("gate_up", 1, 4, 64) == 32 * 256 + 32 * 64 * 8 + 6 * (32 * 64 + 8 * 256)
+    small = NBitsKnobs(gu_cols=32, gu_stages=2, bk=64)  # the partial sums outgrow the ring
+    assert smem_bytes("gate_up", 4, 4, 1, small) == 64 * 128 + 64 * 8 + 4 * 4 * 4 * 512
+    assert [bs_shift(b) for b in (16, 32, 128, 2048, 48, 0)] == [4, 5, 7, 11, -1, -1]
+
+
+def _ops(bits: int = 4, bs: int = 128, H: int = 2048, inter: int = 512, e_all: int = 257, **kw: int
+         ) -> tuple[NBitsExperts, NBitsExperts]:
+    gu = NBitsExperts(256, 512, 0, e_all, 2 * inter, H, bits, bs)
+    dn = NBitsExperts(1024, 2048, 0, e_all, H, inter, bits, bs)
+    return replace(gu, **kw), dn
+
+
+def test_shape_rules_refuse_with_clear_messages() -> None:
+    gu, dn = _ops()
+    assert shape_problems("bfloat16", 2048, 512, gu, dn, 257, 9, 2048, 9) == []
+    check_shape("float16", 2048, 512, gu, dn, 257, 9)
+    cases = [
+        (("float32", 2048, 512, gu, dn, 257, 9), "bfloat16 / float16"),
+        (("bfloat16", 2048, 96, *_ops(inter=96), 257, 9), "multiples of 64"),
+        (("bfloat16", 2048, 512, gu, dn, 1025, 9), "E_all 1025"),
+        (("bfloat16", 2048, 512, gu, dn, 257, 9, 2044), "ldh 2044"),
+        (("bfloat16", 2048, 512, gu, dn, 257, 9, 2048, 8), "ny 8"),
+        (("bfloat16", 2048, 512, *_ops(perm=4096), 257, 9), "act order"),
+        (("bfloat16", 2048, 512, _ops(bits=8)[0], dn, 257, 9), "one bit width"),
+        (("bfloat16", 2048, 512, *_ops(bits=3), 257, 9), "bits must be 4 or 8"),
+        (("bfloat16", 2048, 512, *_ops(bs=24), 257, 9), "multiple of 16"),
+        (("bfloat16", 2048, 512, *_ops(bs=96), 257, 9), "divide K"),
+        (("bfloat16", 2048, 512, *_ops(e_all=200), 257, 9), "fewer than E_all"),
+        (("bfloat16", 2048, 512, *_ops(B=8), 257, 9), "16-byte aligned"),
+        (("bfloat16", 2048, 512, *_ops(rows=512), 257, 9), r"\[1024, 2048\]"),
+        (("bfloat16", 16384, 512, *_ops(bs=16, H=16384), 257, 9), "shared memory"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            check_shape(*args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bfloat16 / float16"):
+        MoENBitsDecode(None, "float32")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(KNOB_SETS))
+def test_every_pair_row_is_written_exactly_once(name: str) -> None:
+    """The grids and the epilogue are moe_decode's (same grid, same fragment walk): moe_decode_model's coverage
+    on the equivalent moe_decode build, random 35B routings, n 1 / 8 / 16 / 64."""
+    kn = KNOB_SETS[name].decode_knobs()
+    H, inter, E, k = 2048, 512, 256, 8
+    rng = np.random.default_rng(5)
+    for n in (1, 8, 16, 64):
+        lg = rng.standard_normal((n, E))
+        pe = np.concatenate([np.argsort(-lg, 1)[:, :k], np.full((n, 1), E)], 1).reshape(-1)
+        off, pl, active = routing(pe, E + 1, rng)
+        gcap = moe_decode.groups_per_pass(n, kn.gmax)
+        for kind, width in (("gate_up", inter), ("down", H)):
+            cnt = coverage(kind, n, k + 1, E + 1, H, inter, gcap, kn, off, pl, active)
+            assert cnt.shape == (n * (k + 1), width) and (cnt == 1).all(), (name, n, kind)
+
+
+def _experts(rng: np.random.Generator, E: int, R: int, K: int, bits: int, bs: int, asym: bool) -> list:
+    return [random_packed(rng, R, K, bits, bs, asym, None, 0.01 if bits == 4 else 0.0006) for _ in range(E)]
+
+
+def _want_t(p, dtype: str) -> np.ndarray:
+    """The dequantise-at-load weights: (q - z) * s rounded to float32, then once to T."""
+    return to_f32(host_bits(dequantize_op(p).astype(np.float32), dtype), dtype)
+
+
+WT_CASES = [  # (kind, bits, group (-1: K), asym, H, I, knobs, dtype)
+    ("gate_up", 4, 32, True, 256, 128, DEFAULT_KNOBS, "bfloat16"),
+    ("gate_up", 4, 128, False, 384, 128, DEFAULT_KNOBS, "bfloat16"),
+    ("gate_up", 8, 64, False, 320, 128, DEFAULT_KNOBS, "float16"),  # K 320: a last k tile of 64
+    ("down", 4, 64, False, 256, 192, DEFAULT_KNOBS, "bfloat16"),  # K 192: a last k tile of 64
+    ("down", 8, -1, True, 128, 256, DEFAULT_KNOBS, "bfloat16"),  # one block a row
+    ("gate_up", 4, 64, True, 192, 64, KNOB_SETS["fine"], "bfloat16"),  # 16 rows a CTA: one packed chunk a thread
+    ("down", 4, 16, True, 128, 128, KNOB_SETS["fine"], "float16"),  # group 16: odd block counts per nibble pair
+    ("gate_up", 8, 32, True, 256, 64, NBitsKnobs(gu_cols=32, bk=64, warps=2), "bfloat16"),
+    ("down", 4, 96, True, 64, 192, NBitsKnobs(dn_rows=16, bk=64), "bfloat16"),  # group 96: k >> bs_shift unused
+]
+
+
+@pytest.mark.parametrize("case", range(len(WT_CASES)))
+def test_dequantised_tiles_match_an_independent_dequantiser(case: int) -> None:
+    """Every CTA column block of two experts (stacked with stack_experts, the last one without zero-points when
+    the others have them): the T weights the mma loop reads, k tile by k tile, == (q - z) * s rounded as
+    nbits.cu's dequantise-at-load rounds (what moe_decode reads on the dequantised weights), bit for bit."""
+    kind, bits, group, asym, H, inter, kn, dtype = WT_CASES[case]
+    rng = np.random.default_rng(case)
+    R, K = (2 * inter, H) if kind == "gate_up" else (H, inter)
+    bs = K if group == -1 else group
+    packs = _experts(rng, 3, R, K, bits, bs, asym)
+    parts = [as_host_experts(p) for p in packs]
+    if asym:
+        plain = random_packed(rng, R, K, bits, bs, False, None)
+        packs.append(plain)
+        parts.append(as_host_experts(plain))
+    w = stack_experts(parts)
+    assert w.experts == len(packs)
+    nbx = grid(kind, 1, 1, 1, H, inter, kn)[0]
+    for e in (1, len(packs) - 1):
+        want = _want_t(packs[e], dtype)
+        for bx in range(nbx):
+            got, rows = wt_tiles(kind, w, e, bx, H, inter, kn, dtype)
+            assert not np.isnan(got).any(), (case, e, bx)
+            assert np.array_equal(got, want[rows - e * R]), (case, e, bx)
+
+
+def test_stacking_and_fusing_packed_experts() -> None:
+    rng = np.random.default_rng(3)
+    H, inter, bits, bs = 128, 64, 4, 32
+    gate = _experts(rng, 2, inter, H, bits, bs, True)
+    up = _experts(rng, 2, inter, H, bits, bs, True)
+    shared_gate = random_packed(rng, inter, H, bits, bs, False, None)
+    shared_up = random_packed(rng, inter, H, bits, bs, False, None)
+    routed = fuse_rows([stack_experts([as_host_experts(p) for p in gate]),
+                        stack_experts([as_host_experts(p) for p in up])])
+    shared = fuse_rows([as_host_experts(shared_gate), as_host_experts(shared_up)])
+    w = stack_experts([routed, shared])
+    assert (w.experts, w.rows, w.K) == (3, 2 * inter, H)
+    assert w.B.shape == (3, 2 * inter, H * bits // 8) and w.scales.shape == (3, 2 * inter, H // bs)
+    assert w.zp is not None and w.zp.shape == (3, 2 * inter, (H // bs + 1) // 2)
+    for e, (g, u) in enumerate([*zip(gate, up, strict=True), (shared_gate, shared_up)]):
+        got = dequantize_op(_as_packed(w, e))
+        np.testing.assert_array_equal(got, np.concatenate([dequantize_op(g), dequantize_op(u)]))
+    # a stacked HostPacked-like weight (experts > 0) keeps its experts
+    stacked = HostExperts(w.B, w.scales, w.zp, w.rows, w.K, w.bits, w.block_size)
+    assert as_host_experts(_Stacked(w)).B.shape == stacked.B.shape
+    with pytest.raises(ValueError, match="act order"):
+        as_host_experts(random_packed(rng, 64, 128, 4, 32, False, 100))
+    with pytest.raises(ValueError, match="block size"):
+        as_host_experts(random_packed(rng, 64, 120, 4, 40, False, None))
+    with pytest.raises(ValueError, match="differ"):
+        stack_experts([as_host_experts(gate[0]), as_host_experts(random_packed(rng, inter, H, 8, bs, True, None))])
+    with pytest.raises(ValueError, match="differ"):
+        fuse_rows([as_host_experts(gate[0]), as_host_experts(random_packed(rng, inter, H, 4, 64, True, None))])
+
+
+class _Stacked:
+    """A stacked packed weight as quant.HostPacked carries one (flat scales / zp per expert)."""
+
+    def __init__(self, w: HostExperts) -> None:
+        E = w.experts
+        self.B, self.scales = w.B, w.scales.reshape(E, -1)
+        self.zp = None if w.zp is None else w.zp.reshape(E, -1)
+        self.perm, self.K, self.N, self.bits, self.block_size, self.experts = None, w.K, w.rows, w.bits, \
+            w.block_size, E
+
+
+def _as_packed(w: HostExperts, e: int):
+    from nbits_decode_model import Packed
+
+    return Packed(w.B[e], w.scales[e], None if w.zp is None else w.zp[e], None, w.K, w.rows, w.bits, w.block_size,
+                  w.K)
+
+
+def _signature(src: str, name: str) -> list[str]:
+    """The parameter kinds ("ptr" / "i64" / "i32") of kernel ``name`` in the CUDA source."""
+    m = re.search(name + r"\(([^)]*)\)", src)
+    assert m, name
+    kinds = []
+    for p in m.group(1).split(","):
+        p = p.strip()
+        kinds.append("ptr" if "*" in p else "i64" if "long long" in p else "i32" if p.startswith("int ") else p)
+    return kinds
+
+
+def test_launch_arguments_match_the_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both launches pass the kernels' parameters in their order and kinds (no GPU: the kernels are recorders),
+    with the grids, block and shared memory of the host's rules."""
+    from hybrid_runtime.cuda.kernels import source
+    from hybrid_runtime.cuda.moe_prefill import MoEBuffers
+
+    src = source(SOURCE)
+    calls: list[tuple] = []
+
+    class Rec:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def launch(self, device, grid_, block, smem, args, pdl=False) -> None:
+            calls.append((self.name, grid_, block, smem, args, pdl))
+
+    monkeypatch.setattr(MoENBitsDecode, "_kernel", lambda self, bits, kind: Rec(
+        "moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down"))
+    moe = MoENBitsDecode(None, "bfloat16")  # type: ignore[arg-type]
+    gu, dn = _ops(bits=4, bs=64)
+    moe.launch(9, 4096, 2048, gu, dn, 2048, 512, 9, 10, 257, MoEBuffers(*range(16, 16 * 10, 16), 0))
+    assert [c[0] for c in calls] == ["moe_nb_gate_up", "moe_nb_down"]
+    for name, grid_, block, smem, args, pdl in calls:
+        assert [k for k, _ in args] == _signature(src, name), name
+        kind = "gate_up" if name.endswith("gate_up") else "down"
+        w = gu if kind == "gate_up" else dn
+        assert grid_ == grid(kind, 9, 9, 257, 2048, 512) and block == (128, 1, 1) and pdl
+        assert smem == smem_bytes(kind, 2, 4, w.K // 64)  # 9 tokens: 2 groups per pass
+        vals = dict(zip(_signature_names(src, name), (v for _, v in args), strict=True))
+        assert (vals["B"], vals["scales"], vals["zp"], vals["bs"], vals["bs_shift"]) == (w.B, w.scales, w.zp, 64, 6)
+        assert (vals["H"], vals["I"], vals["kk"], vals["E_all"], vals["gcap"]) == (2048, 512, 9, 257, 2)
+
+
+def _signature_names(src: str, name: str) -> list[str]:
+    m = re.search(name + r"\(([^)]*)\)", src)
+    assert m
+    return [re.split(r"[\s*]+", p.strip())[-1] for p in m.group(1).split(",")]
