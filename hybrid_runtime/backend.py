@@ -109,6 +109,41 @@ def check_steps(phase: Phase, steps: list[SeqStep]) -> None:
 def slot_mapping(steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray, page_size: int,
                  num_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """(page, offset) of every token of the batch, bounds-checked once per step for all attention layers."""
+    B, T = len(steps), len(positions)
+    bounds = np.asarray(bounds)
+    if not isinstance(page_size, int) or page_size < 1:
+        return _slot_mapping_loop(steps, positions, bounds, page_size, num_pages)
+    try:
+        starts = np.fromiter((s.start_pos for s in steps), np.int64, count=B)
+        have = np.fromiter((len(s.page_table) for s in steps), np.int64, count=B)
+    except (OverflowError, TypeError, ValueError):
+        return _slot_mapping_loop(steps, positions, bounds, page_size, num_pages)
+    counts = bounds[1:B + 1] - bounds[:B]
+    short = -(-(starts + counts) // page_size) > have
+    if short.any():
+        i = int(short.argmax())  # the first sequence whose table does not cover its tokens
+        s, a, b = steps[i], int(bounds[i]), int(bounds[i + 1])
+        raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} tokens")
+    index = (positions // page_size).tolist() if T == B and (counts == 1).all() else None
+    if index is not None and (not index or min(index) >= 0):  # one token per sequence (decode): one page each
+        pages = np.array([s.page_table[p] for s, p in zip(steps, index)], np.int64) if B else np.empty(0, np.int64)
+    else:
+        pages = np.empty(T, np.int64)
+        for i, s in enumerate(steps):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            if a == b:
+                continue
+            first, last = int(positions[a]) // page_size, int(positions[b - 1]) // page_size
+            # only the pages these tokens touch: a long list table is not converted whole for one decode token
+            pages[a:b] = np.asarray(s.page_table[first:last + 1], np.int64)[positions[a:b] // page_size - first]
+    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+        raise IndexError(f"page index outside the pool of {num_pages} pages")
+    return pages, positions % page_size
+
+
+def _slot_mapping_loop(steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray, page_size: int,
+                       num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`slot_mapping` one sequence at a time (start positions or tables numpy cannot count with)."""
     pages = np.empty(len(positions), np.int64)
     for i, s in enumerate(steps):
         a, b = int(bounds[i]), int(bounds[i + 1])

@@ -11,6 +11,7 @@ words the kernel reads; unseeded requests get a seed drawn once per request by t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,49 @@ def row_params(p: SamplingParams, seed: int, counter: int, n_logprobs: int | Non
     w[6] = int(counter) & _MASK
     w[7] = -1 if n_logprobs is None else min(int(n_logprobs), MAX_TOP_LOGPROBS)
     return (w & _MASK).astype(np.uint32).view(np.int32)
+
+
+# the 4 static words of a SamplingParams (frozen, so they never change), by identity; entries hold the params, so
+# an id is never reused while it is cached
+_STATIC: dict[int, tuple[SamplingParams, tuple[int, int, int, int]]] = {}
+_STATIC_MAX = 4096
+_PAD_ROW = (1, 0, 0, 0, 0, 0, 0, _MASK)  # a padding row: greedy, no logprobs
+
+
+def _static_words(p: SamplingParams) -> tuple[int, int, int, int]:
+    """Words 0..3 of :func:`row_params` (greedy, top_k, temperature, top_p) as unsigned 32-bit values."""
+    e = _STATIC.get(id(p))
+    if e is not None and e[0] is p:
+        return e[1]
+    w = row_params(p, 0, 0)
+    words = (int(w[0]) & _MASK, int(w[1]) & _MASK, int(w[2]) & _MASK, int(w[3]) & _MASK)
+    if type(p) is SamplingParams:  # frozen: safe to remember (anything else is recomputed every time)
+        if len(_STATIC) >= _STATIC_MAX:
+            _STATIC.clear()
+        _STATIC[id(p)] = (p, words)
+    return words
+
+
+def rows_params(rows: Sequence[Any], R: int) -> np.ndarray:
+    """The ``[R, ROW_WORDS]`` int32 sampling words of a step: :func:`row_params` of each ``rows[r]`` (a
+    :class:`~hybrid_runtime.backend.SampleRow`: ``params``, ``seed``, ``counter``, ``logprobs``) for its first
+    ``len(rows)`` rows, greedy rows without logprobs after them (padding) — the same words, row by row, the same
+    exceptions, with the static words of each SamplingParams computed once."""
+    vals: list[tuple[int, ...]] = []
+    for sr in rows:
+        static = _static_words(sr.params)
+        seed = int(sr.seed) & 0xFFFFFFFFFFFFFFFF
+        counter = int(sr.counter) & _MASK
+        n = sr.logprobs
+        top = -1 if n is None else min(int(n), MAX_TOP_LOGPROBS)
+        if top < -0x80000000:  # row_params' int64 words decide (below -2**63 it raises)
+            vals.append(tuple(int(x) & _MASK for x in row_params(sr.params, sr.seed, sr.counter, n)))
+        else:
+            vals.append((*static, seed & _MASK, seed >> 32, counter, top & _MASK))
+    vals += [_PAD_ROW] * (R - len(vals))
+    if not vals:
+        return np.zeros((0, ROW_WORDS), np.int32)
+    return np.array(vals, np.uint32).view(np.int32)
 
 
 def philox_uniform(seed: int, counter: int, idx: np.ndarray) -> np.ndarray:
