@@ -151,19 +151,21 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     if layout.max_tokens < T or layout.max_rows < S or layout.max_rows < R or layout.max_tokens < Q:
         raise ValueError(f"step of {T} tokens / {S} sequences / {R} logit rows / {Q} queries exceeds the layout "
                          f"({layout.max_tokens} tokens, {layout.max_rows} rows)")
-    b = host.view(np.uint8)
+    b = host.view(np.uint8)[:layout.nbytes]  # every offset is a multiple of 256 bytes: typed views line up
+    i32, i64 = b.view(np.int32), b.view(np.int64)
 
-    def put(off: int, arr: np.ndarray, dtype: type) -> None:
-        a = np.ascontiguousarray(arr, dtype)
-        b[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    def put(off: int, arr: np.ndarray) -> None:  # the int32 words of arr (cast as astype casts)
+        a = np.asarray(arr).reshape(-1)
+        i32[off // 4:off // 4 + a.size] = a
 
-    put(layout.ids, s.ids, np.int32)
-    put(layout.positions, s.positions, np.int32)
-    put(layout.kv_rows, s.kv_rows, np.int64)
-    put(layout.seq_start, s.seq_start, np.int32)
-    put(layout.slots, s.slots, np.int32)
-    put(layout.logit_rows, s.logit_rows, np.int32)
-    put(layout.sample_params, s.sample_params.reshape(-1), np.int32)
+    put(layout.ids, s.ids)
+    put(layout.positions, s.positions)
+    kv = np.asarray(s.kv_rows).reshape(-1)
+    i64[layout.kv_rows // 8:layout.kv_rows // 8 + kv.size] = kv
+    put(layout.seq_start, s.seq_start)
+    put(layout.slots, s.slots)
+    put(layout.logit_rows, s.logit_rows)
+    put(layout.sample_params, s.sample_params)
     if s.attn_packed is not None:
         attn = np.ascontiguousarray(s.attn_packed, np.int32)
     else:
@@ -172,5 +174,5 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     if attn.size > layout.attn_ints(layout.max_tokens):
         raise ValueError(f"attention inputs of {attn.size} ints exceed the layout's "
                          f"{layout.attn_ints(layout.max_tokens)}")
-    put(layout.attn, attn, np.int32)
+    put(layout.attn, attn)
     return layout.attn + attn.nbytes

@@ -61,7 +61,7 @@ SEQ_CHUNKS = 64
 BLOCK_THREADS = 128  # 4 warps per attention CTA
 # Batches of at least this many sequences are checked and split with numpy over all of them at once; smaller ones
 # one sequence at a time in Python, where that is faster than numpy's fixed cost per call (same results either way)
-VECTOR_MIN = 12
+VECTOR_MIN = 8
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
 # Reasons about the batch itself: no plan can cure them, so the dispatcher raises at once.
@@ -198,18 +198,28 @@ class DecodeBatch:
 
     def seq_chunks(self, limits: DeviceLimits) -> tuple[tuple[int, ...], np.ndarray | None]:
         """Every sequence's :func:`sequence_chunk` under ``limits``, as a tuple and as an int64 array (None when
-        the lengths do not fit one), computed once per batch and chunking rule."""
-        memo = self.__dict__.setdefault("_seq_chunks", {})
+        the batch is short or its lengths do not fit one), computed once per batch and chunking rule."""
+        chunks, arr, _ = self._split(limits)
+        return chunks, arr
+
+    def _split(self, limits: DeviceLimits) -> tuple[tuple[int, ...], np.ndarray | None, int]:
+        """(chunks, chunks as an array or None, chunks the longest-split sequence needs, at least 2) of
+        :func:`sequence_plan`, once per batch and chunking rule."""
+        memo = self.__dict__.setdefault("_split_memo", {})
         key = limits.min_chunk_tokens
-        if key not in memo:
+        hit = memo.get(key)
+        if hit is None:
             lens = self.lens_array if len(self.context_lens) >= VECTOR_MIN else None
             if lens is None:
-                memo[key] = (tuple(sequence_chunk(n, limits) for n in self.context_lens), None)
+                chunks = tuple(sequence_chunk(n, limits) for n in self.context_lens)
+                need = max([2, *(-(-max(n, 1) // c) for n, c in zip(self.context_lens, chunks))])
+                hit = memo[key] = (chunks, None, need)
             else:
                 c = sequence_chunks(lens, limits)
                 c.setflags(write=False)
-                memo[key] = (tuple(c.tolist()), c)
-        return memo[key]
+                need = max(2, int((-(-np.maximum(lens, 1) // c)).max(initial=0)))
+                hit = memo[key] = (tuple(c.tolist()), c, need)
+        return hit
 
     def _table_problems_loop(self) -> list[str]:
         """"page_table" / "page_index" by walking the tables one by one (any table :func:`padded_tables` takes
@@ -378,22 +388,22 @@ def sequence_plan(batch: DecodeBatch, limits: DeviceLimits, blocks: int = 0) -> 
     tile and merge order, hence the bits of its output, follow its own length only: empty trailing chunks add
     exact zeros in the merge (decode_attention.cu). ``blocks``: the grid's chunks (0: the fewest that cover every
     sequence; a graph class passes its power of two). ``validate`` checks it like any plan."""
-    lens = batch.context_lens
-    chunks, arr = batch.seq_chunks(limits)
-    if arr is None:
-        need = max([2, *(-(-max(n, 1) // c) for n, c in zip(lens, chunks))])
-    else:
-        assert batch.lens_array is not None
-        need = max(2, int((-(-np.maximum(batch.lens_array, 1) // arr)).max(initial=0)))
+    chunks, _, need = batch._split(limits)
     blocks = max(int(blocks), 0) or need
+    memo = batch.__dict__.setdefault("_plan_memo", {})  # the same plan object for the same arguments
+    hit = memo.get((id(limits), blocks))
+    if hit is not None and hit[0] is limits:
+        return hit[1]
     B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
     es = DTYPE_BYTES.get(batch.dtype, 4)
     cap = limits.max_shared_mem_optin if MULTI in limits.optin_set else limits.max_shared_mem_per_block
     tile = next((t for t in KV_TILES if smem_bytes(batch.group, hd, es, t) <= cap), KV_TILES[-1])
-    return LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
-                      smem_bytes(batch.group, hd, es, tile), tile, max(chunks, default=1),
-                      partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
-                      reduce_threads(SEQ_CHUNKS), chunks)
+    p = LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
+                   smem_bytes(batch.group, hd, es, tile), tile, max(chunks, default=1),
+                   partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
+                   reduce_threads(SEQ_CHUNKS), chunks)
+    memo[(id(limits), blocks)] = (limits, p)
+    return p
 
 
 def graph_blocks(blocks: int) -> int:
@@ -438,7 +448,19 @@ def plan(batch: DecodeBatch, mode: Mode, limits: DeviceLimits, workspace_capacit
 
 
 def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
-    """Every reason ``p`` would be an invalid (or wrong) launch for ``batch`` on this device; [] if none."""
+    """Every reason ``p`` would be an invalid (or wrong) launch for ``batch`` on this device; [] if none. A function
+    of its (immutable) arguments only, so the answer for the same plan, limits and workspace is kept on the batch."""
+    memo = batch.__dict__.setdefault("_valid_memo", {})
+    key = (id(p), id(limits), workspace_capacity)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is p and hit[1] is limits:
+        return list(hit[2])
+    r = _validate(p, batch, limits, workspace_capacity)
+    memo[key] = (p, limits, tuple(r))
+    return r
+
+
+def _validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
     r = list(batch.problems)
     multi = p.kernel == MULTI
     if p.kernel not in (SINGLE, MULTI) or p.blocks_per_seq < 1 or multi != (p.blocks_per_seq > 1) \
