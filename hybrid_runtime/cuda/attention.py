@@ -98,6 +98,9 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
     return launches
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def tables_offset(batch: int) -> int:
     """Where the page tables start in :func:`pack_tables`' layout (ints): after ``batch`` lengths, the
     chunk-length word and ``batch`` per-sequence chunk lengths, rounded up to a 128-byte line."""
@@ -138,7 +141,7 @@ def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], 
         if len(seq_chunks) != B:
             raise ValueError(f"{len(seq_chunks)} chunk lengths for {B} sequences")
         host[B + 1:2 * B + 1] = np.asarray(seq_chunks, np.int64)
-    if mat.size and (mat.min() < 0 or mat.max() > np.iinfo(np.int32).max):  # the zero padding changes neither
+    if mat.size and (mat.min() < 0 or mat.max() > _INT32_MAX):  # the zero padding changes neither
         raise IndexError("page index does not fit int32")
     host[offset:].reshape(B, stride)[:, :mat.shape[1]] = mat
     return host, offset, stride
@@ -162,7 +165,7 @@ def _pack_tables_loop(page_tables: Sequence[np.ndarray], context_lens: Sequence[
         host[B + 1:2 * B + 1] = np.asarray(seq_chunks, np.int64)
     for b, t in enumerate(page_tables):
         t = np.asarray(t, np.int64)
-        if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int32).max):
+        if t.size and (t.min() < 0 or t.max() > _INT32_MAX):
             raise IndexError("page index does not fit int32")
         host[offset + b * stride:offset + b * stride + len(t)] = t
     return host, offset, stride

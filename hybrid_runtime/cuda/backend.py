@@ -752,10 +752,11 @@ class CudaBackend:
         graph = None
         chunk = 0
         attn_lens: list[int]
+        attn_layers = cfg.attention_layers
         if decode:
             attn_lens = (positions[:B] + 1).tolist() + [1] * pad
             tables = [np.asarray(s.page_table, np.int64) for s in steps] + [self._sink_table()] * pad
-        elif self.prefill_attn is not None and cfg.attention_layers:
+        elif self.prefill_attn is not None and attn_layers:
             # one work item per query tile, one page table per sequence (cuda/prefill_attention.py)
             attn_lens, tables = [], [np.asarray(s.page_table, np.int64) for s in steps]
         else:
@@ -767,15 +768,16 @@ class CudaBackend:
         pplan: PrefillPlan | None = None
         packed = None
         padded: tuple[np.ndarray, np.ndarray] | None = None
-        if not decode and self.prefill_attn is not None and cfg.attention_layers:
+        if not decode and self.prefill_attn is not None and attn_layers:
             if any(len(t) > self.table_stride for t in tables):
                 raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
             pplan = self.prefill_attn.plan(lens, [s.start_pos for s in steps], num_q_heads=cfg.num_heads,
                                            num_kv_heads=cfg.num_kv_heads, page_size=lim.page_size)
             packed = pack_prefill_inputs(pplan, tables, table_stride=self.table_stride)
-        elif cfg.attention_layers:
-            batch = DecodeBatch(tuple(int(x) for x in attn_lens), tuple(tables), cfg.num_heads, cfg.num_kv_heads,
-                                cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
+        elif attn_layers:
+            ctx_lens = tuple(attn_lens) if decode else tuple(int(x) for x in attn_lens)  # decode: ints already
+            batch = DecodeBatch(ctx_lens, tuple(tables), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lim.page_size,
+                                self.dtype, self.num_pages + 1)
             padded = batch.padded_tables if len(tables) >= VECTOR_MIN else None
             if (any(len(t) > self.table_stride for t in tables) if padded is None
                     else int(padded[1].max()) > self.table_stride):
@@ -794,7 +796,7 @@ class CudaBackend:
             plan_ = self.dispatcher.select(batch)
         if plan_ is not None:
             chunk = plan_.chunk_len
-            self.dispatcher.plans[plan_.kernel] += len(cfg.attention_layers)
+            self.dispatcher.plans[plan_.kernel] += len(attn_layers)
         seq_start = bounds if not decode else self._arange(n + 1)
         inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk,
                             attn_packed=packed.host if packed is not None else None,

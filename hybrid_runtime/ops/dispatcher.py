@@ -22,7 +22,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 import numpy as np
@@ -397,13 +397,19 @@ def sequence_plan(batch: DecodeBatch, limits: DeviceLimits, blocks: int = 0) -> 
     B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
     es = DTYPE_BYTES.get(batch.dtype, 4)
     cap = limits.max_shared_mem_optin if MULTI in limits.optin_set else limits.max_shared_mem_per_block
-    tile = next((t for t in KV_TILES if smem_bytes(batch.group, hd, es, t) <= cap), KV_TILES[-1])
-    p = LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
-                   smem_bytes(batch.group, hd, es, tile), tile, max(chunks, default=1),
+    tile, smem = _largest_tile(batch.group, hd, es, cap)
+    p = LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS, smem, tile, max(chunks, default=1),
                    partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
-                   reduce_threads(SEQ_CHUNKS), chunks)
+                   _SEQ_REDUCE_THREADS, chunks)
     memo[(id(limits), blocks)] = (limits, p)
     return p
+
+
+@lru_cache(maxsize=256)
+def _largest_tile(group: int, head_dim: int, dtype_bytes: int, cap: int) -> tuple[int, int]:
+    """(the largest K/V tile whose shared memory fits ``cap`` — the smallest if none does —, its shared memory)."""
+    tile = next((t for t in KV_TILES if smem_bytes(group, head_dim, dtype_bytes, t) <= cap), KV_TILES[-1])
+    return tile, smem_bytes(group, head_dim, dtype_bytes, tile)
 
 
 def graph_blocks(blocks: int) -> int:
@@ -418,6 +424,9 @@ def reduce_threads(blocks: int) -> int:
     sooner than a 256-thread one (benchmarks/results/decode_attention_notes.md)."""
     groups = next((g for g in REDUCE_GROUPS if g * REDUCE_BATCH >= blocks), REDUCE_GROUPS[-1])
     return REDUCE_LANES * groups
+
+
+_SEQ_REDUCE_THREADS = reduce_threads(SEQ_CHUNKS)  # the sequence split's merge CTA
 
 
 def resident_ctas_per_sm(batch: DecodeBatch, limits: DeviceLimits) -> int:
@@ -460,6 +469,9 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
     return r
 
 
+_REDUCE_THREADS = tuple(g * REDUCE_LANES for g in REDUCE_GROUPS)  # the reduction kernel's builds
+
+
 def _validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
     r = list(batch.problems)
     multi = p.kernel == MULTI
@@ -472,16 +484,16 @@ def _validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace
     if p.seq_chunks is not None and (
             len(p.seq_chunks) != batch.batch_size or not multi or _chunks_short(p, batch)):
         r.append("plan_inconsistent")  # every sequence's own chunks must fit the grid
-    grids = [p.grid] + ([p.reduce_grid] if p.reduce_grid is not None else [])
-    if any(d < 1 for g in grids for d in g):
+    g, rg = p.grid, p.reduce_grid
+    if min(g, default=1) < 1 or (rg is not None and min(rg, default=1) < 1):
         r.append("grid_zero")
     for i, cap in enumerate((limits.max_grid_x, limits.max_grid_y, limits.max_grid_z)):
-        if any(g[i] > cap for g in grids):
+        if g[i] > cap or (rg is not None and rg[i] > cap):
             r.append("grid_" + "xyz"[i])
     if not 1 <= p.block_threads <= limits.max_threads_per_block \
             or (multi and not 1 <= p.reduce_threads <= limits.max_threads_per_block):
         r.append("threads")
-    if multi and p.reduce_threads not in [g * REDUCE_LANES for g in REDUCE_GROUPS]:
+    if multi and p.reduce_threads not in _REDUCE_THREADS:
         r.append("plan_inconsistent")  # the reduction kernel is built for these thread counts only
     es = DTYPE_BYTES.get(batch.dtype, 4)
     if p.smem_bytes < smem_bytes(batch.group, batch.head_dim, es, p.kv_tile):
