@@ -155,12 +155,12 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     i32, i64 = b.view(np.int32), b.view(np.int64)
 
     def put(off: int, arr: np.ndarray) -> None:  # the int32 words of arr (cast as astype casts)
-        a = np.asarray(arr).reshape(-1)
+        a = arr if type(arr) is np.ndarray and arr.ndim == 1 else np.asarray(arr).reshape(-1)
         i32[off // 4:off // 4 + a.size] = a
 
     put(layout.ids, s.ids)
     put(layout.positions, s.positions)
-    kv = np.asarray(s.kv_rows).reshape(-1)
+    kv = s.kv_rows if type(s.kv_rows) is np.ndarray and s.kv_rows.ndim == 1 else np.asarray(s.kv_rows).reshape(-1)
     i64[layout.kv_rows // 8:layout.kv_rows // 8 + kv.size] = kv
     put(layout.seq_start, s.seq_start)
     put(layout.slots, s.slots)
