@@ -29,7 +29,6 @@ from ..ops.dispatcher import (
     REDUCE_GROUPS,
     REDUCE_LANES,
     SINGLE,
-    VECTOR_MIN,
     DecodeAttentionDispatcher,
     DeviceLimits,
     LaunchPlan,
@@ -99,6 +98,8 @@ def attention_launches(p: LaunchPlan, *, batch: int, num_q_heads: int, num_kv_he
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+# pack_tables writes the tables as one matrix from this many up (one at a time below: numpy's fixed cost per call)
+PACK_MATRIX_MIN = 6
 
 
 def tables_offset(batch: int) -> int:
@@ -124,7 +125,7 @@ def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], 
     (a :class:`DecodeBatch` keeps it); the tables are then written as one matrix.
     """
     B = len(context_lens)
-    if padded is None and len(page_tables) == B >= VECTOR_MIN:
+    if padded is None and len(page_tables) == B >= PACK_MATRIX_MIN:
         padded = padded_tables(page_tables)
     if padded is None or len(padded[1]) != B:
         return _pack_tables_loop(page_tables, context_lens, chunk_len, stride, seq_chunks)

@@ -60,8 +60,9 @@ CHUNK_ALIGN = 64
 SEQ_CHUNKS = 64
 BLOCK_THREADS = 128  # 4 warps per attention CTA
 # Batches of at least this many sequences are checked and split with numpy over all of them at once; smaller ones
-# one sequence at a time in Python, where that is faster than numpy's fixed cost per call (same results either way)
-VECTOR_MIN = 8
+# one sequence at a time in Python, where that is faster than numpy's fixed cost per call (same results either way;
+# on this project's CPUs the loops win up to about 8-12 sequences: benchmarks/host_prepare_cpu.py)
+VECTOR_MIN = 16
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
 # Reasons about the batch itself: no plan can cure them, so the dispatcher raises at once.

@@ -13,7 +13,7 @@ import pytest
 
 from hybrid_runtime.backend import SampleRow, slot_mapping
 from hybrid_runtime.cuda import sampler as sampler_mod
-from hybrid_runtime.cuda.attention import pack_tables, tables_offset
+from hybrid_runtime.cuda.attention import PACK_MATRIX_MIN, pack_tables, tables_offset
 from hybrid_runtime.cuda.sampler import row_params, rows_params
 from hybrid_runtime.cuda.stepio import ROW_WORDS, InputLayout, StepInputs, pack
 from hybrid_runtime.ops.base import SeqStep
@@ -170,8 +170,9 @@ def _old_rows(rows: list[SampleRow] | None, R: int) -> np.ndarray:
 # ---------------------------------------------------------------- random inputs
 
 def _sizes(rng: np.random.Generator) -> int:
-    """Batch sizes on both sides of VECTOR_MIN (and 0 now and then)."""
-    return int(rng.choice([0, 1, 2, 3, VECTOR_MIN - 1, VECTOR_MIN, VECTOR_MIN + 1, 16, 33, 64]))
+    """Batch sizes on both sides of VECTOR_MIN and PACK_MATRIX_MIN (and 0 now and then)."""
+    return int(rng.choice([0, 1, 2, 3, PACK_MATRIX_MIN - 1, PACK_MATRIX_MIN, 8, VECTOR_MIN - 1, VECTOR_MIN,
+                           VECTOR_MIN + 1, 33, 64]))
 
 
 def _table(rng: np.random.Generator, n: int, pool: int) -> Any:
@@ -357,9 +358,10 @@ def test_problems_report_reasons_in_first_seen_order() -> None:
     """The order of "page_table" and "page_index" follows the first sequence that has either, as the loop's."""
     ok = np.arange(4, dtype=np.int64)
     short, bad = np.arange(1, dtype=np.int64), np.array([0, 1, 9999, 3], np.int64)
-    for tables, want in (([ok] * 8 + [short, bad], ("page_table", "page_index")),
-                         ([ok] * 8 + [bad, short], ("page_index", "page_table")),
-                         ([ok] * 9 + [np.array([-1], np.int64)], ("page_table", "page_index"))):
+    k = VECTOR_MIN
+    for tables, want in (([ok] * k + [short, bad], ("page_table", "page_index")),
+                         ([ok] * k + [bad, short], ("page_index", "page_table")),
+                         ([ok] * k + [np.array([-1], np.int64)], ("page_table", "page_index"))):
         b = DecodeBatch((64,) * len(tables), tuple(tables), 16, 2, 256, 16, "bfloat16", 100)
         assert len(tables) >= VECTOR_MIN and b.problems == want == _old_problems(b)
 
