@@ -33,6 +33,7 @@ from .config import LINEAR, Manifest
 from .engine import Engine, Phase, load_engine
 from .kv_cache import KVLayout
 from .ops.base import SeqStep, StatefulOps, make_ops
+from .ops.dispatcher import VECTOR_MIN
 from .ops.moe import MoE
 from .quant import check_state_weights
 from .sampler import TokenLogprobs, sample, token_logprobs
@@ -108,21 +109,60 @@ def check_steps(phase: Phase, steps: list[SeqStep]) -> None:
 
 def slot_mapping(steps: list[SeqStep], positions: np.ndarray, bounds: np.ndarray, page_size: int,
                  num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """(page, offset) of every token of the batch, bounds-checked once per step for all attention layers."""
-    pages = np.empty(len(positions), np.int64)
-    for i, s in enumerate(steps):
-        a, b = int(bounds[i]), int(bounds[i + 1])
-        need = -(-(s.start_pos + b - a) // page_size)
-        if need > len(s.page_table):
+    """(page, offset) of every token of the batch, bounds-checked once per step for all attention layers.
+
+    From :data:`~hybrid_runtime.ops.dispatcher.VECTOR_MIN` sequences up every table's coverage is checked at once
+    (numpy); smaller batches go one sequence at a time. A sequence of one token (decode) reads one page of its
+    table; longer ones the pages their tokens touch (a long list table is never converted whole)."""
+    B, T = len(steps), len(positions)
+    bounds = np.asarray(bounds)
+    starts = None
+    if B >= VECTOR_MIN and isinstance(page_size, int) and page_size >= 1:
+        try:
+            starts = np.fromiter((s.start_pos for s in steps), np.int64, count=B)
+            have = np.fromiter((len(s.page_table) for s in steps), np.int64, count=B)
+        except (OverflowError, TypeError, ValueError):
+            starts = None
+    if starts is None:
+        pages = np.empty(T, np.int64)
+        bl = bounds.tolist()
+        for i, s in enumerate(steps):
+            a, b = int(bl[i]), int(bl[i + 1])
+            need = -(-(s.start_pos + b - a) // page_size)
+            if need > len(s.page_table):
+                raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} "
+                                 f"tokens")
+            if a == b:
+                continue
+            if b - a == 1 and (p := int(positions[a])) >= 0:
+                pages[a] = s.page_table[p // page_size]
+            else:
+                _gather(pages, s.page_table, positions, a, b, page_size)
+    else:
+        counts = bounds[1:B + 1] - bounds[:B]
+        short = -(-(starts + counts) // page_size) > have
+        i = int(short.argmax())
+        if short[i]:  # the first sequence whose table does not cover its tokens
+            s, a, b = steps[i], int(bounds[i]), int(bounds[i + 1])
             raise IndexError(f"page table of {len(s.page_table)} pages does not cover {s.start_pos + b - a} tokens")
-        if a == b:
-            continue
-        first, last = int(positions[a]) // page_size, int(positions[b - 1]) // page_size
-        # only the pages these tokens touch: a long list table is not converted whole for one decode token
-        pages[a:b] = np.asarray(s.page_table[first:last + 1], np.int64)[positions[a:b] // page_size - first]
-    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+        index = (positions // page_size).tolist() if T == B and (counts == 1).all() else None
+        if index is not None and min(index) >= 0:  # one token per sequence (decode): one page of each table
+            pages = np.array([s.page_table[p] for s, p in zip(steps, index)], np.int64)
+        else:
+            pages = np.empty(T, np.int64)
+            bl = bounds.tolist()
+            for i, s in enumerate(steps):
+                if bl[i] != bl[i + 1]:
+                    _gather(pages, s.page_table, positions, int(bl[i]), int(bl[i + 1]), page_size)
+    if T and (pages.min() < 0 or pages.max() >= num_pages):
         raise IndexError(f"page index outside the pool of {num_pages} pages")
     return pages, positions % page_size
+
+
+def _gather(pages: np.ndarray, table: Any, positions: np.ndarray, a: int, b: int, page_size: int) -> None:
+    """``pages[a:b]``: the pages of tokens a..b-1 (one sequence), converting only the part of its table they touch."""
+    first, last = int(positions[a]) // page_size, int(positions[b - 1]) // page_size
+    pages[a:b] = np.asarray(table[first:last + 1], np.int64)[positions[a:b] // page_size - first]
 
 
 @dataclass

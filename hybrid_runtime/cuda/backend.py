@@ -38,7 +38,7 @@ from ..config import DUMMY_WEIGHTS, BundleError, ConfigError, Manifest
 from ..engine.base import Phase
 from ..kv_cache import KVLayout
 from ..ops.base import SeqStep, parse_device
-from ..ops.dispatcher import SEQ_CHUNKS, DecodeBatch, LaunchPlan, validate
+from ..ops.dispatcher import SEQ_CHUNKS, VECTOR_MIN, DecodeBatch, LaunchPlan, validate
 from ..ops.gdn import _check_slots
 from ..pipeline import plan_segments
 from ..program import PROGRAM_VERSION, Op, output_names, segment_program
@@ -80,7 +80,7 @@ from .prefill_attention import (
     plan_prefill,
 )
 from .quant import NBitsDequant, PackedLinear
-from .sampler import DeviceSampler, row_params
+from .sampler import DeviceSampler, rows_params
 from .state import DeviceKVCache, DeviceStateCache
 from .stepio import MAX_TOP_LOGPROBS, ROW_WORDS, InputLayout, OutputLayout, StepInputs, pack
 from .weights import DeviceWeights
@@ -709,85 +709,100 @@ class CudaBackend:
         cfg, lim = self.cfg, self.lim
         if not steps:
             raise ValueError("an empty batch")
-        lens = [len(s.token_ids) for s in steps]
-        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        n_real = int(bounds[-1])
-        ids = np.fromiter((t for s in steps for t in s.token_ids), np.int64, count=n_real)
+        decode = phase == Phase.DECODE
+        B = len(steps)
+        if decode:  # one token per sequence (check_steps)
+            lens = None
+            bounds = self._arange(B + 1)
+            n_real = B
+            ids = np.fromiter((s.token_ids[0] for s in steps), np.int64, count=B)
+        else:
+            lens = [len(s.token_ids) for s in steps]
+            bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            n_real = int(bounds[-1])
+            ids = np.fromiter((t for s in steps for t in s.token_ids), np.int64, count=n_real)
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise ValueError(f"token id outside the vocabulary 0..{cfg.vocab_size - 1}")
-        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + k) for s, k in zip(steps, lens)])
+        if decode:
+            positions = np.fromiter((s.start_pos for s in steps), np.int64, count=B)
+        else:
+            positions = np.concatenate([np.arange(s.start_pos, s.start_pos + k) for s, k in zip(steps, lens)])
         if positions.min() < 0 or positions.max() >= lim.max_seq_len:
             raise ValueError(f"positions must lie in 0..{lim.max_seq_len - 1} (max_seq_len)")
         pages, offsets = slot_mapping(steps, positions, bounds, lim.page_size, self.num_pages)
         kv_rows = pages * lim.page_size + offsets
-        slots = np.fromiter((s.slot for s in steps), np.int64, count=len(steps))
-        sink = self.state_layout.sink
-        decode = phase == Phase.DECODE
+        slots = np.fromiter((s.slot for s in steps), np.int64, count=B)
         if decode:
-            bucket = bucket_for(len(steps), self.buckets)
+            bucket = bucket_for(B, self.buckets)
             if bucket is None:
-                raise ValueError(f"a decode batch of {len(steps)} exceeds max_batch_size={lim.max_batch_size}")
-            pad = bucket - len(steps)
+                raise ValueError(f"a decode batch of {B} exceeds max_batch_size={lim.max_batch_size}")
+            pad = bucket - B
             n = bucket
-            ids = np.concatenate([ids, np.zeros(pad, np.int64)])
-            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-            kv_rows = np.concatenate([kv_rows, np.full(pad, self.sink_page * lim.page_size, np.int64)])
-            slots = np.concatenate([slots, np.full(pad, sink, np.int64)])
+            if pad:
+                zeros, sink_rows, sink_slots = self._padding(pad)
+                ids = np.concatenate([ids, zeros])
+                positions = np.concatenate([positions, zeros])
+                kv_rows = np.concatenate([kv_rows, sink_rows])
+                slots = np.concatenate([slots, sink_slots])
             _check_slots(slots, self.state_layout.rows, n)
-            logit_rows = np.arange(n)
-            R_real = len(steps)
+            logit_rows = self._arange(n)
+            R_real = B
             S = n
         else:
             n = n_real
             if n > self.T_max:
                 raise ValueError(f"a prefill step of {n} tokens exceeds max_num_tokens={lim.max_num_tokens}")
-            _check_slots(slots, self.state_layout.rows, len(steps))
+            _check_slots(slots, self.state_layout.rows, B)
             if np.unique(slots).size != slots.size:
                 raise ValueError(f"prefill sequences need distinct slots, got {slots.tolist()}")
             logit_rows = np.array([int(bounds[i + 1]) - 1 for i, s in enumerate(steps) if s.need_logits], np.int64)
             R_real = len(logit_rows)
-            S = len(steps)
+            S = B
         R = n if decode else R_real
         if rows is not None and len(rows) != R_real:
             raise ValueError(f"{len(rows)} sampling rows for {R_real} rows that need logits")
-        params = np.zeros((R, ROW_WORDS), np.int32)
-        params[:, 0] = 1  # greedy: padding rows
-        params[:, 7] = -1
-        want_top = False
-        for r, sr in enumerate(rows or ()):
-            params[r] = row_params(sr.params, sr.seed, sr.counter, sr.logprobs)
-            want_top |= bool(sr.logprobs)
+        params = rows_params(rows or (), R)
+        want_top = any(bool(sr.logprobs) for sr in rows or ())
         # attention: decode = one query per (padded) row; prefill = one query per token over its prefix
         batch: DecodeBatch | None = None
         plan_: LaunchPlan | None = None
         graph = None
         chunk = 0
+        attn_lens: list[int]
+        attn_layers = cfg.attention_layers
         if decode:
-            attn_lens = [s.start_pos + 1 for s in steps] + [1] * (n - len(steps))
-            tables = [np.asarray(s.page_table, np.int64) for s in steps] + [np.array([self.sink_page])] * (
-                n - len(steps))
-        elif self.prefill_attn is not None and cfg.attention_layers:
+            attn_lens = (positions[:B] + 1).tolist() + [1] * pad
+            tables = [np.asarray(s.page_table, np.int64) for s in steps] + [self._sink_table()] * pad
+        elif self.prefill_attn is not None and attn_layers:
             # one work item per query tile, one page table per sequence (cuda/prefill_attention.py)
             attn_lens, tables = [], [np.asarray(s.page_table, np.int64) for s in steps]
         else:
             attn_lens, tables = [], []
             for i, s in enumerate(steps):
                 t = np.asarray(s.page_table, np.int64)
-                tables += [t] * lens[i]
-                attn_lens += range(s.start_pos + 1, s.start_pos + lens[i] + 1)
-        if any(len(t) > self.table_stride for t in tables):
-            raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
+                tables += [t] * lens[i]  # type: ignore[index]
+                attn_lens += range(s.start_pos + 1, s.start_pos + lens[i] + 1)  # type: ignore[index]
         pplan: PrefillPlan | None = None
         packed = None
-        if not decode and self.prefill_attn is not None and cfg.attention_layers:
+        padded: tuple[np.ndarray, np.ndarray] | None = None
+        if not decode and self.prefill_attn is not None and attn_layers:
+            if any(len(t) > self.table_stride for t in tables):
+                raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
             pplan = self.prefill_attn.plan(lens, [s.start_pos for s in steps], num_q_heads=cfg.num_heads,
                                            num_kv_heads=cfg.num_kv_heads, page_size=lim.page_size)
             packed = pack_prefill_inputs(pplan, tables, table_stride=self.table_stride)
-        elif cfg.attention_layers:
-            batch = DecodeBatch(tuple(int(x) for x in attn_lens), tuple(tables), cfg.num_heads, cfg.num_kv_heads,
-                                cfg.head_dim, lim.page_size, self.dtype, self.num_pages + 1)
+        elif attn_layers:
+            ctx_lens = tuple(attn_lens) if decode else tuple(int(x) for x in attn_lens)  # decode: ints already
+            batch = DecodeBatch(ctx_lens, tuple(tables), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lim.page_size,
+                                self.dtype, self.num_pages + 1)
+            padded = batch.padded_tables if len(tables) >= VECTOR_MIN else None
+            if (any(len(t) > self.table_stride for t in tables) if padded is None
+                    else int(padded[1].max()) > self.table_stride):
+                raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
+        elif any(len(t) > self.table_stride for t in tables):
+            raise ValueError(f"a page table is longer than max_seq_len / page_size = {self.table_stride} pages")
         if decode:
-            choice = choose(batch, n, self.dispatcher, lambda k: k in self.graphs, self.graphs_on)
+            choice = choose(batch, n, self.dispatcher, self._has_graph, self.graphs_on)
             plan_ = choice.plan
             if choice.key is not None:
                 graph = self.graphs[choice.key]
@@ -798,19 +813,53 @@ class CudaBackend:
             plan_ = self.dispatcher.select(batch)
         if plan_ is not None:
             chunk = plan_.chunk_len
-            self.dispatcher.plans[plan_.kernel] += len(cfg.attention_layers)
-        seq_start = bounds if not decode else np.arange(n + 1)
+            self.dispatcher.plans[plan_.kernel] += len(attn_layers)
+        seq_start = bounds if not decode else self._arange(n + 1)
         inputs = StepInputs(ids, positions, kv_rows, seq_start, slots, logit_rows, params, attn_lens, tables, chunk,
                             attn_packed=packed.host if packed is not None else None,
-                            seq_chunks=plan_.seq_chunks if plan_ is not None else None)
+                            seq_chunks=plan_.seq_chunks if plan_ is not None else None,
+                            attn_padded=padded)
         upload = pack(self.in_layout, self.host_in.array, inputs)
-        ctx = CudaCtx(phase, n, n_real, S, R, R_real, max(lens), plan_, batch, len(attn_lens), rows, want_logits,
-                      upload, graph, want_top)
+        ctx = CudaCtx(phase, n, n_real, S, R, R_real, 1 if lens is None else max(lens), plan_, batch, len(attn_lens),
+                      rows, want_logits, upload, graph, want_top)
         if packed is not None:
             self.prefill_plans += 1
             ctx.prefill, ctx.prefill_stride = pplan, packed.table_stride
             ctx.prefill_tables = self.in_layout.attn + 4 * packed.tables_offset
         return ctx
+
+    def _has_graph(self, key: tuple[int, int]) -> bool:
+        return key in self.graphs
+
+    def _arange(self, n: int) -> np.ndarray:
+        """A read-only ``np.arange(n)`` (int64), made once per length."""
+        memo = self.__dict__.setdefault("_aranges", {})
+        a = memo.get(n)
+        if a is None:
+            a = memo[n] = np.arange(n, dtype=np.int64)
+            a.setflags(write=False)
+        return a
+
+    def _padding(self, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A decode step's ``pad`` padding rows (read-only, made once per count): token ids and positions 0, the KV
+        sink page's first row, the state sink slot."""
+        memo = self.__dict__.setdefault("_pads", {})
+        p = memo.get(pad)
+        if p is None:
+            p = (np.zeros(pad, np.int64), np.full(pad, self.sink_page * self.lim.page_size, np.int64),
+                 np.full(pad, self.state_layout.sink, np.int64))
+            for a in p:
+                a.setflags(write=False)
+            memo[pad] = p
+        return p
+
+    def _sink_table(self) -> np.ndarray:
+        """A padding row's page table: the KV sink page (read-only, made once)."""
+        t = self.__dict__.get("_sink_tbl")
+        if t is None:
+            t = self.__dict__["_sink_tbl"] = np.array([self.sink_page])
+            t.setflags(write=False)
+        return t
 
     # ------------------------------------------------------------------ the pipeline pieces (device work)
 

@@ -11,6 +11,8 @@ words the kernel reads; unseeded requests get a seed drawn once per request by t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,58 @@ def row_params(p: SamplingParams, seed: int, counter: int, n_logprobs: int | Non
     w[6] = int(counter) & _MASK
     w[7] = -1 if n_logprobs is None else min(int(n_logprobs), MAX_TOP_LOGPROBS)
     return (w & _MASK).astype(np.uint32).view(np.int32)
+
+
+# the static words of a SamplingParams (frozen, so they never change) by identity, as two little-endian word pairs
+# (w0 | w1 << 32, w2 | w3 << 32); entries hold the params, so an id is never reused while it is cached
+_STATIC: dict[int, tuple[SamplingParams, tuple[int, int]]] = {}
+_STATIC_MAX = 4096
+_PAD_ROW = (1, 0, 0, _MASK << 32)  # a padding row: greedy, no logprobs (-1), as 4 word pairs
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _pairs(w: np.ndarray) -> tuple[int, ...]:
+    """The 8 int32 words of a row as 4 unsigned 64-bit word pairs (low word first)."""
+    u = [int(x) & _MASK for x in w]
+    return tuple(u[i] | u[i + 1] << 32 for i in range(0, ROW_WORDS, 2))
+
+
+def _static_words(p: SamplingParams) -> tuple[int, int]:
+    """Words 0..3 of :func:`row_params` (greedy, top_k, temperature, top_p) as two word pairs."""
+    e = _STATIC.get(id(p))
+    if e is not None and e[0] is p:
+        return e[1]
+    words = _pairs(row_params(p, 0, 0))[:2]
+    if type(p) is SamplingParams:  # frozen: safe to remember (anything else is recomputed every time)
+        if len(_STATIC) >= _STATIC_MAX:
+            _STATIC.clear()
+        _STATIC[id(p)] = (p, words)  # type: ignore[assignment]
+    return words  # type: ignore[return-value]
+
+
+def rows_params(rows: Sequence[Any], R: int) -> np.ndarray:
+    """The ``[R, ROW_WORDS]`` int32 sampling words of a step: :func:`row_params` of each ``rows[r]`` (a
+    :class:`~hybrid_runtime.backend.SampleRow`: ``params``, ``seed``, ``counter``, ``logprobs``) for its first
+    ``len(rows)`` rows, greedy rows without logprobs after them (padding) — the same words, row by row, the same
+    exceptions, with the static words of each SamplingParams computed once. Each row is built as 4 unsigned 64-bit
+    word pairs (the seed is one already) and the whole step converted by one ``fromiter``."""
+    vals: list[tuple[int, ...]] = []
+    static = _STATIC
+    for sr in rows:
+        p = sr.params
+        e = static.get(id(p))
+        s01, s23 = e[1] if e is not None and e[0] is p else _static_words(p)
+        seed = int(sr.seed) & _M64
+        counter = int(sr.counter) & _MASK
+        n = sr.logprobs
+        top = -1 if n is None else min(int(n), MAX_TOP_LOGPROBS)
+        if top < -0x80000000:  # row_params' int64 words decide (below -2**63 it raises)
+            vals.append(_pairs(row_params(p, sr.seed, sr.counter, n)))
+        else:
+            vals.append((s01, s23, seed, counter | (top & _MASK) << 32))
+    vals += [_PAD_ROW] * (R - len(vals))
+    flat = np.fromiter(chain.from_iterable(vals), "<u8", count=4 * len(vals))
+    return flat.view("<i4").reshape(len(vals), ROW_WORDS).astype(np.int32, copy=False)
 
 
 def philox_uniform(seed: int, counter: int, idx: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -36,35 +37,35 @@ class InputLayout:
     max_rows: int
     table_stride: int
 
-    @property
+    @cached_property
     def ids(self) -> int:
         return 0
 
-    @property
+    @cached_property
     def positions(self) -> int:
         return _up(4 * self.max_tokens)
 
-    @property
+    @cached_property
     def kv_rows(self) -> int:
         return self.positions + _up(4 * self.max_tokens)
 
-    @property
+    @cached_property
     def seq_start(self) -> int:
         return self.kv_rows + _up(8 * self.max_tokens)
 
-    @property
+    @cached_property
     def slots(self) -> int:
         return self.seq_start + _up(4 * (self.max_rows + 1))
 
-    @property
+    @cached_property
     def logit_rows(self) -> int:
         return self.slots + _up(4 * self.max_rows)
 
-    @property
+    @cached_property
     def sample_params(self) -> int:
         return self.logit_rows + _up(4 * self.max_rows)
 
-    @property
+    @cached_property
     def attn(self) -> int:
         """Attention lengths, the chunk word and page tables (pack_tables), one row per query."""
         return self.sample_params + _up(4 * ROW_WORDS * self.max_rows)
@@ -72,7 +73,7 @@ class InputLayout:
     def attn_ints(self, queries: int) -> int:
         return tables_offset(queries) + queries * self.table_stride
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.attn + _up(4 * self.attn_ints(self.max_tokens))
 
@@ -139,6 +140,8 @@ class StepInputs:
     # ``attn`` instead of the per-query lengths and tables
     attn_packed: np.ndarray | None = None
     seq_chunks: Sequence[int] | None = None  # [Q] the batch-invariant split's per-sequence chunk lengths
+    # padded_tables(attn_tables) when the caller has it (the step's DecodeBatch keeps it): packed as one matrix
+    attn_padded: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
@@ -148,26 +151,28 @@ def pack(layout: InputLayout, host: np.ndarray, s: StepInputs) -> int:
     if layout.max_tokens < T or layout.max_rows < S or layout.max_rows < R or layout.max_tokens < Q:
         raise ValueError(f"step of {T} tokens / {S} sequences / {R} logit rows / {Q} queries exceeds the layout "
                          f"({layout.max_tokens} tokens, {layout.max_rows} rows)")
-    b = host.view(np.uint8)
+    b = host.view(np.uint8)[:layout.nbytes]  # every offset is a multiple of 256 bytes: typed views line up
+    i32, i64 = b.view(np.int32), b.view(np.int64)
 
-    def put(off: int, arr: np.ndarray, dtype: type) -> None:
-        a = np.ascontiguousarray(arr, dtype)
-        b[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    def put(off: int, arr: np.ndarray) -> None:  # the int32 words of arr (cast as astype casts)
+        a = arr if type(arr) is np.ndarray and arr.ndim == 1 else np.asarray(arr).reshape(-1)
+        i32[off // 4:off // 4 + a.size] = a
 
-    put(layout.ids, s.ids, np.int32)
-    put(layout.positions, s.positions, np.int32)
-    put(layout.kv_rows, s.kv_rows, np.int64)
-    put(layout.seq_start, s.seq_start, np.int32)
-    put(layout.slots, s.slots, np.int32)
-    put(layout.logit_rows, s.logit_rows, np.int32)
-    put(layout.sample_params, s.sample_params.reshape(-1), np.int32)
+    put(layout.ids, s.ids)
+    put(layout.positions, s.positions)
+    kv = s.kv_rows if type(s.kv_rows) is np.ndarray and s.kv_rows.ndim == 1 else np.asarray(s.kv_rows).reshape(-1)
+    i64[layout.kv_rows // 8:layout.kv_rows // 8 + kv.size] = kv
+    put(layout.seq_start, s.seq_start)
+    put(layout.slots, s.slots)
+    put(layout.logit_rows, s.logit_rows)
+    put(layout.sample_params, s.sample_params)
     if s.attn_packed is not None:
         attn = np.ascontiguousarray(s.attn_packed, np.int32)
     else:
         attn, _, _ = pack_tables(s.attn_tables, s.attn_lens, chunk_len=s.chunk_len, stride=layout.table_stride,
-                                 seq_chunks=s.seq_chunks)
+                                 seq_chunks=s.seq_chunks, padded=s.attn_padded)
     if attn.size > layout.attn_ints(layout.max_tokens):
         raise ValueError(f"attention inputs of {attn.size} ints exceed the layout's "
                          f"{layout.attn_ints(layout.max_tokens)}")
-    put(layout.attn, attn, np.int32)
+    put(layout.attn, attn)
     return layout.attn + attn.nbytes

@@ -22,7 +22,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 import numpy as np
@@ -59,6 +59,10 @@ CHUNK_ALIGN = 64
 # chunks of sequence_chunk(n) tokens, at most this many, whatever else shares the step.
 SEQ_CHUNKS = 64
 BLOCK_THREADS = 128  # 4 warps per attention CTA
+# Batches of at least this many sequences are checked and split with numpy over all of them at once; smaller ones
+# one sequence at a time in Python, where that is faster than numpy's fixed cost per call (same results either way;
+# on this project's CPUs the loops win up to about 8-12 sequences: benchmarks/host_prepare_cpu.py)
+VECTOR_MIN = 16
 # Reasons a smaller split can cure; any other reason on a multi-block plan jumps straight to single-block.
 BLOCK_REASONS = frozenset({"grid_x", "workspace"})
 # Reasons about the batch itself: no plan can cure them, so the dispatcher raises at once.
@@ -160,7 +164,7 @@ class DecodeBatch:
 
     @cached_property
     def problems(self) -> tuple[str, ...]:
-        """Reasons no plan can launch this batch (computed once: it walks every page table)."""
+        """Reasons no plan can launch this batch (computed once: it checks every page table, all at once)."""
         r = []
         if self.beam_width != 1:
             r.append("beam_width")
@@ -170,15 +174,110 @@ class DecodeBatch:
             r.append("head_dim")
         if self.num_kv_heads < 1 or self.num_q_heads % self.num_kv_heads:
             r.append("gqa")
-        if any(n < 1 for n in self.context_lens):
+        if self.context_lens and min(self.context_lens) < 1:
             r.append("context_len")
+        tables = self._table_problems()
+        r += self._table_problems_loop() if tables is None else tables
+        return tuple(dict.fromkeys(r))
+
+    @cached_property
+    def lens_array(self) -> np.ndarray | None:
+        """``context_lens`` as a read-only int64 array (None when they do not fit one: callers walk the tuple)."""
+        try:
+            a = np.array(self.context_lens, np.int64)
+        except (OverflowError, TypeError, ValueError):
+            return None
+        if a.shape != (len(self.context_lens),):
+            return None
+        a.setflags(write=False)
+        return a
+
+    @cached_property
+    def padded_tables(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """:func:`padded_tables` of ``page_tables`` (computed once per batch)."""
+        return padded_tables(self.page_tables)
+
+    def seq_chunks(self, limits: DeviceLimits) -> tuple[tuple[int, ...], np.ndarray | None]:
+        """Every sequence's :func:`sequence_chunk` under ``limits``, as a tuple and as an int64 array (None when
+        the batch is short or its lengths do not fit one), computed once per batch and chunking rule."""
+        chunks, arr, _ = self._split(limits)
+        return chunks, arr
+
+    def _split(self, limits: DeviceLimits) -> tuple[tuple[int, ...], np.ndarray | None, int]:
+        """(chunks, chunks as an array or None, chunks the longest-split sequence needs, at least 2) of
+        :func:`sequence_plan`, once per batch and chunking rule."""
+        memo = self.__dict__.setdefault("_split_memo", {})
+        key = limits.min_chunk_tokens
+        hit = memo.get(key)
+        if hit is None:
+            lens = self.lens_array if len(self.context_lens) >= VECTOR_MIN else None
+            if lens is None:
+                chunks = tuple(sequence_chunk(n, limits) for n in self.context_lens)
+                need = max([2, *(-(-max(n, 1) // c) for n, c in zip(self.context_lens, chunks))])
+                hit = memo[key] = (chunks, None, need)
+            else:
+                c = sequence_chunks(lens, limits)
+                c.setflags(write=False)
+                need = max(2, int((-(-np.maximum(lens, 1) // c)).max(initial=0)))
+                hit = memo[key] = (tuple(c.tolist()), c, need)
+        return hit
+
+    def _table_problems_loop(self) -> list[str]:
+        """"page_table" / "page_index" by walking the tables one by one (any table :func:`padded_tables` takes
+        not)."""
+        r = []
         for n, table in zip(self.context_lens, self.page_tables):
             used = table[:-(-max(n, 0) // self.page_size)]  # the ceil(n / page_size) pages a kernel reads
             if len(used) * self.page_size < n:
                 r.append("page_table")
             if used.size and (used.min() < 0 or used.max() >= self.num_pool_pages):
                 r.append("page_index")  # a negative index would even wrap silently in numpy
-        return tuple(dict.fromkeys(r))
+        return r
+
+    def _table_problems(self) -> list[str] | None:
+        """:meth:`_table_problems_loop`'s answer (the same reasons in the same first-seen order) over all tables at
+        once; None when the batch is not one it can take (then the loop runs)."""
+        if len(self.context_lens) < VECTOR_MIN:
+            return None
+        ps, lens = self.page_size, self.lens_array
+        if (lens is None or len(self.page_tables) != len(lens) or type(ps) is not int or not 0 < ps < 1 << 31
+                or type(self.num_pool_pages) is not int or not 0 <= self.num_pool_pages < 1 << 62):
+            return None
+        pt = self.padded_tables
+        if pt is None:
+            return None
+        mat, tl = pt
+        used = np.minimum(-(-np.maximum(lens, 0) // ps), tl)  # the ceil(n / page_size) pages a kernel reads
+        short = used * ps < lens
+        cols = np.arange(mat.shape[1])
+        bad = ((mat < 0) | (mat >= self.num_pool_pages)) & (cols < used[:, None])
+        bad_seq = bad.any(axis=1)
+        first_short = int(short.argmax()) if short.any() else -1
+        first_bad = int(bad_seq.argmax()) if bad_seq.any() else -1
+        if first_short < 0:
+            return ["page_index"] if first_bad >= 0 else []
+        if first_bad < 0:
+            return ["page_table"]
+        return ["page_table", "page_index"] if first_short <= first_bad else ["page_index", "page_table"]
+
+
+def padded_tables(tables: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """Page tables as one zero-padded int64 matrix ``[B, max(1, longest)]`` and their lengths ``[B]``: what the
+    batch-wide checks and the upload packing read instead of walking the tables one by one. None unless every
+    table is a 1-D array (or list) of integers that int64 holds exactly (callers then walk the tables)."""
+    B = len(tables)
+    try:
+        lens = np.fromiter(map(len, tables), np.int64, count=B)
+        flat = np.concatenate(tables) if B else np.zeros(0, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if flat.ndim != 1 or flat.size != int(lens.sum()) or not (
+            flat.dtype.kind == "i" or (flat.dtype.kind == "u" and flat.dtype.itemsize < 8)):
+        return None
+    width = max(1, int(lens.max())) if B else 1
+    mat = np.zeros((B, width), np.int64)
+    mat[np.arange(width) < lens[:, None]] = flat
+    return mat, lens
 
 
 @dataclass(frozen=True)
@@ -271,6 +370,13 @@ def sequence_chunk(context_len: int, limits: DeviceLimits) -> int:
     return -(-c // align) * align
 
 
+def sequence_chunks(context_lens: np.ndarray, limits: DeviceLimits) -> np.ndarray:
+    """:func:`sequence_chunk` of every length in ``context_lens`` (int64 array), all at once."""
+    align = max(1, min(CHUNK_ALIGN, limits.min_chunk_tokens))
+    c = np.maximum(-(-np.maximum(context_lens, 1) // SEQ_CHUNKS), max(limits.min_chunk_tokens, 1))
+    return -(-c // align) * align
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (max(1, int(n)) - 1).bit_length()
@@ -283,18 +389,28 @@ def sequence_plan(batch: DecodeBatch, limits: DeviceLimits, blocks: int = 0) -> 
     tile and merge order, hence the bits of its output, follow its own length only: empty trailing chunks add
     exact zeros in the merge (decode_attention.cu). ``blocks``: the grid's chunks (0: the fewest that cover every
     sequence; a graph class passes its power of two). ``validate`` checks it like any plan."""
-    lens = batch.context_lens
-    chunks = tuple(sequence_chunk(n, limits) for n in lens)
-    need = max([2, *(-(-max(n, 1) // c) for n, c in zip(lens, chunks))])
+    chunks, _, need = batch._split(limits)
     blocks = max(int(blocks), 0) or need
+    memo = batch.__dict__.setdefault("_plan_memo", {})  # the same plan object for the same arguments
+    hit = memo.get((id(limits), blocks))
+    if hit is not None and hit[0] is limits:
+        return hit[1]
     B, hq, hd = batch.batch_size, batch.num_q_heads, batch.head_dim
     es = DTYPE_BYTES.get(batch.dtype, 4)
     cap = limits.max_shared_mem_optin if MULTI in limits.optin_set else limits.max_shared_mem_per_block
-    tile = next((t for t in KV_TILES if smem_bytes(batch.group, hd, es, t) <= cap), KV_TILES[-1])
-    return LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS,
-                      smem_bytes(batch.group, hd, es, tile), tile, max(chunks, default=1),
-                      partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
-                      reduce_threads(SEQ_CHUNKS), chunks)
+    tile, smem = _largest_tile(batch.group, hd, es, cap)
+    p = LaunchPlan(MULTI, blocks, (blocks, batch.num_kv_heads, B), BLOCK_THREADS, smem, tile, max(chunks, default=1),
+                   partials_bytes_per_block(batch) * blocks, (B, hq, -(-hd // REDUCE_DIMS_PER_CTA)),
+                   _SEQ_REDUCE_THREADS, chunks)
+    memo[(id(limits), blocks)] = (limits, p)
+    return p
+
+
+@lru_cache(maxsize=256)
+def _largest_tile(group: int, head_dim: int, dtype_bytes: int, cap: int) -> tuple[int, int]:
+    """(the largest K/V tile whose shared memory fits ``cap`` — the smallest if none does —, its shared memory)."""
+    tile = next((t for t in KV_TILES if smem_bytes(group, head_dim, dtype_bytes, t) <= cap), KV_TILES[-1])
+    return tile, smem_bytes(group, head_dim, dtype_bytes, tile)
 
 
 def graph_blocks(blocks: int) -> int:
@@ -309,6 +425,9 @@ def reduce_threads(blocks: int) -> int:
     sooner than a 256-thread one (benchmarks/results/decode_attention_notes.md)."""
     groups = next((g for g in REDUCE_GROUPS if g * REDUCE_BATCH >= blocks), REDUCE_GROUPS[-1])
     return REDUCE_LANES * groups
+
+
+_SEQ_REDUCE_THREADS = reduce_threads(SEQ_CHUNKS)  # the sequence split's merge CTA
 
 
 def resident_ctas_per_sm(batch: DecodeBatch, limits: DeviceLimits) -> int:
@@ -339,7 +458,22 @@ def plan(batch: DecodeBatch, mode: Mode, limits: DeviceLimits, workspace_capacit
 
 
 def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
-    """Every reason ``p`` would be an invalid (or wrong) launch for ``batch`` on this device; [] if none."""
+    """Every reason ``p`` would be an invalid (or wrong) launch for ``batch`` on this device; [] if none. A function
+    of its (immutable) arguments only, so the answer for the same plan, limits and workspace is kept on the batch."""
+    memo = batch.__dict__.setdefault("_valid_memo", {})
+    key = (id(p), id(limits), workspace_capacity)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is p and hit[1] is limits:
+        return list(hit[2])
+    r = _validate(p, batch, limits, workspace_capacity)
+    memo[key] = (p, limits, tuple(r))
+    return r
+
+
+_REDUCE_THREADS = tuple(g * REDUCE_LANES for g in REDUCE_GROUPS)  # the reduction kernel's builds
+
+
+def _validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_capacity: int) -> list[str]:
     r = list(batch.problems)
     multi = p.kernel == MULTI
     if p.kernel not in (SINGLE, MULTI) or p.blocks_per_seq < 1 or multi != (p.blocks_per_seq > 1) \
@@ -349,19 +483,18 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
     if p.blocks_per_seq * p.chunk_len < max(batch.context_lens, default=0):
         r.append("plan_inconsistent")  # chunks that do not cover a sequence would drop tokens
     if p.seq_chunks is not None and (
-            len(p.seq_chunks) != batch.batch_size or not multi
-            or any(c < 1 or p.blocks_per_seq * c < n for n, c in zip(batch.context_lens, p.seq_chunks))):
+            len(p.seq_chunks) != batch.batch_size or not multi or _chunks_short(p, batch)):
         r.append("plan_inconsistent")  # every sequence's own chunks must fit the grid
-    grids = [p.grid] + ([p.reduce_grid] if p.reduce_grid is not None else [])
-    if any(d < 1 for g in grids for d in g):
+    g, rg = p.grid, p.reduce_grid
+    if min(g, default=1) < 1 or (rg is not None and min(rg, default=1) < 1):
         r.append("grid_zero")
     for i, cap in enumerate((limits.max_grid_x, limits.max_grid_y, limits.max_grid_z)):
-        if any(g[i] > cap for g in grids):
+        if g[i] > cap or (rg is not None and rg[i] > cap):
             r.append("grid_" + "xyz"[i])
     if not 1 <= p.block_threads <= limits.max_threads_per_block \
             or (multi and not 1 <= p.reduce_threads <= limits.max_threads_per_block):
         r.append("threads")
-    if multi and p.reduce_threads not in [g * REDUCE_LANES for g in REDUCE_GROUPS]:
+    if multi and p.reduce_threads not in _REDUCE_THREADS:
         r.append("plan_inconsistent")  # the reduction kernel is built for these thread counts only
     es = DTYPE_BYTES.get(batch.dtype, 4)
     if p.smem_bytes < smem_bytes(batch.group, batch.head_dim, es, p.kv_tile):
@@ -376,6 +509,21 @@ def validate(p: LaunchPlan, batch: DecodeBatch, limits: DeviceLimits, workspace_
     if max(p.workspace_bytes, need_ws) > workspace_capacity:
         r.append("workspace")
     return list(dict.fromkeys(r))  # de-duplicated, first-seen order
+
+
+def _chunks_short(p: LaunchPlan, batch: DecodeBatch) -> bool:
+    """Whether a sequence's own chunk length is < 1 or its ``blocks_per_seq`` chunks do not cover it (``p.seq_chunks``
+    as long as the batch)."""
+    assert p.seq_chunks is not None
+    lens = batch.lens_array if len(p.seq_chunks) >= VECTOR_MIN else None
+    if lens is not None and isinstance(p.blocks_per_seq, int) and 0 <= p.blocks_per_seq < 1 << 31:
+        try:
+            c = np.array(p.seq_chunks, np.int64)
+        except (OverflowError, TypeError, ValueError):
+            c = None
+        if c is not None and c.shape == lens.shape and int(np.abs(c).max(initial=0)) < 1 << 31:
+            return bool((c < 1).any() or (p.blocks_per_seq * c < lens).any())
+    return any(c < 1 or p.blocks_per_seq * c < n for n, c in zip(batch.context_lens, p.seq_chunks))
 
 
 Kernel = Callable[..., np.ndarray]  # kernel(plan, q, k_buf, v_buf, page_tables, context_lens) -> out

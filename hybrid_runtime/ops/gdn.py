@@ -48,17 +48,19 @@ def _check(conv_buf: np.ndarray, rec_buf: np.ndarray, u: np.ndarray, g: np.ndarr
 def _check_slots(slots: np.ndarray, rows: int, n: int) -> np.ndarray:
     """Validated slot indices ``[n]``. Negative indices are rejected: numpy would wrap them to other rows."""
     s = np.asarray(slots)
-    if s.shape != (n,) or not np.issubdtype(s.dtype, np.integer):
+    if s.shape != (n,) or not (s.dtype == np.int64 or np.issubdtype(s.dtype, np.integer)):
         raise ValueError(f"slots must be an integer array of shape ({n},), got {s.dtype} {s.shape}")
-    bad = (s < 0) | (s >= rows)
-    if bad.any():
+    if n and (s.min() < 0 or s.max() >= rows):
+        bad = (s < 0) | (s >= rows)
         raise IndexError(f"state slot(s) {s[bad].tolist()} out of range: buffers have rows 0..{rows - 1} "
                          f"(row {rows - 1} is the padding sink)")
-    live = s[s != rows - 1]
-    if np.unique(live).size != live.size:
+    idx = s.astype(np.intp)
+    # every slot is in 0..rows-1 now: a count per row finds a live one used twice (the sink row may repeat)
+    if n > 1 and (np.bincount(idx, minlength=rows)[:rows - 1].max(initial=0) > 1 if rows <= 1 << 16
+                  else np.unique(live := idx[idx != rows - 1]).size != live.size):
         # Two live rows sharing a slot would both read the old state and one write would be lost.
         raise ValueError(f"live slots must be distinct, got {s.tolist()}")
-    return s.astype(np.intp)
+    return idx
 
 
 def _split_heads(x: np.ndarray, nk: int, dk: int, nv: int,
