@@ -60,9 +60,6 @@ class NBitsKnobs:
 
     def __post_init__(self) -> None:
         DecodeKnobs(**asdict(self))  # the same rules (ValueError naming the knob)
-        for name in ("gu_stages", "dn_stages"):  # tile kt + 1 is dequantised while tile kt's MMAs run
-            if getattr(self, name) < 3:
-                raise ValueError(f"{name}={getattr(self, name)}: the packed-expert ring needs at least 3 stages")
 
     @property
     def threads(self) -> int:
@@ -139,13 +136,12 @@ def stage_bytes(kind: str, gcap: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNO
 
 
 def smem_bytes(kind: str, gcap: int, bits: int, n_blocks: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
-    """Dynamic shared memory of one CTA: the two dequantised T tiles (2 x rows x bk x 2: tile kt + 1 is dequantised
-    while tile kt's MMAs run), the (scale, zero) table (rows x n_blocks x 8) and the ring - or the warps' partial
-    sums that reuse it after the last k tile, if larger."""
+    """Dynamic shared memory of one CTA: the dequantised T tile (rows x bk x 2), the (scale, zero) table (rows x
+    n_blocks x 8) and the ring - or the warps' partial sums that reuse it after the last k tile, if larger."""
     rows = knobs.rows(kind)
     ring = knobs.stages(kind) * stage_bytes(kind, gcap, bits, knobs)
     red = knobs.warps * (rows // 16) * gcap * 32 * 16
-    return 2 * rows * knobs.bk * 2 + rows * n_blocks * 8 + max(ring, red)
+    return rows * knobs.bk * 2 + rows * n_blocks * 8 + max(ring, red)
 
 
 def grid(kind: str, n: int, kk: int, e_all: int, hidden: int, inter: int,

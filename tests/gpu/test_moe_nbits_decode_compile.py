@@ -93,12 +93,10 @@ def test_knobs_options_grids_and_shared_memory() -> None:
     assert grid("gate_up", 1, 9, 257, 2048, 512) == (32, 9, 1) and grid("down", 64, 8, 256, 2048, 512) == (32, 256, 1)
     # a stage: 32 packed rows of 64 (int4) / 128 (int8) bytes + 8 gcap B rows of 256 bytes
     assert stage_bytes("gate_up", 1, 4) == 32 * 64 + 8 * 256 and stage_bytes("down", 4, 8) == 64 * 128 + 32 * 256
-    # two WT tiles + (scale, zero) table + ring
-    assert smem_bytes("gate_up", 1, 4, 64) == 2 * 32 * 256 + 32 * 64 * 8 + 6 * (32 * 64 + 8 * 256)
-    small = NBitsKnobs(gu_cols=32, gu_stages=3, bk=64)  # the partial sums outgrow the ring
-    assert smem_bytes("gate_up", 4, 4, 1, small) == 2 * 64 * 128 + 64 * 8 + 4 * 4 * 4 * 512
-    with pytest.raises(ValueError, match="gu_stages=2: the packed-expert ring needs at least 3 stages"):
-        NBitsKnobs(gu_stages=2)
+    # WT + (scale, zero) table + ring
+    assert smem_bytes("gate_up", 1, 4, 64) == 32 * 256 + 32 * 64 * 8 + 6 * (32 * 64 + 8 * 256)
+    small = NBitsKnobs(gu_cols=32, gu_stages=2, bk=64)  # the partial sums outgrow the ring
+    assert smem_bytes("gate_up", 4, 4, 1, small) == 64 * 128 + 64 * 8 + 4 * 4 * 4 * 512
     assert [bs_shift(b) for b in (16, 32, 128, 2048, 48, 0)] == [4, 5, 7, 11, -1, -1]
 
 

@@ -20,14 +20,11 @@
 // The pipeline: one CTA as moe_decode's, but each ring stage holds the CTA's RM weight rows PACKED (MD_BK * BITS / 8
 // bytes a row, unswizzled: 64 bytes int4 / 128 bytes int8 per 128 k) plus the pass's B rows (as moe_decode). Per k
 // tile kt:
-//   wait for stage kt + 1; __syncthreads  (WT[kt & 1] holds tile kt's weights; every warp is done with tile kt - 1:
-//     its bf16 tile WT[(kt + 1) & 1] and its ring slot are free)
-//   issue the copies of tile kt + STAGES - 1 (into tile kt - 1's slot)
-//   dequantise stage kt + 1's packed rows into WT[(kt + 1) & 1], one of TWO bf16 / fp16 tiles of RM rows x MD_BK
-//   (moe_decode's swizzled row layout; each thread whole 8-code chunks: one 16-byte swizzled store each)
-//   moe_decode's k16 steps on WT[kt & 1] (A) and stage kt's B rows, unchanged.
-// One barrier per tile: a warp's dequantisation of the next tile overlaps the other warps' MMAs (tile 0 is
-// dequantised before the loop).
+//   wait for stage kt; __syncthreads  (every warp is done with the previous tile's bf16 weights and ring slot)
+//   issue the copies of tile kt + STAGES - 1
+//   dequantise stage kt's packed rows into WT, ONE bf16 / fp16 tile of RM rows x MD_BK (moe_decode's swizzled row
+//   layout; each thread whole 8-code chunks: one 16-byte swizzled store each); __syncthreads
+//   moe_decode's k16 steps on WT (A) and the stage's B rows, unchanged.
 // Scales and zero-points: the CTA's rows' whole (scale, 2^23 + zero) table for its expert, float2 [RM][nb], read
 // once per CTA right after the first pass's prologue copies go out (its latency overlaps them), visible from the
 // main loop's first __syncthreads on.
@@ -98,8 +95,7 @@ static_assert(MD_SPW >= 1 && (MD_BK / 16) % MD_WARPS == 0, "(MD_BK / 16) must be
 static_assert(MD_GMAX >= 1 && MD_GMAX <= 4, "MD_GMAX must be 1..4");
 static_assert(MD_GU_COLS % 8 == 0 && MD_GU_COLS >= 8, "MD_GU_COLS must be a multiple of 8");
 static_assert(MD_DN_ROWS % 16 == 0 && MD_DN_ROWS >= 16, "MD_DN_ROWS must be a multiple of 16");
-static_assert(MD_GU_STAGES >= 3 && MD_DN_STAGES >= 3,
-              "the ring needs at least 3 stages (tile kt + 1 is dequantised while tile kt's MMAs run)");
+static_assert(MD_GU_STAGES >= 2 && MD_DN_STAGES >= 2, "a ring needs at least 2 stages");
 
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ T from_f32(float v) {
@@ -236,12 +232,12 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   const int nb = K / bs;     // blocks per row (the host checks K % bs == 0)
   const int zrow = MN_BITS == 4 ? (nb + 1) >> 1 : nb;
   const size_t prow = (size_t)K * MN_BITS / 8;  // packed bytes of a whole row
-  // shared memory: WT [2][RM][MD_ROWB] | SZ float2 [RM][nb] | ring (STAGES x (RM packed rows, cap B rows)) or the
+  // shared memory: WT [RM][MD_ROWB] | SZ float2 [RM][nb] | ring (STAGES x (RM packed rows, cap B rows)) or the
   // warps' partial sums after the last k tile (moe_nbits_decode.py smem_bytes)
   const u32 sbase = smem_u32(mn_smem);
   const u32 sWT = sbase;
-  float2* s_sz = reinterpret_cast<float2*>(mn_smem + 2 * RM * MD_ROWB);
-  const u32 ring_off = (u32)(2 * RM * MD_ROWB + RM * nb * 8);
+  float2* s_sz = reinterpret_cast<float2*>(mn_smem + RM * MD_ROWB);
+  const u32 ring_off = (u32)(RM * MD_ROWB + RM * nb * 8);
   const u32 sRing = sbase + ring_off;
   const u32 stage_bytes = (u32)(RM * MN_PROWB + cap * MD_ROWB);
   const int KT = (K + MD_BK - 1) / MD_BK;
@@ -273,9 +269,8 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   };
   // stage kt's packed rows (ring slot `slot`) -> WT: chunk c = tid + i * MD_THREADS is (row c / MD_CPR, 8-code chunk
   // c % MD_CPR), k = kt * MD_BK + 8 (c % MD_CPR), its block k / bs (bs % 16 == 0: the 8 codes share one block)
-  auto dequant = [&](int slot, int kt) {  // into WT[kt & 1]
+  auto dequant = [&](int slot, int kt) {
     const unsigned char* sP = mn_smem + ring_off + slot * stage_bytes;
-    unsigned char* wt = mn_smem + (kt & 1) * (RM * MD_ROWB);
     const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
 #pragma unroll
     for (int i = 0; i < NDQ; ++i) {
@@ -291,7 +286,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
         const uint2 ww = *reinterpret_cast<const uint2*>(src);
         const u32 w0 = ww.x, w1 = ww.y;
 #endif
-        *reinterpret_cast<uint4*>(wt + soff(row, ch)) = dequant8(w0, w1, sz.x, sz.y);
+        *reinterpret_cast<uint4*>(mn_smem + soff(row, ch)) = dequant8(w0, w1, sz.x, sz.y);
       }
     }
   };
@@ -358,24 +353,18 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
       }
     }
 
-    // Tile 0 into WT[0] before the loop (the first barrier also publishes the scale table and s_pair's rows).
-    cp_wait<STAGES - 2>();  // k tile 0 has landed (this thread's copies) ...
-    __syncthreads();        // ... everyone's
-    dequant(0, 0);
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
-      // groups committed: STAGES - 1 (prologue) + kt; tile t is group t: tile kt + 1 has landed when at most
-      // STAGES - 3 are pending (this thread's copies) ...
-      cp_wait<STAGES - 3>();
-      __syncthreads();  // ... everyone's; WT[kt & 1] holds tile kt; tile kt - 1's WT and ring slot are free
-      const int nk = kt + STAGES - 1;  // into slot (kt - 1) % STAGES
+      cp_wait<STAGES - 2>();  // k tile kt has landed (this thread's copies) ...
+      __syncthreads();        // ... everyone's; every warp is done with WT and with the slot refilled below
+      const int nk = kt + STAGES - 1;
       if (nk < KT) {
         load_w(nk % STAGES, nk);
         load_b(nk % STAGES, nk);
       }
       cp_commit();  // one group per iteration (possibly empty) keeps the wait count uniform
-      if (kt + 1 < KT) dequant((kt + 1) % STAGES, kt + 1);  // into WT[(kt + 1) & 1]: nobody reads it this tile
-      const u32 sWTk = sWT + (kt & 1) * (RM * MD_ROWB);
+      dequant(kt % STAGES, kt);
+      __syncthreads();  // WT holds tile kt's T weights
       const u32 sB = sRing + (kt % STAGES) * stage_bytes + RM * MN_PROWB;
       const int nsteps = (kt == KT - 1 ? tail_ch : MD_CPR) >> 1;  // k16 steps of this tile
 #pragma unroll
@@ -394,7 +383,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
         for (int mt = 0; mt < MT; ++mt) {
           u32 a[4];  // A [row][k]: lanes 0-15 rows 0..15 at chunk 2ks, lanes 16-31 at 2ks + 1
           const int row = mt * 16 + (lane & 15);
-          ldsm_x4(a, sWTk + soff(row, 2 * ks + (lane >> 4)));
+          ldsm_x4(a, sWT + soff(row, 2 * ks + (lane >> 4)));
 #pragma unroll
           for (int g = 0; g < MD_GMAX; ++g)
             if (g < ng) mma16816(acc[mt][g], a, b[g]);
