@@ -43,6 +43,8 @@ def test_breakdown_report_splits_the_load_and_names_the_goal() -> None:
     assert float(rows["transient above the final RSS"]) == pytest.approx(2.0)
     assert text.endswith(f"**{1484.0 * 2**20 / 1.5e9:.3f}x**")
     assert "goal" not in report("qwen3-next-334m", 4, res)  # no goal at batch 4
+    assert "warm-up" not in text.splitlines()[0]
+    assert "load-time warm-up" in report("qwen3-next-334m", 16, {**res, "warmup": True}).splitlines()[0]
 
 
 def test_bench_kv_pool_holds_every_workload_at_once() -> None:
