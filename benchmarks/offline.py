@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -63,6 +62,8 @@ QWEN3_NEXT_334M = {  # issue 18: 333.6M parameters, ~170M active per token
 MODELS: dict[str, dict | None] = {"default": None, "large": LARGE, "qwen3-next-334m": QWEN3_NEXT_334M}
 # Peak-RSS goals (model -> (batch, bytes)): issue 18, the 334M shape at batch 16 within 1.5 GB (1.5e9 bytes).
 RSS_GOALS: dict[str, tuple[int, float]] = {"qwen3-next-334m": (16, 1.5e9)}
+# The bench bundles' KV pool, in tokens: the most any workload holds at once (batch 16 x (128 + 64)).
+KV_POOL_TOKENS = max(max(BATCHES) * (PROMPT + NEW), PREFILL_BATCH * (PREFILL_LEN + 1))
 
 
 def _prepare(root: Path, name: str) -> tuple[Path, Path]:
@@ -81,15 +82,23 @@ def _prepare(root: Path, name: str) -> tuple[Path, Path]:
 def _build_options() -> BuildOptions:
     """The bundle's limits are the workload's: batch up to 16, prompts up to PREFILL_LEN, sequences up to the
     longest any workload makes (PREFILL_LEN + 1 for the prefill workload; PROMPT + NEW = 192 for decode),
-    prefill in chunks of 128 tokens. max_seq_len sizes the default KV pool, every slot at max_seq_len: 16 x 17
-    pages of 16 tokens, 51 MiB for the 334M model (60 MiB at 320 = PREFILL_LEN + NEW, a length no workload
-    makes; a b16 run of 128 + 64 tokens uses 36). The chunk bounds a prefill step's intermediates and the
-    segments' output banks: 128-token chunks put 12 MiB less on the b16 peak RSS of the 334M model than 256
-    (512: +39 more), prefill tok/s the same within noise (measured on the 2-core machine)."""
+    prefill in chunks of 128 tokens, and a KV pool of :data:`KV_POOL_TOKENS` tokens.
+
+    The KV pool is a token budget, as llama.cpp's context size (``-c``: one pool of tokens shared by the
+    sequences) or vLLM's KV budget, not the builder's default of every slot at max_seq_len at once (16 x 257
+    tokens, 51 MiB for the 334M model, of which no workload here uses more than 36): the largest number of
+    tokens a workload holds at once, 16 x (PROMPT + NEW) = 3072 (192 pages, 36 MiB). The prefill workload's 4 x
+    257 tokens take 68 of them. The scheduler reserves a sequence's whole length at admission, so a request that
+    did not fit would wait, never fail; none waits here. The pool stays resident from load (issue 21).
+    The chunk bounds a prefill step's intermediates and the segments' output banks: 128-token chunks put 12 MiB
+    less on the b16 peak RSS of the 334M model than 256 (512: +39 more), prefill tok/s the same within noise
+    (measured on the 2-core machine)."""
     from builder.bundle import BuildOptions
 
+    page = BuildOptions().page_size
     return BuildOptions(max_batch_size=max(BATCHES), max_input_len=PREFILL_LEN,
-                        max_seq_len=max(PROMPT + NEW, PREFILL_LEN + 1), max_num_tokens=128)
+                        max_seq_len=max(PROMPT + NEW, PREFILL_LEN + 1), max_num_tokens=128, page_size=page,
+                        num_kv_pages=-(-KV_POOL_TOKENS // page))
 
 
 def _current(bundle: Path, options: BuildOptions) -> bool:
@@ -196,6 +205,8 @@ def worker_transformers(ckpt: Path, batch: int) -> dict:
 
 
 def _spawn(side: str, path: Path, batch: int) -> dict:
+    import subprocess  # here, not at the top: a worker's peak RSS is the runtime's, not the launcher's (1.2 MiB)
+
     cmd = [sys.executable, "-m", "benchmarks.offline", "--worker", side, "--path", str(path), "--batch", str(batch)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)

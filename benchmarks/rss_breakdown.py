@@ -1,8 +1,10 @@
 """Where the peak RSS of our CPU worker goes (issue 18: the 334M shape at batch 16 within 1.5 GB).
 
-``python -m benchmarks.rss_breakdown [--model qwen3-next-334m] [--batch 16] [--new 64]`` runs the offline
+``python -m benchmarks.rss_breakdown [--model qwen3-next-334m] [--batch 16] [--new 64] [--warmup]`` runs the offline
 benchmark's workload (``benchmarks.offline``: a warm-up of ``batch`` x 16 tokens, then ``batch`` prompts of 128
-random ids and ``--new`` tokens each, greedy) in a fresh process of its own and prints, in MiB:
+random ids and ``--new`` tokens each, greedy) in a fresh process of its own and prints, in MiB (``--warmup``: the
+engine starts with its load-time warm-up, ``RuntimeOptions.warmup``, as a served process does; "after loaded" then
+includes it; by default it is off, as in the offline benchmark, so the workload is attributed alone):
 
 * the process's RSS (anonymous / file-backed: library code) after the imports, after loading and after the
   workload, and the peak (VmHWM) next to the model's goal as a ratio (``benchmarks.offline.RSS_GOALS``);
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -42,8 +43,9 @@ def status() -> dict[str, float]:
     return out
 
 
-def worker(bundle: Path, batch: int, new: int) -> dict:
-    """Load ``bundle`` in this process, run the workload, return the stages and the per-piece growth."""
+def worker(bundle: Path, batch: int, new: int, warmup: bool = False) -> dict:
+    """Load ``bundle`` in this process (with the engine's load-time warm-up if ``warmup``), run the workload,
+    return the stages and the per-piece growth."""
     from hybrid_runtime import backend as bk
     from hybrid_runtime.sampling import SamplingParams
     from hybrid_runtime.serving import GenerationRequest, RuntimeOptions, ServingEngine, generate
@@ -62,7 +64,7 @@ def worker(bundle: Path, batch: int, new: int) -> dict:
             return out
 
         setattr(bk.HostBackend, name, timed)
-    eng = ServingEngine(bundle, RuntimeOptions(warmup=False)).start()  # attributes the workload alone
+    eng = ServingEngine(bundle, RuntimeOptions(warmup=warmup)).start()  # off: attributes the workload alone
     try:
         stages["loaded"] = status()
         cfg = eng.manifest.model
@@ -88,7 +90,8 @@ def worker(bundle: Path, batch: int, new: int) -> dict:
         tokens_per_step = eng.manifest.limits.max_num_tokens
     finally:
         eng.shutdown()
-    return {"stages": stages, "held": held, "growth": dict(growth), "max_num_tokens": tokens_per_step}
+    return {"stages": stages, "held": held, "growth": dict(growth), "max_num_tokens": tokens_per_step,
+            "warmup": warmup}
 
 
 def report(name: str, batch: int, res: dict) -> str:
@@ -96,8 +99,11 @@ def report(name: str, batch: int, res: dict) -> str:
 
     st, held = res["stages"], res["held"]
     imp, load, work = st["imports"], st["loaded"], st["workload"]
+    warm = ("; engine started with its load-time warm-up, in the load and its rest below" if res.get("warmup")
+            else "")
     lines = [f"peak RSS of our worker, {name}, batch {batch} (prefill steps of up to {res['max_num_tokens']} "
-             "tokens), MiB:", "", "| stage | RSS | anonymous | file-backed (library code) |", "|---|---|---|---|"]
+             f"tokens{warm}), MiB:", "", "| stage | RSS | anonymous | file-backed (library code) |",
+             "|---|---|---|---|"]
     for key, s in st.items():
         lines.append(f"| after {key} | {s['VmRSS']:.1f} | {s['RssAnon']:.1f} | {s['RssFile']:.1f} |")
     lines.append(f"| peak (VmHWM) | {work['VmHWM']:.1f} | | |")
@@ -126,20 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-next-334m")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (the offline benchmark's 64)")
+    ap.add_argument("--warmup", action="store_true", help="start the engine with its load-time warm-up (a served "
+                    "process's default) before the workload")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.batch < 1 or args.new < 1:
         ap.error("--batch and --new must be >= 1")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.batch, args.new)))
+        print(json.dumps(worker(args.worker, args.batch, args.new, args.warmup)))
         return 0
     from .offline import MODELS, _prepare
 
     if args.model not in MODELS:
         ap.error(f"unknown model {args.model!r}: choose from {', '.join(MODELS)}")
+    import subprocess  # not imported by the worker (1.2 MiB of its RSS, counted in "imports")
+
     _, bundle = _prepare(args.root, args.model)
     cmd = [sys.executable, "-m", "benchmarks.rss_breakdown", "--worker", str(bundle), "--batch", str(args.batch),
-           "--new", str(args.new)]
+           "--new", str(args.new)] + (["--warmup"] if args.warmup else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     print(report(args.model, args.batch, json.loads(out.stdout.strip().splitlines()[-1])))
     return 0

@@ -16,7 +16,6 @@ only by padded decode rows of the CUDA kernels, 1 MiB per GDN layer of the 334M 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import time
 from collections.abc import Callable
@@ -40,14 +39,26 @@ def resident_zeros(shape: tuple[int, ...] | int, dtype: Any = np.float32,
 
 @functools.cache
 def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
+    """glibc's ``malloc_trim``, or None. The C library is opened by glibc's soname first: ``ctypes.util`` is
+    imported only where that fails, since it imports ``subprocess``, ``shutil``, ``tempfile`` (1.2 MiB of the
+    serving process's RSS) and ``find_library`` runs ``ldconfig`` in a child of the serving process."""
     try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        libc = ctypes.CDLL(_GLIBC)
     except OSError:
-        return None
+        from ctypes.util import find_library
+
+        name = find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            libc = None
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+_GLIBC = "libc.so.6"
 
 
 def release_free_heap() -> bool:

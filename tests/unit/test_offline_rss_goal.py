@@ -43,3 +43,41 @@ def test_breakdown_report_splits_the_load_and_names_the_goal() -> None:
     assert float(rows["transient above the final RSS"]) == pytest.approx(2.0)
     assert text.endswith(f"**{1484.0 * 2**20 / 1.5e9:.3f}x**")
     assert "goal" not in report("qwen3-next-334m", 4, res)  # no goal at batch 4
+    assert "warm-up" not in text.splitlines()[0]
+    assert "load-time warm-up" in report("qwen3-next-334m", 16, {**res, "warmup": True}).splitlines()[0]
+
+
+def test_bench_kv_pool_holds_every_workload_at_once() -> None:
+    """The bench bundles' KV pool is a token budget (not 16 slots x max_seq_len): it must still admit every
+    workload of the benchmark in one go (the scheduler reserves each sequence's whole length at admission, so a
+    smaller pool would make sequences wait and the batch-16 decode would not be a batch of 16)."""
+    from benchmarks.offline import BATCHES, NEW, PREFILL_BATCH, PREFILL_LEN, PROMPT, _build_options
+
+    lim = _build_options().limits()
+
+    def pages(n_tokens: int) -> int:
+        return -(-min(n_tokens, lim.max_seq_len) // lim.page_size)
+
+    for batch in BATCHES:
+        assert batch * pages(PROMPT + NEW) <= lim.num_kv_pages
+    assert PREFILL_BATCH * pages(PREFILL_LEN + 1) <= lim.num_kv_pages
+    assert max(BATCHES) * pages(PROMPT + NEW) == lim.num_kv_pages  # and not more: 192 pages, 36 MiB for the 334M
+    assert lim.num_kv_pages < lim.num_state_slots * pages(lim.max_seq_len)  # below the builder's default (272)
+
+
+def test_serving_imports_leave_out_what_the_cpu_path_never_runs() -> None:
+    """A CPU serving process (and the benchmarks' workers, whose RSS is measured) does not import
+    ``subprocess`` / ``ctypes.util`` (with shutil, tempfile, bz2, lzma: 1.2 MiB of RSS) nor torch; the
+    heap trim still finds glibc's malloc_trim without them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, benchmarks.offline, benchmarks.rss_breakdown\n"
+            "from hybrid_runtime import backend\n"
+            "from hybrid_runtime.serving import ServingEngine\n"
+            "from hybrid_runtime.host_memory import release_free_heap\n"
+            "trimmed = release_free_heap()\n"
+            "print(sorted(m for m in ('subprocess', 'ctypes.util', 'tempfile', 'torch') if m in sys.modules), trimmed)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out[0] == "[]"
+    assert out[-1] == ("True" if sys.platform.startswith("linux") else out[-1])
