@@ -1112,7 +1112,7 @@ class CudaBackend:
                 self._fused_route(n, h, mw, router, k, fold)
             else:
                 self._moe_route(n, router, k, fold)
-            pk = self.w.packed_moe.get(layer)
+            pk = getattr(self.w, "packed_moe", {}).get(layer)  # (host fakes of the weights have none)
             if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
                 build = "many" if n > FOLD_MAX_TOKENS else "default"
                 if build not in self.moe_nbits:
@@ -1131,7 +1131,8 @@ class CudaBackend:
             # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
             # below, the shared expert folded in as expert E exactly when the CUDA-core path would fold it.
             bufs = self._moe_buffers()
-            self.w.dequantise_experts(layer)  # packed experts: into the scratch stack mw points at (else no-op)
+            if getattr(self.w, "packed_moe", None):  # packed experts: into the scratch stack mw points at
+                self.w.dequantise_experts(layer)
             with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
                 self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
                                         self.ny, bufs, fold_shared=fold, y_dtype=ydt)
@@ -1142,7 +1143,8 @@ class CudaBackend:
                 self._moe_route(n, router, k, fold)
             kk = k + int(fold)
             e_all = cfg.num_experts + int(fold)
-            self.w.dequantise_experts(layer)  # packed experts: into the scratch stack mw points at (else no-op)
+            if getattr(self.w, "packed_moe", None):  # packed experts: into the scratch stack mw points at
+                self.w.dequantise_experts(layer)
             ny_grid = min(e_all, n * kk)  # at most this many experts have pairs: CTAs past it would only exit
             tg = max(1, min(8, SMEM_DEFAULT // (H * self.es)))
             tg_d = max(1, min(8, SMEM_DEFAULT // (inter * self.es)))
