@@ -131,6 +131,16 @@ def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], 
         return _pack_tables_loop(page_tables, context_lens, chunk_len, stride, seq_chunks)
     mat, lens = padded
     longest = int(lens.max()) if B else 1
+    host, offset, stride = _packed_header(B, longest, context_lens, chunk_len, stride, seq_chunks)
+    if mat.size and (mat.min() < 0 or mat.max() > _INT32_MAX):  # the zero padding changes neither
+        raise IndexError("page index does not fit int32")
+    host[offset:].reshape(B, stride)[:, :mat.shape[1]] = mat
+    return host, offset, stride
+
+
+def _packed_header(B: int, longest: int, context_lens: Sequence[int], chunk_len: int, stride: int,
+                   seq_chunks: Sequence[int] | None) -> tuple[np.ndarray, int, int]:
+    """:func:`pack_tables`' host array with its lengths, chunk words and zeroed tables: ``(host, offset, stride)``."""
     stride = stride or max(1, longest)
     if longest > stride:
         raise ValueError(f"a page table of {longest} pages does not fit the stride {stride}")
@@ -142,9 +152,6 @@ def pack_tables(page_tables: Sequence[np.ndarray], context_lens: Sequence[int], 
         if len(seq_chunks) != B:
             raise ValueError(f"{len(seq_chunks)} chunk lengths for {B} sequences")
         host[B + 1:2 * B + 1] = np.asarray(seq_chunks, np.int64)
-    if mat.size and (mat.min() < 0 or mat.max() > _INT32_MAX):  # the zero padding changes neither
-        raise IndexError("page index does not fit int32")
-    host[offset:].reshape(B, stride)[:, :mat.shape[1]] = mat
     return host, offset, stride
 
 
@@ -153,17 +160,7 @@ def _pack_tables_loop(page_tables: Sequence[np.ndarray], context_lens: Sequence[
     """:func:`pack_tables` one table at a time (tables :func:`padded_tables` does not take)."""
     B = len(context_lens)
     longest = max((len(t) for t in page_tables), default=1)
-    stride = stride or max(1, longest)
-    if longest > stride:
-        raise ValueError(f"a page table of {longest} pages does not fit the stride {stride}")
-    offset = tables_offset(B)
-    host = np.zeros(offset + B * stride, np.int32)
-    host[:B] = np.asarray(context_lens, np.int64)
-    host[B] = chunk_len
-    if seq_chunks is not None:
-        if len(seq_chunks) != B:
-            raise ValueError(f"{len(seq_chunks)} chunk lengths for {B} sequences")
-        host[B + 1:2 * B + 1] = np.asarray(seq_chunks, np.int64)
+    host, offset, stride = _packed_header(B, longest, context_lens, chunk_len, stride, seq_chunks)
     for b, t in enumerate(page_tables):
         t = np.asarray(t, np.int64)
         if t.size and (t.min() < 0 or t.max() > _INT32_MAX):
