@@ -70,9 +70,27 @@ def main() -> None:
         if g is not None:
             be.dev.copy_htod(be.inp.ptr, be.host_in.array[:ctx.upload_bytes])
             gpu = time_on_stream(be.dev, lambda i, g=g: g.launch(), 50, runs=3, warmup=(), spin_cycles=0)
+        lone = call = lone_gpu = float("nan")
+        if g is not None:  # one replay on an idle GPU, as a served step has it: the launch call, launch to sync
+            calls, lones, lone_gpus = [], [], []
+            for _ in range(args.reps):
+                be.dev.synchronize()
+                e0, e1 = be.dev.event(), be.dev.event()
+                t = time.perf_counter()
+                be.dev.record(e0)
+                g.launch()
+                t1 = time.perf_counter()
+                be.dev.record(e1)
+                be.dev.synchronize()
+                lones.append(time.perf_counter() - t)
+                calls.append(t1 - t)
+                lone_gpus.append(be.dev.elapsed_ms(e0, e1) / 1e3)
+            lone, call, lone_gpu = (statistics.median(x) for x in (lones, calls, lone_gpus))
         wall, prep = statistics.median(walls), statistics.median(preps)
-        log(f"B={B}: runner.step {wall * 1e6:.0f} us, prepare {prep * 1e6:.0f} us, graph replay (GPU) "
-            f"{gpu * 1e6:.0f} us, step - replay {(wall - gpu) * 1e6:.0f} us, graph {g is not None}")
+        log(f"B={B}: runner.step {wall * 1e6:.0f} us, prepare {prep * 1e6:.0f} us, graph replay (GPU, queue "
+            f"filled) {gpu * 1e6:.0f} us, step - replay {(wall - gpu) * 1e6:.0f} us, graph {g is not None}; "
+            f"lone replay: cuGraphLaunch call {call * 1e6:.0f} us, launch to sync {lone * 1e6:.0f} us, GPU events "
+            f"{lone_gpu * 1e6:.0f} us, step - lone {(wall - lone) * 1e6:.0f} us")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.reps):
