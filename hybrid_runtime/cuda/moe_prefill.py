@@ -26,9 +26,14 @@ loaded on compute capability 9.0 only; two warpgroups, 128 x 256 tiles, :data:`W
 128 x 128 build at two CTAs per SM, ``"wgmma128"``; ``"wgmma_ws"`` is ``ops/cuda/moe_wgmma_ws.cu``: the 128 x 256
 tiles on a persistent grid of one CTA per SM, warp-specialised - a cp.async producer warpgroup and two wgmma
 consumer warpgroups synchronised by mbarriers, the epilogue of one work item under the next item's copies).
-``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``; a shape the wgmma tiles do not divide runs
-``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is ``moe_gemm.cu``'s in every case, and the mma kernels are the
-same build whatever ``impl`` is.
+``"wgmma64"`` is ``moe_wgmma.cu`` on tiles of up to 64 rows (one warpgroup, 64 x 256 tiles): ``moe_group`` then
+cuts each expert's pairs into 64-row tiles (its ``bm`` argument), so a step with few pairs per expert computes half
+as many padding rows on its experts' last tiles. ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``,
+and on compute capability 9.0 also loads the 64-row build for steps of fewer than :data:`SMALL_TILE_PAIRS` pairs
+per expert (:meth:`MoEPrefill.tile_rows`); a shape the wgmma tiles do not divide runs ``"mma"``
+(:meth:`MoEPrefill.gemm_impl`). Every build gives a row the same bits (the same m64n256k16 instructions in the same k
+order; the mma build its own), so which one a step takes does not depend on anything but its size. Routing is
+``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
 
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
 the tiles do not divide (:func:`supported`).
@@ -53,7 +58,11 @@ WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: cubins run on com
 # What "auto" runs on a compute capability 9.0 GPU: set to "mma" to make the mma.sync build the default again.
 AUTO_IMPL = "wgmma_ws"
 WGMMA_WS_SOURCE = "moe_wgmma_ws.cu"
-IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws")
+IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws", "wgmma64")
+# "auto" on compute capability 9.0: steps with fewer pairs per expert (pairs / E_all) than this run 64-row tiles
+# (WGMMA_VARIANTS["wgmma64"]); the others AUTO_IMPL's 128-row tiles (benchmarks/results/gpu_moe_prefill_h200.md).
+SMALL_TILE_PAIRS = 160
+SMALL_BM = 64  # rows per tile of the 64-row build (moe_group's bm)
 
 
 @dataclass(frozen=True)
@@ -70,16 +79,18 @@ class WgmmaVariant:
     threads: int = 256
     persistent: bool = False
     lag: int = 0
+    bm: int = 128  # rows per tile: 128, or 64 (moe_wgmma.cu -DWG_BM=64: one warpgroup, threads 128)
 
     @property
     def smem(self) -> int:
-        return self.stages * (GEMM_BM + self.bn) * 64 * 2 + 1024
+        return self.stages * (self.bm + self.bn) * 64 * 2 + 1024
 
     @property
     def options(self) -> tuple[str, ...]:
         if self.persistent:
             return (f"-DWS_STAGES={self.stages}", f"-DWS_LAG={self.lag}")
-        return (f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_INFLIGHT={self.inflight}")
+        return (f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_INFLIGHT={self.inflight}",
+                *((f"-DWG_BM={self.bm}",) if self.bm != 128 else ()))
 
     def grid(self, nx: int, tiles: int, sm_count: int) -> tuple[int, int, int]:
         """Launch grid of one GEMM of ``nx`` column blocks over (at most) ``tiles`` tiles: ``(nx, tiles, 1)``, or
@@ -95,7 +106,8 @@ class WgmmaVariant:
 
 
 WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0),
-                  "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 2)}
+                  "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 2),
+                  "wgmma64": WgmmaVariant(256, 4, 1, threads=128, bm=SMALL_BM)}
 WGMMA_THREADS = 256  # block of the non-persistent builds (WgmmaVariant.threads)
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
@@ -133,9 +145,10 @@ def max_tiles(pairs: int, e_all: int, bm: int = GEMM_BM) -> int:
 
 
 def tile_list_words(max_pairs: int, e_all: int) -> int:
-    """int32 words of the tile-list buffer for up to ``max_pairs`` pairs: a 4-word header (count) + 4 words
-    per tile (expert, first pair_list slot, rows, unused)."""
-    return 4 + 4 * max_tiles(max_pairs, e_all)
+    """int32 words of the tile-list buffer for up to ``max_pairs`` pairs in tiles of any size a build runs (the
+    smallest, :data:`SMALL_BM`, makes the most): a 4-word header (count) + 4 words per tile (expert, first
+    pair_list slot, rows, unused)."""
+    return 4 + 4 * max_tiles(max_pairs, e_all, SMALL_BM)
 
 
 def tile_list(counts: np.ndarray, bm: int = GEMM_BM) -> np.ndarray:
@@ -171,8 +184,9 @@ class MoEPrefill:
 
     def __init__(self, device: CudaDevice, dtype: str, impl: str = "auto") -> None:
         """``impl``: ``"auto"`` (:data:`AUTO_IMPL` on compute capability 9.0 if its module compiled and
-        loaded, else ``"mma"``), ``"mma"``, ``"wgmma"``, ``"wgmma128"`` or ``"wgmma_ws"`` (ValueError off compute
-        capability 9.0; a compile error propagates). :attr:`impl` is the resolved choice."""
+        loaded, else ``"mma"``; with the 64-row build beside it for small steps, :meth:`tile_rows`), ``"mma"``,
+        ``"wgmma"``, ``"wgmma128"``, ``"wgmma_ws"`` or ``"wgmma64"`` (ValueError off compute capability 9.0; a compile
+        error propagates). :attr:`impl` is the resolved choice (``"auto"`` resolves to the large steps' build)."""
         if dtype not in DT_CODES:
             raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
         if impl not in IMPLS:
@@ -183,6 +197,9 @@ class MoEPrefill:
             self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
         self.wgmma_module: Module | None = None
         self.variant: WgmmaVariant | None = None
+        # "auto": the 64-row build for steps of few pairs per expert (tile_rows), beside AUTO_IMPL's
+        self.small_module: Module | None = None
+        self.small: WgmmaVariant | None = None
         want = AUTO_IMPL if impl == "auto" else impl
         if want != "mma":
             on_hopper = tuple(device.compute_capability) == (9, 0)
@@ -197,12 +214,32 @@ class MoEPrefill:
                     log.exception("the wgmma MoE GEMMs did not build; the mma.sync ones run")
                     self.wgmma_module, self.variant = None, None
         self.impl = "mma" if self.variant is None else want
+        small = WGMMA_VARIANTS["wgmma64"]
+        if impl == "auto" and self.variant is not None and self.variant.bn == small.bn:
+            try:
+                self.small_module, self.small = self._load_variant(small), small
+            except Exception:
+                log.exception("the 64-row wgmma MoE GEMMs did not build; every step runs %s", self.impl)
+
+    def _load_variant(self, v: WgmmaVariant) -> Module:
+        module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
+        for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
+            module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
+        return module
 
     def _load_wgmma(self, v: WgmmaVariant) -> None:
-        self.wgmma_module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
-        for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
-            self.wgmma_module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
+        self.wgmma_module = self._load_variant(v)
         self.variant = v
+
+    def tile_rows(self, pairs: int, e_all: int) -> int:
+        """Rows per tile of a step of ``pairs`` (token, expert) pairs over ``e_all`` experts: :data:`SMALL_BM` for
+        the 64-row build (``impl`` ``"wgmma64"``, or ``"auto"`` below :data:`SMALL_TILE_PAIRS` pairs per expert),
+        else :data:`GEMM_BM`. :meth:`route` cuts the tile list and :meth:`experts` picks the build by it."""
+        if self.variant is not None and self.variant.bm == SMALL_BM:
+            return SMALL_BM
+        if self.small is not None and pairs < SMALL_TILE_PAIRS * e_all:
+            return SMALL_BM
+        return GEMM_BM
 
     def gemm_impl(self, hidden: int, inter: int) -> str:
         """The build :meth:`experts` runs for this shape: :attr:`impl`, or ``"mma"`` where the wgmma tiles do not
@@ -219,7 +256,8 @@ class MoEPrefill:
         e_all, kk = num_experts + int(fold_shared), k + int(fold_shared)
         if not (0 < e_all <= MAX_EXPERTS and 0 < k <= MAX_TOPK and k <= num_experts):
             raise ValueError(f"routing of top-{k} over {num_experts} experts is not supported")
-        need = max_tiles(n * kk, e_all)
+        bm = self.tile_rows(n * kk, e_all)
+        need = max_tiles(n * kk, e_all, bm)
         if need > bufs.tile_capacity:
             raise ValueError(f"{n} tokens need room for {need} tiles, the tile list holds {bufs.tile_capacity}")
         ncta, chunk = route_geometry(n)
@@ -230,7 +268,7 @@ class MoEPrefill:
         self._launch("moe_group", (ncta, 1, 1), GROUP_THREADS,
                      [("ptr", bufs.pair_e), ("i32", n), ("i32", kk), ("i32", e_all), ("i32", chunk), ("i32", ncta),
                       ("ptr", bufs.cta_counts), ("ptr", bufs.expert_off), ("ptr", bufs.pair_list),
-                      ("ptr", bufs.active), ("ptr", bufs.tiles), ("i32", need)])
+                      ("ptr", bufs.active), ("ptr", bufs.tiles), ("i32", need), ("i32", bm)])
 
     def experts(self, n: int, h: int, ldh: int, gate_up: int, down: int, hidden: int, inter: int, kk: int, ny: int,
                 e_all: int, bufs: MoEBuffers, y_dtype: str = "float32") -> None:
@@ -243,11 +281,14 @@ class MoEPrefill:
         if y_dtype not in ("float32", self.dtype):
             raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
         down_name = "down" if y_dtype == "float32" else "down_t"
-        tiles = max_tiles(n * kk, e_all)
-        v = self.variant
-        if v is not None and self.wgmma_module is not None and v.takes(hidden, inter):
-            k_gu = self.wgmma_module.kernel("moe_wgmma_gate_up")
-            k_d = self.wgmma_module.kernel(f"moe_wgmma_{down_name}")
+        bm = self.tile_rows(n * kk, e_all)  # the tiles route() cut: every build takes tiles of <= 128 rows
+        tiles = max_tiles(n * kk, e_all, bm)
+        v, module = self.variant, self.wgmma_module
+        if bm == SMALL_BM and self.small is not None and self.small.takes(hidden, inter):
+            v, module = self.small, self.small_module
+        if v is not None and module is not None and v.takes(hidden, inter):
+            k_gu = module.kernel("moe_wgmma_gate_up")
+            k_d = module.kernel(f"moe_wgmma_{down_name}")
             sms = self.device.limits.sm_count
             k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
                         [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),

@@ -74,12 +74,14 @@ def accumulator_position(lane_in_wg: int, i: int) -> tuple[int, int]:
 
 def wgmma_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: int, H: int, kk: int, ny: int,
                     tile: tuple[int, int, int], pair_list: np.ndarray, pair_w: np.ndarray | None, bx: int,
-                    out: np.ndarray, bn: int = 256, stages: int = 4, sbase: int = 0x1400) -> None:
+                    out: np.ndarray, bn: int = 256, stages: int = 4, sbase: int = 0x1400, bm: int = 128) -> None:
     """CTA (bx, tile) of moe_wgmma_gate_up / moe_wgmma_down into ``out`` (flat act [pairs*I] or y [n*ny*H]).
     ``sbase``: the shared address of the (aligned) ring; shared memory is an element array indexed by byte
-    address / 2, written by the modelled cp.async copies and read through the descriptors."""
+    address / 2, written by the modelled cp.async copies and read through the descriptors. ``bm``: the build's
+    WG_BM (128: two warpgroups; 64: one), WG_THREADS = 2 bm threads, each copy pass WG_RPP = threads / 8 rows."""
     d = cu_defines()
-    BM, BK, THREADS = d["WG_BM"], d["WG_BK"], d["WG_THREADS"]
+    BM, BK, THREADS = bm, d["WG_BK"], 2 * bm
+    RPP, WGS = THREADS // 8, bm // 64
     assert sbase % 1024 == 0
     a_bytes, b_bytes = BM * ROWB, bn * ROWB
     stage_bytes = a_bytes + b_bytes
@@ -94,29 +96,29 @@ def wgmma_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I
         k0 = kt * BK
         for tid in range(THREADS):
             ch, r0 = tid & 7, tid >> 3
-            for i in range(BM // 32):
-                row = r0 + 32 * i
+            for i in range(BM // RPP):
+                row = r0 + RPP * i
                 src = s_src[row]
                 dst = (sA + wg_off(row, ch)) // 2
                 smem[dst:dst + 8] = 0.0 if src < 0 else A[src + k0 + ch * 8:src + k0 + ch * 8 + 8]
-            for i in range(bn // 32):
-                row = r0 + 32 * i
+            for i in range(bn // RPP):
+                row = r0 + RPP * i
                 if mode == "gate_up":
                     wb = e * 2 * I * K + (bx * (bn // 2) + r0) * K + ch * 8
-                    up = (I - bn // 2) * K if i >= bn // 64 else 0
+                    up = (I - bn // 2) * K if RPP * i >= bn // 2 else 0
                 else:
                     wb = e * H * K + (bx * bn + r0) * K + ch * 8
                     up = 0
-                src = wb + 32 * i * K + up + k0
+                src = wb + RPP * i * K + up + k0
                 dst = (sB + wg_off(row, ch)) // 2
                 smem[dst:dst + 8] = W[src:src + 8]
 
-    acc = np.zeros((2, 64, bn))  # per warpgroup, D as wgmma holds it
+    acc = np.zeros((WGS, 64, bn))  # per warpgroup, D as wgmma holds it
     for kt in range(K // BK):
         stage = kt % stages
         load_stage(stage, kt)  # the ring's timing is checked by ring_schedule; here each tile lands first
         sA = sbase + stage * stage_bytes
-        for wg in range(2):
+        for wg in range(WGS):
             da, db = wg_desc(sA + wg * 64 * ROWB, d), wg_desc(sA + a_bytes, d)
             for s in range(BK // 16):
                 k16 = np.arange(16)[None, :]

@@ -134,7 +134,7 @@ def logits_for(rng: np.random.Generator, n: int, E: int, ld: int, case: str) -> 
     return lg
 
 
-IMPLS = ["mma", "wgmma", "wgmma128", "wgmma_ws"]
+IMPLS = ["mma", "wgmma", "wgmma128", "wgmma_ws", "wgmma64"]
 
 
 def impl_or_skip(dev, impl: str) -> None:
@@ -177,7 +177,7 @@ def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str, 
         if case == "cold_experts":
             assert not counts[E // 2:].any(), label
         tiles = got["tiles"]
-        want_tiles = tile_list(counts)
+        want_tiles = tile_list(counts, s.moe.tile_rows(P, E))
         assert tiles[0] == len(want_tiles), label
         assert np.array_equal(tiles[4:4 + 4 * len(want_tiles)].reshape(-1, 4)[:, :3], want_tiles), label
         # the products, pair by pair
@@ -247,6 +247,31 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> No
     big = s.run(1000, hb, lg, y_dtype="bfloat16")  # the bf16 slots of prefill steps, likewise
     small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]), y_dtype="bfloat16")
     assert np.array_equal(big["yt"][:7, :s.k].view(np.uint32), small["yt"][:7, :s.k].view(np.uint32))
+
+
+def test_auto_gives_small_and_large_steps_the_same_bits(dev) -> None:
+    """impl "auto": a small step runs the 64-row tiles (wgmma64), a large one AUTO_IMPL's 128-row tiles; a token's
+    slots have the same bits in both (batch invariance across the switch), and equal the explicit builds'."""
+    from hybrid_runtime.cuda.moe_prefill import SMALL_BM, MoEPrefill
+
+    impl_or_skip(dev, "wgmma64")
+    s = Setup(dev, "bfloat16", "small", n_max=1000, impl="wgmma_ws")
+    s.moe = MoEPrefill(dev, "bfloat16")
+    assert s.moe.small is not None
+    assert s.moe.tile_rows(7 * s.k, s.E) == SMALL_BM and s.moe.tile_rows(1000 * s.k, s.E) == 128
+    rng = np.random.default_rng(6)
+    hb = host_bits(rng.standard_normal((1000, s.H)).astype(np.float32), "bfloat16")
+    lg = logits_for(rng, 1000, s.E, s.ld, "spread")
+    big = s.run(1000, hb, lg)
+    small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
+    assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
+    big_t = s.run(1000, hb, lg, y_dtype="bfloat16")
+    small_t = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]), y_dtype="bfloat16")
+    assert np.array_equal(big_t["yt"][:7, :s.k].view(np.uint16), small_t["yt"][:7, :s.k].view(np.uint16))
+    s64 = Setup(dev, "bfloat16", "small", n_max=1000, impl="wgmma64")
+    assert np.array_equal(s64.run(1000, hb, lg)["y"][:1000, :s.k].view(np.uint32),
+                          big["y"][:1000, :s.k].view(np.uint32))
+    print("\nauto: 7 tokens (64-row tiles) == 1000 tokens (128-row tiles) bit for bit; wgmma64 == wgmma_ws on 1000")
 
 
 @pytest.mark.parametrize("other", ["wgmma", "wgmma_ws"])

@@ -30,6 +30,7 @@ from hybrid_runtime.cuda.moe_prefill import (
     AUTO_IMPL,
     GEMM_BM,
     IMPLS,
+    SMALL_BM,
     WGMMA_ARCH,
     WGMMA_VARIANTS,
     MoEPrefill,
@@ -59,7 +60,11 @@ def test_moe_wgmma_compiles_for_sm90a_without_spills(impl: str, dt: int) -> None
 
 def test_variant_constants_match_the_source() -> None:
     d = cu_defines()
-    assert d["WG_BM"] == GEMM_BM and d["WG_BK"] == 64 and d["WG_THREADS"] == 256
+    assert d["WG_BM"] == GEMM_BM and d["WG_BK"] == 64  # WG_THREADS = 2 * WG_BM (one warpgroup per 64 rows)
+    w64 = WGMMA_VARIANTS["wgmma64"]
+    assert (w64.bm, w64.bn, w64.threads) == (SMALL_BM, 256, 2 * SMALL_BM) and "-DWG_BM=64" in w64.options
+    assert w64.smem == 4 * (64 + 256) * 128 + 1024 and w64.takes(2048, 512) and not w64.takes(128, 128)
+    assert "-DWG_BM=64" not in WGMMA_VARIANTS["wgmma"].options  # the default build's options are unchanged
     assert (d["WG_BN"], d["WG_STAGES"], d["WG_INFLIGHT"]) == (256, 4, 1)  # the defaults == "wgmma"
     w = WGMMA_VARIANTS["wgmma"]
     assert (w.bn, w.stages, w.inflight) == (256, 4, 1) and w.smem == 4 * (128 + 256) * 128 + 1024
@@ -138,9 +143,9 @@ def test_ring_never_overwrites_a_stage_in_use(stages: int, inflight: int, kt_cou
     assert sorted(x[1] for x in ev if x[0] == "done") == list(range(kt_count - inflight))
 
 
-@pytest.mark.parametrize("bn", [256, 128])
-@pytest.mark.parametrize("rows", [1, 64, 100, 128])
-def test_wgmma_cta_model_matches_numpy(bn: int, rows: int) -> None:
+@pytest.mark.parametrize("bn,bm", [(256, 128), (128, 128), (256, 64)])
+@pytest.mark.parametrize("rows", [1, 63, 64, 100, 128])
+def test_wgmma_cta_model_matches_numpy(bn: int, bm: int, rows: int) -> None:
     """One CTA of each GEMM (gate_up K = 256: 4 k tiles; down K = 128) == numpy on the same gathered rows."""
     rng = np.random.default_rng(rows + bn)
     H, I, kk, ny, E, n = 256, 128, 4, 5, 3, 64
@@ -152,10 +157,12 @@ def test_wgmma_cta_model_matches_numpy(bn: int, rows: int) -> None:
     pair_list = np.concatenate([rng.integers(0, n * kk, start), pairs, rng.integers(0, n * kk, 3)])
     pair_w = rng.random(n * kk)
     stages = WGMMA_VARIANTS["wgmma" if bn == 256 else "wgmma128"].stages
+    rows = min(rows, bm)  # a tile of the 64-row build holds at most 64 pairs
+    pairs = pairs[:rows]
     act = np.full(n * kk * I, np.nan)
     for bx in range(I // (bn // 2)):
         wgmma_cta_model("gate_up", h.ravel(), ldh, gu.ravel(), H, I, H, kk, ny, (e, start, rows), pair_list, None,
-                        bx, act, bn=bn, stages=stages)
+                        bx, act, bn=bn, stages=stages, bm=bm)
     act = act.reshape(n * kk, I)
     x = h[pairs // kk, :H] @ gu[e].T
     np.testing.assert_allclose(act[pairs], x[:, :I] / (1 + np.exp(-x[:, :I])) * x[:, I:], rtol=1e-10, atol=1e-10)
@@ -164,7 +171,7 @@ def test_wgmma_cta_model_matches_numpy(bn: int, rows: int) -> None:
     y = np.full(n * ny * H, np.nan)
     for bx in range(H // bn):
         wgmma_cta_model("down", a_in.ravel(), I, dn.ravel(), I, I, H, kk, ny, (e, start, rows), pair_list, pair_w,
-                        bx, y, bn=bn, stages=stages)
+                        bx, y, bn=bn, stages=stages, bm=bm)
     y = y.reshape(n, ny, H)
     np.testing.assert_allclose(y[pairs // kk, pairs % kk], pair_w[pairs, None] * (a_in[pairs] @ dn[e].T),
                                rtol=1e-10, atol=1e-10)
@@ -233,6 +240,46 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mp, "load_module", fake_load)
     monkeypatch.setattr(mp, "AUTO_IMPL", "mma")
     assert mp.MoEPrefill(dev, "bfloat16").impl == "mma"  # type: ignore[arg-type]
+
+
+def test_small_steps_take_64_row_tiles_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on compute capability 9.0 loads the 64-row build beside AUTO_IMPL's and cuts steps of fewer than
+    SMALL_TILE_PAIRS pairs per expert into 64-row tiles; "wgmma64" always, every other impl never; a 64-row build
+    that fails to compile leaves auto on 128-row tiles."""
+    import hybrid_runtime.cuda.moe_prefill as mp
+
+    loads: list[tuple[str, ...]] = []
+
+    def fake_load(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
+        loads.append(options)
+        return _FakeModule()
+
+    monkeypatch.setattr(mp, "load_module", fake_load)
+    dev = _FakeDevice((9, 0))
+    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
+    assert m.impl == "wgmma_ws" and m.small == mp.WGMMA_VARIANTS["wgmma64"]
+    assert any("-DWG_BM=64" in o for o in loads)
+    E = 256
+    assert m.tile_rows(1024 * 8, E) == 64 and m.tile_rows(mp.SMALL_TILE_PAIRS * E - 1, E) == 64
+    assert m.tile_rows(mp.SMALL_TILE_PAIRS * E, E) == 128 and m.tile_rows(8192 * 8, E) == 128
+    for impl in ("wgmma", "wgmma_ws", "wgmma128", "mma"):
+        other = mp.MoEPrefill(dev, "bfloat16", impl=impl)  # type: ignore[arg-type]
+        assert other.small is None and other.tile_rows(8, E) == 128, impl
+    w64 = mp.MoEPrefill(dev, "bfloat16", impl="wgmma64")  # type: ignore[arg-type]
+    assert w64.impl == "wgmma64" and w64.tile_rows(8192 * 8, E) == 64 and w64.gemm_impl(2048, 512) == "wgmma64"
+    assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").tile_rows(8, E) == 128  # type: ignore[arg-type]
+    # the tile-list buffer holds the 64-row build's tile count for any step
+    assert mp.tile_list_words(8192 * 8, E) == 4 + 4 * mp.max_tiles(8192 * 8, E, 64) >= 4 + 4 * mp.max_tiles(
+        8192 * 8, E)
+
+    def no_small(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
+        if "-DWG_BM=64" in options:
+            raise RuntimeError("no 64-row build today")
+        return _FakeModule()
+
+    monkeypatch.setattr(mp, "load_module", no_small)
+    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
+    assert m.impl == "wgmma_ws" and m.small is None and m.tile_rows(8, E) == 128
 
 
 def test_ws_persistent_items_cover_every_tile_and_column_block_once() -> None:

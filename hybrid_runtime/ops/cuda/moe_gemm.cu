@@ -16,9 +16,10 @@
 //   pair_w[p], pair_e[p]               p = t * kk + slot, kk = k + fold_shared
 //   expert_off[e] .. expert_off[e+1]   the slice of pair_list holding expert e's pairs (ascending p here)
 //   active[0 .. n_active-1]            experts with at least one pair, ascending; active[E_all] = n_active
-// plus the tile list of the grouped GEMMs (GEMM_BM rows per tile):
-//   tiles[0] = the tile count; tile j at tiles[4 + 4j ..]: (expert, first slot in pair_list, rows 1..GEMM_BM)
-//   expert e contributes ceil(count_e / GEMM_BM) tiles, experts ascending, an expert's tiles in slot order.
+// plus the tile list of the grouped GEMMs (bm rows per tile, moe_group's argument: GEMM_BM = 128, or 64 for
+// moe_wgmma.cu's 64-row build; every GEMM kernel takes tiles of up to 128 rows):
+//   tiles[0] = the tile count; tile j at tiles[4 + 4j ..]: (expert, first slot in pair_list, rows 1..bm)
+//   expert e contributes ceil(count_e / bm) tiles, experts ascending, an expert's tiles in slot order.
 // Routing works in chunks of `chunk` tokens, one CTA per chunk (ncta = ceil(n / chunk) <= the host's cap):
 //   moe_topk  (grid ncta, 1024 threads): per token (one warp) softmax + top-k exactly as moe_route, and the
 //             CTA's per-expert pair counts -> cta_counts [ncta, E_all] (no atomics in global memory)
@@ -123,11 +124,12 @@ __device__ __forceinline__ int block_scan_excl(int v, int* scratch, int* total) 
 }
 
 // grid (ncta), block 1024 (thread e = expert e). After moe_topk: offsets, active list, tile list (CTA 0) and
-// pair_list (every CTA its own chunk's pairs). `max_tiles`: the tile list's capacity (the GEMM grids' bound).
+// pair_list (every CTA its own chunk's pairs). `max_tiles`: the tile list's capacity (the GEMM grids' bound);
+// `bm`: rows per tile, 1 .. GEMM_BM.
 extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
     moe_group(const int* __restrict__ pair_e, int n, int kk, int E_all, int chunk, int ncta,
               const int* __restrict__ cta_counts, int* __restrict__ expert_off, int* __restrict__ pair_list,
-              int* __restrict__ active, int* __restrict__ tiles, int max_tiles) {
+              int* __restrict__ active, int* __restrict__ tiles, int max_tiles, int bm) {
   pdl_enter();
   __shared__ int cursor[1024];
   __shared__ int scratch[33];
@@ -146,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
   const int off = block_scan_excl(total, scratch, &all);
   const int f = total > 0 ? 1 : 0;
   const int act_pos = block_scan_excl(f, scratch, &n_active);
-  const int nt = (total + GEMM_BM - 1) / GEMM_BM;
+  const int nt = (total + bm - 1) / bm;
   const int tile0 = block_scan_excl(nt, scratch, &n_tiles);
   if (c == 0) {
     if (tid < E_all) {
@@ -154,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
       if (f) active[act_pos] = tid;
       for (int j = 0; j < nt && tile0 + j < max_tiles; ++j) {
         int4* tp = (int4*)(tiles + 4 + 4 * (size_t)(tile0 + j));
-        *tp = make_int4(tid, off + j * GEMM_BM, min(GEMM_BM, total - j * GEMM_BM), 0);
+        *tp = make_int4(tid, off + j * bm, min(bm, total - j * bm), 0);
       }
     }
     if (tid == 0) {

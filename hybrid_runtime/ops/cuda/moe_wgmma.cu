@@ -8,6 +8,10 @@
 // CTA (x, tile): WG_BM = 128 rows (the tile's pairs, gathered) x WG_BN weight rows (256, or 128 with -DWG_BN=128),
 // 256 threads = two warpgroups; warpgroup w computes rows [64 w, 64 w + 64) x all WG_BN columns with wgmma
 // m64nWG_BNk16 (A and B both from shared memory, float32 accumulators: WG_BN / 2 registers a thread).
+// -DWG_BM=64: tiles of up to 64 rows (moe_group's bm 64), one warpgroup (128 threads) per CTA: steps with few
+// pairs per expert waste half as many MMA rows on their experts' last, partly filled tiles (1024 tokens of the
+// 35B-A3B shape: ~32 pairs per expert, 4x the rows computed with 128-row tiles, 2x with 64). A row goes through
+// the same m64nWG_BNk16 instructions in the same k order as in the 128-row build: the same bits.
 //   gate_up: B rows [0, BN/2) = gate rows [x*BN/2, +BN/2) of expert e, rows [BN/2, BN) = its up rows
 //            [I + x*BN/2, +BN/2);  act[p, x*BN/2 + c] = silu(acc[:, c]) * acc[:, BN/2 + c]   (thread-local)
 //   down:    B rows = w_d[e] rows [x*BN, +BN);  y[t, slot, x*BN + c] = pair_w[p] * acc[:, c]  (float32)
@@ -46,7 +50,12 @@ typedef unsigned long long u64;
 #endif
 typedef u16 T;
 
-#define WG_BM 128  // rows per tile: moe_gemm.cu's GEMM_BM (the tile list's)
+#ifndef WG_BM
+#define WG_BM 128  // rows per tile: 128, or 64 (one warpgroup) for tile lists of 64-row tiles (moe_group's bm)
+#endif
+#if WG_BM != 128 && WG_BM != 64
+#error "WG_BM must be 128 or 64"
+#endif
 #ifndef WG_BN
 #define WG_BN 256  // weight rows per CTA: 256 or 128
 #endif
@@ -69,7 +78,8 @@ typedef u16 T;
 #define WG_ACC (WG_BN / 2)  // accumulator registers a thread (64 x WG_BN float32 over 128 threads)
 #define WG_MINB (WG_BN == 256 ? 1 : 2)  // CTAs per SM (__launch_bounds__)
 #define WG_BK 64   // k per stage: one 128-byte swizzle row
-#define WG_THREADS 256
+#define WG_THREADS (2 * WG_BM)  // one warpgroup per 64 rows
+#define WG_RPP (WG_THREADS / 8)  // rows one copy pass covers (8 threads x 16 bytes per 128-byte row)
 #define WG_ROWB (WG_BK * 2)
 #define WG_A_BYTES (WG_BM * WG_ROWB)
 #define WG_B_BYTES (WG_BN * WG_ROWB)
@@ -199,7 +209,8 @@ __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long lo
   }
   __syncthreads();
 
-  // Copies: this thread's 16-byte chunk ch of rows r0 + 32 i (A: i < 4, B: i < 8) of each stage.
+  // Copies: this thread's 16-byte chunk ch of rows r0 + WG_RPP i (A: i < WG_BM / WG_RPP = 4, B: i < WG_BN / WG_RPP)
+  // of each stage.
   const int ch = tid & 7, r0 = tid >> 3;
   const T* Wb;
   size_t up_jump = 0;  // gate_up: extra weight rows from staged row 128 on (the up rows)
@@ -216,15 +227,15 @@ __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long lo
     const u32 sA = sbase + stage * WG_STAGE_BYTES, sB = sA + WG_A_BYTES;
     const int k0 = kt * WG_BK;
 #pragma unroll
-    for (int i = 0; i < WG_BM / 32; ++i) {
-      const int row = r0 + 32 * i;
+    for (int i = 0; i < WG_BM / WG_RPP; ++i) {
+      const int row = r0 + WG_RPP * i;
       const long long src = s_src[row];
       cp_async16(sA + wg_off(row, ch), A + (src < 0 ? 0 : src) + k0 + ch * 8, src < 0 ? 0 : 16);
     }
 #pragma unroll
-    for (int i = 0; i < WG_BN / 32; ++i) {
-      const int row = r0 + 32 * i;
-      const T* src = Wb + (size_t)(32 * i) * K + (i >= WG_BN / 64 ? up_jump : 0) + k0;
+    for (int i = 0; i < WG_BN / WG_RPP; ++i) {
+      const int row = r0 + WG_RPP * i;
+      const T* src = Wb + (size_t)(WG_RPP * i) * K + (WG_RPP * i >= WG_BN / 2 ? up_jump : 0) + k0;
       cp_async16(sB + wg_off(row, ch), src, 16);
     }
   };
@@ -287,14 +298,14 @@ __device__ __forceinline__ void wg_grouped_gemm(const T* __restrict__ A, long lo
   }
 }
 
-// grid (I / (WG_BN / 2), max_tiles), block 256, dynamic smem WG_SMEM. h [n, ldh] T; w_gu [E_all, 2I, H]; act [pairs, I].
+// grid (I / (WG_BN / 2), max_tiles), block WG_THREADS, dynamic smem WG_SMEM. h [n, ldh] T; w_gu [E_all, 2I, H]; act [pairs, I].
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB)
     moe_wgmma_gate_up(const T* __restrict__ h, long long ldh, const T* __restrict__ w_gu, int H, int I, int kk,
                       const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
   wg_grouped_gemm<MODE_GATE_UP, float>(h, ldh, w_gu, H, I, kk, 0, H, tiles, pair_list, nullptr, act, nullptr);
 }
 
-// grid (H / WG_BN, max_tiles), block 256, dynamic smem WG_SMEM. act [pairs, I] T; w_d [E_all, H, I];
+// grid (H / WG_BN, max_tiles), block WG_THREADS, dynamic smem WG_SMEM. act [pairs, I] T; w_d [E_all, H, I];
 // y [n, ny, H] float32 (ny >= kk; moe_*_down_t below: in T).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB)
     moe_wgmma_down(const T* __restrict__ act, const T* __restrict__ w_d, const float* __restrict__ pair_w, int H,
