@@ -367,3 +367,22 @@ def test_register_builds_drop_the_t_tile_and_keep_the_order() -> None:
     assert {"reg", "reg_many"} <= set(regs)
     for name in regs:
         assert "-DMN_REG=1" in KNOB_SETS[name].options("float16", 8), name
+
+
+def test_warm_cache_compiles_into_the_disk_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.warm_cache (the GPU test's parallel warm-up): each distinct job compiled once, in worker processes,
+    into the disk cache; compile_cubin then reads those files (they are not rewritten)."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda import kernels
+
+    monkeypatch.setenv("HYBRID_LLM_CACHE", str(tmp_path))
+    jobs = [(SOURCE, KNOB_SETS[name].options("bfloat16", 4), "sm_90") for name in ("default", "reg")]
+    assert kernels.warm_cache([*jobs, jobs[0]], workers=2) == 2
+    files = sorted(tmp_path.glob("*.cubin"))
+    assert len(files) == 2
+    before = {p: p.stat().st_ino for p in files}
+    monkeypatch.setattr(kernels, "_cubins", {})
+    got = [kernels.compile_cubin(kernels.source(name), name, opts, arch) for name, opts, arch in jobs]
+    assert sorted(got) == sorted(p.read_bytes() for p in files)
+    assert {p: p.stat().st_ino for p in files} == before  # read, not compiled and replaced
+    assert kernels.warm_cache([]) == 0
