@@ -50,8 +50,9 @@ class NBitsKnobs:
     """One build of ``moe_nbits_decode.cu``: moe_decode's knobs without its early / prefetch / dn_pre variants.
     ``gu_cols`` act columns per gate_up CTA; ``dn_rows`` y rows per down CTA; ``gu_stages`` / ``dn_stages`` ring
     depths; ``bk`` k per stage; ``gmax`` groups of 8 pairs per pass; ``warps``; ``reg`` 0: dequantise each staged k
-    tile into a T tile in shared memory, 1: into the lanes' mma A fragments in registers (``-DMN_REG=1``). Only
-    ``bk`` and ``warps`` enter a result's accumulation order."""
+    tile into a T tile in shared memory, 1: into the lanes' mma A fragments in registers (``-DMN_REG=1``); ``early``
+    1 (reg builds only): the first pass's prologue weight copies and (scale, zero) loads go out as soon as the expert
+    is known, before the pair lists are read. Only ``bk`` and ``warps`` enter a result's accumulation order."""
 
     gu_cols: int = 16
     gu_stages: int = 6
@@ -61,10 +62,12 @@ class NBitsKnobs:
     gmax: int = 4
     warps: int = 4
     reg: int = 0
+    early: int = 0
 
     def __post_init__(self) -> None:
-        if self.reg not in (0, 1):
-            raise ValueError(f"moe_nbits_decode knobs: reg {self.reg} not 0 / 1")
+        if self.reg not in (0, 1) or self.early not in (0, 1) or self.early > self.reg:
+            raise ValueError(f"moe_nbits_decode knobs: reg {self.reg} / early {self.early} not 0 / 1, or early "
+                             "without reg")
         self.decode_knobs()  # the same rules (ValueError naming the knob)
 
     @property
@@ -74,14 +77,14 @@ class NBitsKnobs:
     def decode_knobs(self) -> DecodeKnobs:
         """moe_decode's build with the same tiles: the same bits on the dequantised weights."""
         d = asdict(self)
-        del d["reg"]
+        del d["reg"], d["early"]
         return DecodeKnobs(**d)
 
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
         return (f"-DDT={DT_CODES[dtype]}", f"-DMN_BITS={bits}", f"-DMD_GU_COLS={self.gu_cols}",
                 f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}", f"-DMD_DN_STAGES={self.dn_stages}",
                 f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}") + (
-                    ("-DMN_REG=1",) if self.reg else ())
+                    ("-DMN_REG=1",) if self.reg else ()) + (("-DMN_EARLY=1",) if self.early else ())
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -101,10 +104,11 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     # 32 act columns per gate_up CTA, as moe_decode's "many" (steps of many tokens)
     "many": NBitsKnobs(gu_cols=32, gu_stages=4),
     # dequantisation in registers (reg 1): no T tile, so deeper rings for the same shared memory (down's K = I = 512
-    # is 4 k tiles: 5 stages hold all of them in flight)
-    "reg": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1),
-    "reg_fine": NBitsKnobs(gu_cols=8, gu_stages=10, dn_rows=32, dn_stages=5, reg=1),
-    "reg_many": NBitsKnobs(gu_cols=32, gu_stages=6, reg=1),
+    # is 4 k tiles: 5 stages hold all of them in flight); early: weights and scales requested before the pair lists
+    "reg": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, early=1),
+    "reg_late": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1),  # "reg" without early (what early alone is worth)
+    "reg_fine": NBitsKnobs(gu_cols=8, gu_stages=10, dn_rows=32, dn_stages=5, reg=1, early=1),
+    "reg_many": NBitsKnobs(gu_cols=32, gu_stages=6, reg=1, early=1),
 }
 # The builds CudaBackend(packed_experts=True) runs: (steps of <= 16 rows, steps of more). All builds give the same
 # bits, so this is a speed choice only: switch to ("reg", "reg_many") once the benchmark on the device says so.

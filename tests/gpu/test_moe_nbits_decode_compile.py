@@ -355,16 +355,20 @@ def test_register_path_reads_are_bank_conflict_free(bits: int, bk: int) -> None:
 
 
 def test_register_builds_drop_the_t_tile_and_keep_the_order() -> None:
-    """reg 1 options and shared memory: no T tile (rows x bk x 2 fewer bytes), the ring and table unchanged; every reg
-    build of KNOB_SETS splits K as the default (the same bits) and compiles with -DMN_REG=1."""
+    """reg 1 options and shared memory: no T tile (rows x bk x 2 fewer bytes), the ring and table unchanged; early
+    only with reg; every reg build of KNOB_SETS splits K as the default (the same bits) and compiles with
+    -DMN_REG=1."""
     kn = _reg(DEFAULT_KNOBS)
     assert kn.options("bfloat16", 4) == (*DEFAULT_KNOBS.options("bfloat16", 4), "-DMN_REG=1")
     assert smem_bytes("gate_up", 1, 4, 64, kn) == smem_bytes("gate_up", 1, 4, 64) - 32 * 256
     assert kn.decode_knobs() == DEFAULT_KNOBS.decode_knobs()
-    with pytest.raises(ValueError, match="reg"):
-        NBitsKnobs(reg=2)
+    for bad in ({"reg": 2}, {"early": 1}, {"reg": 1, "early": 2}):  # early only with reg
+        with pytest.raises(ValueError, match="early"):
+            NBitsKnobs(**bad)
+    assert replace(kn, early=1).options("bfloat16", 8)[-2:] == ("-DMN_REG=1", "-DMN_EARLY=1")
+    assert replace(kn, early=1).decode_knobs() == DEFAULT_KNOBS.decode_knobs()
     regs = [name for name, k in KNOB_SETS.items() if k.reg]
-    assert {"reg", "reg_many"} <= set(regs)
+    assert {"reg", "reg_late", "reg_many"} <= set(regs) and KNOB_SETS["reg"].early and not KNOB_SETS["reg_late"].early
     for name in regs:
         assert "-DMN_REG=1" in KNOB_SETS[name].options("float16", 8), name
 

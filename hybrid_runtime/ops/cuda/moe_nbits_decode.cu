@@ -99,6 +99,19 @@ typedef u16 T;
 #if MN_REG != 0 && MN_REG != 1
 #error "MN_REG must be 0 or 1"
 #endif
+// MN_EARLY 1 (MN_REG builds): the first pass's prologue weight copies and the loads of this thread's first MN_TBR
+// (scale, zero) table entries are issued as soon as the expert is known, before the pair lists are read (moe_decode's
+// MD_EARLY for the weights: the copies join the first commit group). No result changes.
+#ifndef MN_EARLY
+#define MN_EARLY 0
+#endif
+#if MN_EARLY != 0 && MN_EARLY != 1
+#error "MN_EARLY must be 0 or 1"
+#endif
+#if MN_EARLY && !MN_REG
+#error "MN_EARLY needs MN_REG 1"
+#endif
+#define MN_TBR 4  // table entries per thread whose loads MN_REG builds issue together (registers), the rest one by one
 
 #define MD_THREADS (MD_WARPS * 32)
 #define MD_ROWB (MD_BK * 2)                 // bytes of one staged T row (WT and B rows)
@@ -362,6 +375,41 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     }
   };
 #endif
+#if MN_REG
+  // The (scale, 2^23 + zero) table entry i = row * nb + b of the CTA's rows (its value; stored at s_sz[b * RM + row]).
+  auto tbl_load = [&](int i, float& s, u32& z) {
+    const int row = i / nb, b = i - row * nb;
+    const size_t gr = global_row<MODE, RM>(row, e, blockIdx.x, H, I);
+    s = ld_nc_f32(scales + gr * nb + b);
+    z = MN_ZDEF;
+    if (zp != nullptr) {
+      if (MN_BITS == 4)
+        z = (ld_nc_u8(zp + gr * zrow + (b >> 1)) >> (4 * (b & 1))) & 15u;
+      else
+        z = ld_nc_u8(zp + gr * zrow + b);
+    }
+  };
+  auto tbl_store = [&](int i, float s, u32 z) {
+    const int row = i / nb, b = i - row * nb;
+    s_sz[b * RM + row] = make_float2(s, 8388608.f + (float)z);
+  };
+#if MN_EARLY
+  // The first pass's prologue weight copies go out now (their addresses need e alone), uncommitted: committed with
+  // the pass's B rows below, as moe_decode's MD_EARLY.
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < KT) load_w(s, s);
+#endif
+  // This thread's first MN_TBR table entries i = tid + u * MD_THREADS: loads issued together (into registers; with
+  // MN_EARLY before the pair lists are read), stored after the first pass's prologue copies.
+  float tb_s[MN_TBR];
+  u32 tb_z[MN_TBR];
+  if (MN_EARLY) {
+#pragma unroll
+    for (int u = 0; u < MN_TBR; ++u)
+      if (tid + u * MD_THREADS < RM * nb) tbl_load(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+  }
+#endif
   const int p0 = expert_off[e], p1 = expert_off[e + 1];
 
 #pragma unroll 1
@@ -398,15 +446,41 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[mt][g][q] = 0.f;
 
-    // Prologue: stages 0 .. STAGES-2, one commit group each.
+    // Prologue: stages 0 .. STAGES-2, one commit group each. With MN_EARLY the first pass's weights went out above,
+    // uncommitted: they join the first group committed here with every prologue stage's B rows, and STAGES-2 empty
+    // groups follow; the main loop's wait for stage kt (every group but the newest STAGES-2 done) still covers it.
+    const bool early = MN_EARLY && base == p0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < KT) {
-        load_w(s, s);
+        if (!early) load_w(s, s);
         load_b(s, s);
       }
-      cp_commit();
+      if (!early) cp_commit();
     }
+    if (early)
+      for (int s = 0; s < STAGES - 1; ++s) cp_commit();  // the one real group, then STAGES-2 empty ones
+#if MN_REG
+    if (base == p0) {
+      // The table, once per CTA, while the prologue copies are in flight (the main loop's first __syncthreads
+      // publishes it): the first MN_TBR entries of each thread loaded together (MN_EARLY: already in registers),
+      // then stored; any further ones one by one.
+#if !MN_EARLY
+#pragma unroll
+      for (int u = 0; u < MN_TBR; ++u)
+        if (tid + u * MD_THREADS < RM * nb) tbl_load(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+#endif
+#pragma unroll
+      for (int u = 0; u < MN_TBR; ++u)
+        if (tid + u * MD_THREADS < RM * nb) tbl_store(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+      for (int i = tid + MN_TBR * MD_THREADS; i < RM * nb; i += MD_THREADS) {
+        float s;
+        u32 z;
+        tbl_load(i, s, z);
+        tbl_store(i, s, z);
+      }
+    }
+#else
     if (base == p0) {
       // The (scale, 2^23 + zero) table of the CTA's rows, once per CTA, while the prologue copies are in flight;
       // the main loop's first __syncthreads publishes it.
@@ -421,9 +495,10 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
           else
             z = ld_nc_u8(zp + gr * zrow + b);
         }
-        s_sz[MN_REG ? b * RM + row : i] = make_float2(s, 8388608.f + (float)z);
+        s_sz[i] = make_float2(s, 8388608.f + (float)z);
       }
     }
+#endif
 
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
