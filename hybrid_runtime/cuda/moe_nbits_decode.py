@@ -108,7 +108,7 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "reg": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, early=1),
     "reg_late": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1),  # "reg" without early (what early alone is worth)
     "reg_fine": NBitsKnobs(gu_cols=8, gu_stages=10, dn_rows=32, dn_stages=5, reg=1, early=1),
-    "reg_many": NBitsKnobs(gu_cols=32, gu_stages=6, reg=1, early=1),
+    "reg_many": NBitsKnobs(gu_cols=32, gu_stages=4, reg=1, early=1),  # "many" in registers (many tokens)
 }
 # The builds CudaBackend(packed_experts=True) runs: (steps of <= 16 rows, steps of more). All builds give the same
 # bits, so this is a speed choice only: switch to ("reg", "reg_many") once the benchmark on the device says so.
