@@ -169,9 +169,12 @@ def warm_cache(jobs: Sequence[tuple[str, Sequence[str], str]], workers: int | No
     if not todo or _cache_dir() is None:
         return 0
     n = max(1, min(len(todo), workers or os.cpu_count() or 1))
-    with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
-        for f in [ex.submit(_compile_job, j) for j in todo]:
-            f.exception()  # wait; errors surface at load
+    try:
+        with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
+            for f in [ex.submit(_compile_job, j) for j in todo]:
+                f.exception()  # wait; a job's error surfaces at its load
+    except (OSError, RuntimeError):  # no worker processes here (BrokenProcessPool is a RuntimeError): loads compile
+        return 0
     return len(todo)
 
 
