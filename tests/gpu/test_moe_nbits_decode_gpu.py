@@ -397,11 +397,13 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
 
     from hybrid_runtime.config import Manifest
     from hybrid_runtime.cuda import backend as backend_mod
+    from hybrid_runtime.cuda import moe_nbits_decode
     from hybrid_runtime.cuda.backend import CudaBackend
     from hybrid_runtime.runner import ModelRunner
     from tests import gptq_cases as gc
 
-    monkeypatch.setattr(backend_mod, "MOE_NBITS_BUILDS", builds)
+    monkeypatch.setattr(backend_mod, "MOE_NBITS_BUILDS", builds)  # as if BACKEND_BUILDS were ``builds``
+    monkeypatch.setattr(moe_nbits_decode, "BACKEND_BUILDS", builds)  # (weights.packed_layer_experts reads it)
     b = gc.packed_experts_bundle(tmp_path, bits=bits, sym=sym)
     m = Manifest.load(b)
     packed = CudaBackend(b, m, device="cuda", packed_experts=True)
