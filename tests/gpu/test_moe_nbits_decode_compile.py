@@ -390,3 +390,26 @@ def test_warm_cache_compiles_into_the_disk_cache(tmp_path, monkeypatch: pytest.M
     assert sorted(got) == sorted(p.read_bytes() for p in files)
     assert {p: p.stat().st_ino for p in files} == before  # read, not compiled and replaced
     assert kernels.warm_cache([]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(n for n, k in KNOB_SETS.items() if k.reg))
+def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> None:
+    """Where cuobjdump or nvdisasm is installed: the reg builds' SASS has no local-memory load or store (LDL / STL:
+    a spill, or a fragment array indexed at run time), bf16 int4 and int8."""
+    import shutil
+    import subprocess
+
+    nvrtc_or_skip()
+    tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
+    if tool is None:
+        pytest.skip("neither cuobjdump nor nvdisasm on PATH")
+    from hybrid_runtime.cuda.kernels import compile_cubin, source
+
+    for bits in (4, 8):
+        path = tmp_path / f"{name}{bits}.cubin"
+        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, KNOB_SETS[name].options("bfloat16", bits), "sm_90"))
+        args = [tool, "-sass", str(path)] if tool.endswith("cuobjdump") else [tool, str(path)]
+        sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        assert "moe_nb_gate_up" in sass and "moe_nb_down" in sass, sass[:2000]
+        local = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", ln)]
+        assert not local, (name, bits, local[:8])
