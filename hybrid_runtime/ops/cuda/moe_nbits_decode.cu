@@ -4,9 +4,10 @@
 // Self-contained (no CUDA headers): NVRTC compiles it on a CPU.
 //
 // Compiled once per (dtype, bits) with -DDT=<1 float16 | 2 bfloat16> (T) and -DMN_BITS=<4 | 8>; knobs (-D) as
-// moe_decode.cu's: MD_GU_COLS, MD_DN_ROWS, MD_GU_STAGES, MD_DN_STAGES, MD_BK, MD_GMAX, MD_WARPS (no early / L2
-// prefetch / dn_pre variants), and MN_REG (0: the staged tile is dequantised into a T tile in shared memory, the
-// first build; 1: each lane dequantises its own codes straight into its mma A fragments, see "MN_REG 1" below).
+// moe_decode.cu's: MD_GU_COLS, MD_DN_ROWS, MD_GU_STAGES, MD_DN_STAGES, MD_BK, MD_GMAX, MD_WARPS (no L2 prefetch /
+// dn_pre variants), MN_REG (0: the staged tile is dequantised into a T tile in shared memory, the first build; 1:
+// each lane dequantises its own codes straight into its mma A fragments, see "MN_REG 1" below) and MN_EARLY (MN_REG
+// builds: moe_decode's MD_EARLY, plus the scale loads).
 //
 // Weights: w_gu = E_all stacked MatMulNBits weights of [2I rows][K = H] (rows 0..I-1 gate, I..2I-1 up), w_d = E_all
 // of [H rows][K = I]; the same bits and block size bs for all experts of a launch, K % bs == 0, no act order:
@@ -43,8 +44,8 @@
 // ring keeps STAGES - 1 packed k tiles in flight per CTA (4x / 2x fewer bytes a stage than bf16: the builds give it
 // more stages).
 //
-// Results: WT (MN_REG 0) / the A fragments (MN_REG 1) hold exactly the T weights of moe_decode's staged tile had the weights been dequantised at load, the
-// k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y element has moe_decode's bits on the
+// Results: WT (MN_REG 0) / the A fragments (MN_REG 1) hold exactly the T weights of moe_decode's staged tile had the
+// weights been dequantised at load, the k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y element has moe_decode's bits on the
 // dequantised weights for the same MD_BK and MD_WARPS (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for
 // bit), and moe_decode's batch-invariance argument holds unchanged (the accumulation order depends on K, MD_BK and
 // MD_WARPS only).
