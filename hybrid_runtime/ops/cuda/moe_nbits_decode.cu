@@ -46,9 +46,9 @@
 //
 // Results: WT (MN_REG 0) / the A fragments (MN_REG 1) hold exactly the T weights of moe_decode's staged tile had the
 // weights been dequantised at load, the k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y
-// element has moe_decode's bits on the dequantised weights for the same MD_BK and MD_WARPS (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for
-// bit), and moe_decode's batch-invariance argument holds unchanged (the accumulation order depends on K, MD_BK and
-// MD_WARPS only).
+// element has moe_decode's bits on the dequantised weights for the same MD_BK and MD_WARPS
+// (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for bit), and moe_decode's batch-invariance argument holds
+// unchanged (the accumulation order depends on K, MD_BK and MD_WARPS only).
 // Shapes (the host checks): K % 64 == 0 (H and I), bs % 16 == 0, K % bs == 0, I % MD_GU_COLS == 0,
 // H % MD_DN_ROWS == 0, ldh % 8 == 0, 16-byte aligned h / B, 4-byte aligned scales.
 
