@@ -12,7 +12,9 @@ unless ``--asym``), call i on routing i % ROUTINGS and copy i % STACKS, so no ca
 L2. Times: CUDA events around back-to-back calls queued behind a spin kernel (PDL launches, as in the backend),
 median of 3 means of ``--calls`` calls; routing not timed. bf16 runs the backend's build per step size ("dnpre" for
 1 token, "default" up to 16, "many" past that, as ``CudaBackend``), the packed kernels every build of their
-``KNOB_SETS`` (``--knobs``).
+``KNOB_SETS`` (``--knobs``): the T tile in shared memory ("default", "fine", "many") and the A fragments dequantised
+in registers ("reg", "reg_fine", "reg_many"; all builds give the same bits). Every module is compiled first, in
+parallel worker processes (``kernels.warm_cache``).
 """
 
 # ruff: noqa: B023 - every closure below is timed (called) inside the loop iteration that defines it
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -54,10 +57,12 @@ def main() -> int:
 
     from hybrid_runtime.cuda.backend import fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
-    from hybrid_runtime.cuda.kernels import load_module
+    from hybrid_runtime.cuda.kernels import load_module, warm_cache
+    from hybrid_runtime.cuda.moe_decode import DT_CODES, MoEDecode
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS as BF16_KNOBS
-    from hybrid_runtime.cuda.moe_decode import MoEDecode
+    from hybrid_runtime.cuda.moe_decode import SOURCE as BF16_SOURCE
     from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode, NBitsExperts, smem_bytes
+    from hybrid_runtime.cuda.moe_nbits_decode import SOURCE as NB_SOURCE
     from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
 
     torch.cuda.init()
@@ -70,6 +75,13 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     bits_list = [int(b) for b in args.bits.split(",")]
     names = [x for x in args.knobs.split(",") if x] or list(KNOB_SETS)
+    if bad := [x for x in names if x not in KNOB_SETS]:
+        ap.error(f"--knobs {bad}: not in {list(KNOB_SETS)}")
+    t0 = time.perf_counter()
+    warm_cache([(NB_SOURCE, KNOB_SETS[x].options("bfloat16", b), dev.arch) for x in names for b in bits_list]
+               + [(BF16_SOURCE, (f"-DDT={DT_CODES['bfloat16']}", *BF16_KNOBS[bf16_build(n)].options), dev.arch)
+                  for n in tokens])
+    log(f"modules compiled in {time.perf_counter() - t0:.1f} s")
     nb_decs = {name: MoENBitsDecode(dev, "bfloat16", KNOB_SETS[name]) for name in names}
     bf_decs = {b: MoEDecode(dev, "bfloat16", **asdict(BF16_KNOBS[b])) for b in {bf16_build(n) for n in tokens}}
 

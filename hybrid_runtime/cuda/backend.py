@@ -59,6 +59,7 @@ from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
 from .moe_decode import KNOB_SETS as MOE_DECODE_KNOB_SETS
 from .moe_decode import MoEDecode
+from .moe_nbits_decode import BACKEND_BUILDS as MOE_NBITS_BUILDS
 from .moe_nbits_decode import KNOB_SETS as MOE_NBITS_KNOB_SETS
 from .moe_nbits_decode import MoENBitsDecode
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
@@ -305,7 +306,7 @@ class CudaBackend:
         self.moe_mma_decode: MoEDecode | None = None
         self.moe_mma_decode_one: MoEDecode | None = None  # the dn_pre build, for 1-row steps
         self.moe_mma_decode_many: MoEDecode | None = None  # KNOB_SETS["many"], for steps of > 16 rows
-        # the packed-expert decode MoE (packed_experts): default build up to 16 rows, "many" past that (same bits)
+        # the packed-expert decode MoE (packed_experts): MOE_NBITS_BUILDS[0] up to 16 rows, [1] past that (same bits)
         self.moe_nbits: dict[str, MoENBitsDecode] = {}
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
@@ -345,7 +346,7 @@ class CudaBackend:
         self.w = weights
         self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
         if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
-            for build in ("default", "many"):
+            for build in MOE_NBITS_BUILDS:
                 self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
                 for bits in sorted({pk.gate_up.bits for pk in self.w.packed_moe.values()}):  # type: ignore
                     self.moe_nbits[build].module(bits)
@@ -1114,7 +1115,7 @@ class CudaBackend:
                 self._moe_route(n, router, k, fold)
             pk = getattr(self.w, "packed_moe", {}).get(layer)  # (host fakes of the weights have none)
             if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
-                build = "many" if n > FOLD_MAX_TOKENS else "default"
+                build = MOE_NBITS_BUILDS[1] if n > FOLD_MAX_TOKENS else MOE_NBITS_BUILDS[0]
                 if build not in self.moe_nbits:
                     self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
                 self.moe_nbits_calls += 1

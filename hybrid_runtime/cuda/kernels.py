@@ -152,6 +152,32 @@ def compile_cubin(src: str, name: str, options: Sequence[str] = (), arch: str = 
         return cubin
 
 
+def _compile_job(job: tuple[str, tuple[str, ...], str]) -> None:
+    src_name, options, arch = job
+    compile_cubin(source(src_name), src_name, options, arch)
+
+
+def warm_cache(jobs: Sequence[tuple[str, Sequence[str], str]], workers: int | None = None) -> int:
+    """Compile ``(src_name, options, arch)`` jobs (:func:`load_module`'s arguments) into the on-disk cubin cache in
+    parallel worker processes (spawned; one process compiles one program at a time), so that the loads that follow
+    only read files. A warm-up: nothing when there is no writable cache directory or no job; a job that fails is
+    left to the load that needs it (which then raises). Returns the number of jobs run."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    todo = list(dict.fromkeys((name, tuple(opts), arch) for name, opts, arch in jobs))
+    if not todo or _cache_dir() is None:
+        return 0
+    n = max(1, min(len(todo), workers or os.cpu_count() or 1))
+    try:
+        with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
+            for f in [ex.submit(_compile_job, j) for j in todo]:
+                f.exception()  # wait; a job's error surfaces at its load
+    except (OSError, RuntimeError):  # no worker processes here (BrokenProcessPool is a RuntimeError): loads compile
+        return 0
+    return len(todo)
+
+
 def compile_log(src: str, name: str, options: Sequence[str] = (), arch: str = "sm_90") -> str:
     """The NVRTC/ptxas log (registers, spills, shared memory) of a verbose compile."""
     opts = [f"-arch={arch}", "-std=c++17", "-lineinfo", *options, "--ptxas-options=-v"]

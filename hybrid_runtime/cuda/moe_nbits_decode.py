@@ -15,10 +15,12 @@ gate_up: R = 2I (rows 0..I-1 gate, I..2I-1 up), K = H; down: R = H, K = I. :func
 :func:`fuse_rows` build these arrays on the host from per-expert (or per-part) packed weights; the shared expert is
 folded in as expert E like :mod:`.moe_decode`'s.
 
-Each k tile of a CTA's weight rows goes packed through the cp.async ring and is dequantised in shared memory into
-moe_decode's bf16 / fp16 staged tile, ``T((q - z) * s)`` in float32 rounded once (nbits.cu's dequantise-at-load
-weights, bit for bit); moe_decode's mma loop runs on it unchanged. Every act / y element therefore has moe_decode's
-bits on the dequantised weights for the same ``bk`` and ``warps``, and moe_decode's batch invariance carries over.
+Each k tile of a CTA's weight rows goes packed through the cp.async ring. The first builds (``reg`` 0) dequantise it
+in shared memory into moe_decode's bf16 / fp16 staged tile, ``T((q - z) * s)`` in float32 rounded once (nbits.cu's
+dequantise-at-load weights, bit for bit), and run moe_decode's mma loop on it unchanged; the ``reg`` 1 builds
+dequantise each lane's own codes straight into its mma A fragments (the same slots and T values ldmatrix reads from
+that tile; no tile, one barrier per k tile). Every act / y element therefore has moe_decode's bits on the dequantised
+weights for the same ``bk`` and ``warps``, whichever ``reg``, and moe_decode's batch invariance carries over.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ SHAPE_RULES = ("bfloat16 or float16; bits 4 or 8, the same for gate_up and down;
 class NBitsKnobs:
     """One build of ``moe_nbits_decode.cu``: moe_decode's knobs without its early / prefetch / dn_pre variants.
     ``gu_cols`` act columns per gate_up CTA; ``dn_rows`` y rows per down CTA; ``gu_stages`` / ``dn_stages`` ring
-    depths; ``bk`` k per stage; ``gmax`` groups of 8 pairs per pass; ``warps``. Only ``bk`` and ``warps`` enter a
-    result's accumulation order."""
+    depths; ``bk`` k per stage; ``gmax`` groups of 8 pairs per pass; ``warps``; ``reg`` 0: dequantise each staged k
+    tile into a T tile in shared memory, 1: into the lanes' mma A fragments in registers (``-DMN_REG=1``); ``early``
+    1 (reg builds only): the first pass's prologue weight copies and (scale, zero) loads go out as soon as the expert
+    is known, before the pair lists are read. Only ``bk`` and ``warps`` enter a result's accumulation order."""
 
     gu_cols: int = 16
     gu_stages: int = 6
@@ -57,9 +61,14 @@ class NBitsKnobs:
     bk: int = 128
     gmax: int = 4
     warps: int = 4
+    reg: int = 0
+    early: int = 0
 
     def __post_init__(self) -> None:
-        DecodeKnobs(**asdict(self))  # the same rules (ValueError naming the knob)
+        if self.reg not in (0, 1) or self.early not in (0, 1) or self.early > self.reg:
+            raise ValueError(f"moe_nbits_decode knobs: reg {self.reg} / early {self.early} not 0 / 1, or early "
+                             "without reg")
+        self.decode_knobs()  # the same rules (ValueError naming the knob)
 
     @property
     def threads(self) -> int:
@@ -67,12 +76,15 @@ class NBitsKnobs:
 
     def decode_knobs(self) -> DecodeKnobs:
         """moe_decode's build with the same tiles: the same bits on the dequantised weights."""
-        return DecodeKnobs(**asdict(self))
+        d = asdict(self)
+        del d["reg"], d["early"]
+        return DecodeKnobs(**d)
 
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
         return (f"-DDT={DT_CODES[dtype]}", f"-DMN_BITS={bits}", f"-DMD_GU_COLS={self.gu_cols}",
                 f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}", f"-DMD_DN_STAGES={self.dn_stages}",
-                f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}")
+                f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}") + (
+                    ("-DMN_REG=1",) if self.reg else ()) + (("-DMN_EARLY=1",) if self.early else ())
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -91,7 +103,16 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "fine": NBitsKnobs(gu_cols=8, gu_stages=8, dn_rows=32, dn_stages=6),
     # 32 act columns per gate_up CTA, as moe_decode's "many" (steps of many tokens)
     "many": NBitsKnobs(gu_cols=32, gu_stages=4),
+    # dequantisation in registers (reg 1): no T tile, so deeper rings for the same shared memory (down's K = I = 512
+    # is 4 k tiles: 5 stages hold all of them in flight); early: weights and scales requested before the pair lists
+    "reg": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, early=1),
+    "reg_late": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1),  # "reg" without early (what early alone is worth)
+    "reg_fine": NBitsKnobs(gu_cols=8, gu_stages=10, dn_rows=32, dn_stages=5, reg=1, early=1),
+    "reg_many": NBitsKnobs(gu_cols=32, gu_stages=4, reg=1, early=1),  # "many" in registers (many tokens)
 }
+# The builds CudaBackend(packed_experts=True) runs: (steps of <= 16 rows, steps of more). All builds give the same
+# bits, so this is a speed choice only: switch to ("reg", "reg_many") once the benchmark on the device says so.
+BACKEND_BUILDS: tuple[str, str] = ("default", "many")
 
 
 @dataclass(frozen=True)
@@ -136,12 +157,13 @@ def stage_bytes(kind: str, gcap: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNO
 
 
 def smem_bytes(kind: str, gcap: int, bits: int, n_blocks: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
-    """Dynamic shared memory of one CTA: the dequantised T tile (rows x bk x 2), the (scale, zero) table (rows x
-    n_blocks x 8) and the ring - or the warps' partial sums that reuse it after the last k tile, if larger."""
+    """Dynamic shared memory of one CTA: the dequantised T tile (rows x bk x 2; ``reg`` 0 builds only), the (scale,
+    zero) table (rows x n_blocks x 8) and the ring - or the warps' partial sums that reuse it after the last k tile,
+    if larger."""
     rows = knobs.rows(kind)
     ring = knobs.stages(kind) * stage_bytes(kind, gcap, bits, knobs)
     red = knobs.warps * (rows // 16) * gcap * 32 * 16
-    return rows * knobs.bk * 2 + rows * n_blocks * 8 + max(ring, red)
+    return (0 if knobs.reg else rows * knobs.bk * 2) + rows * n_blocks * 8 + max(ring, red)
 
 
 def grid(kind: str, n: int, kk: int, e_all: int, hidden: int, inter: int,

@@ -80,7 +80,15 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
     folds it) from the bundle's stored weights (``quant.plan_weights``), or why they do not stack: a weight (or a
     part) stored float, act order, mixed bit widths or block sizes, or a shape / dtype the packed decode MoE
     refuses (``moe_nbits_decode.shape_problems``)."""
-    from .moe_nbits_decode import NBitsExperts, as_host_experts, fuse_rows, shape_problems, stack_experts
+    from .moe_nbits_decode import (
+        BACKEND_BUILDS,
+        KNOB_SETS,
+        NBitsExperts,
+        as_host_experts,
+        fuse_rows,
+        shape_problems,
+        stack_experts,
+    )
 
     E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     si = cfg.shared_expert_intermediate_size
@@ -102,7 +110,11 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
     except ValueError as e:
         return str(e)
     ops = [NBitsExperts(256, 256, 0, w.experts, w.rows, w.K, w.bits, w.block_size) for w in (gu, dn)]
-    if bad := shape_problems(dtype, H, inter, ops[0], ops[1], E + int(fold), cfg.num_experts_per_tok + int(fold)):
+    bad: list[str] = []
+    for build in BACKEND_BUILDS:  # every build the backend may launch on it (their shared memory differs)
+        bad += [p for p in shape_problems(dtype, H, inter, ops[0], ops[1], E + int(fold),
+                                          cfg.num_experts_per_tok + int(fold), knobs=KNOB_SETS[build]) if p not in bad]
+    if bad:
         return "; ".join(bad)
     return gu, dn
 

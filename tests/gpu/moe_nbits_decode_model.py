@@ -5,6 +5,9 @@ a stage into the swizzled T tile (8 codes a thread-chunk: nibble / byte order, t
 (q - z) * s rounded once to T). :func:`wt_tiles` returns, per k tile, the T weights the mma loop then reads; the
 rest of the kernel is moe_decode.cu's, modelled by moe_decode_model.py.
 
+:func:`reg_fragments` models the ``reg`` 1 builds lane by lane (the swizzled packed stage, the [block][row] table, each
+lane's A fragment codes and their mma slots).
+
 Not modelled: when copies land (the ring's wait counts are moe_decode's) and the __syncthreads that publish WT."""
 
 from __future__ import annotations
@@ -101,3 +104,96 @@ def wt_tiles(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn: NBi
                 out[row, kt * kn.bk + ch * 8:kt * kn.bk + ch * 8 + 8] = wt[row, ch ^ (row & 7)]
     rows = np.array([_global_row(kind, r, e, bx, H, I, kn) for r in range(rm)])
     return out, rows
+
+
+def pchunk(row: int, ch: int, bits: int, kn: NBitsKnobs) -> int:
+    """mn_pchunk: the physical 16-byte chunk of packed chunk ``ch`` of staged row ``row`` (reg 1: XOR-swizzled by
+    (row / rows per 128 bytes) mod chunks per row; reg 0: unswizzled)."""
+    prowb = kn.bk * bits // 8
+    return ch ^ ((row // (128 // prowb)) & (prowb // 16 - 1)) if kn.reg else ch
+
+
+def reg_fragments(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn: NBitsKnobs, dtype: str
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``reg`` 1 path of CTA (bx, expert e) of ``kind``, lane by lane: the packed chunk copies into a ring stage
+    (swizzled), the (scale, 2^23 + zero) table laid out [block][row], and every warp's A fragments (a_frag) at each
+    of its k16 steps. Returns (weights [RM, K] float32 placed at the logical (row, k) each fragment slot stands for
+    in mma.m16n8k16's A layout (NaN where none did), how many fragment slots wrote each (row, k), global rows [RM])."""
+    rm = kn.rows(kind)
+    K, bits, bs = w.K, w.bits, w.block_size
+    nb = K // bs
+    zrow = (nb + 1) // 2 if bits == 4 else nb
+    prowb = kn.bk * bits // 8
+    pcpr = prowb // 16
+    Bf, Sf = w.B.reshape(-1), w.scales.reshape(-1)
+    Zf = None if w.zp is None else w.zp.reshape(-1)
+    prow = K * bits // 8
+    kt_n = -(-K // kn.bk)
+    tail = K - (kt_n - 1) * kn.bk
+    tail_ch, tail_pch = tail >> 3, tail * bits // 128
+    spw = kn.bk // 16 // kn.warps
+
+    sz = np.full((nb * rm, 2), np.nan, np.float32)  # s_sz[b * RM + row]
+    for i in range(rm * nb):
+        row, b = i // nb, i % nb
+        gr = _global_row(kind, row, e, bx, H, I, kn)
+        if Zf is None:
+            z = 1 << (bits - 1)
+        elif bits == 4:
+            z = (int(Zf[gr * zrow + (b >> 1)]) >> (4 * (b & 1))) & 15
+        else:
+            z = int(Zf[gr * zrow + b])
+        sz[b * rm + row] = (Sf[gr * nb + b], np.float32(8388608.0) + np.float32(z))
+
+    out = np.full((rm, K), np.nan, np.float32)
+    cnt = np.zeros((rm, K), np.int64)
+    for kt in range(kt_n):
+        stage = np.full(rm * prowb, -1, np.int64)
+        nch = tail_pch if kt == kt_n - 1 else pcpr
+        for c in range(rm * pcpr):  # load_w: chunk c = (row c / pcpr, chunk c % pcpr), any thread
+            row, ch = c // pcpr, c % pcpr
+            if ch < nch:
+                dst = row * prowb + pchunk(row, ch, bits, kn) * 16
+                src = _global_row(kind, row, e, bx, H, I, kn) * prow + kt * prowb + ch * 16
+                assert (stage[dst:dst + 16] < 0).all(), "two copies to one stage byte"
+                stage[dst:dst + 16] = Bf[src:src + 16]
+        nsteps = (tail_ch if kt == kt_n - 1 else kn.bk // 8) >> 1
+        for warp in range(kn.warps):
+            for ss in range(spw):
+                ks = warp * spw + ss
+                if ks >= nsteps:
+                    break
+                k16 = kt * kn.bk + ks * 16
+                blk = k16 // bs
+                for lane in range(32):
+                    fg, ft = lane >> 2, lane & 3
+                    for mt in range(rm // 16):
+                        for h in range(2):
+                            row = mt * 16 + fg + 8 * h
+                            s, zf = sz[blk * rm + row]
+                            if bits == 4:
+                                off = row * prowb + (pchunk(row, ks >> 1, bits, kn) << 4) + ((ks & 1) << 3)
+                                byts = stage[off:off + 8]
+                                assert (byts >= 0).all(), "read a stage byte no copy wrote"
+                                wx = int.from_bytes(bytes(byts[:4].astype(np.uint8)), "little")
+                                wy = int.from_bytes(bytes(byts[4:].astype(np.uint8)), "little")
+                                sh = 8 * ft
+                                q = [(wx >> sh) & 15, (wx >> (sh + 4)) & 15, (wy >> sh) & 15, (wy >> (sh + 4)) & 15]
+                            else:
+                                off = row * prowb + (pchunk(row, ks, bits, kn) << 4) + 4 * (ft >> 1)
+                                w0b, w1b = stage[off:off + 4], stage[off + 8:off + 12]
+                                assert (w0b >= 0).all() and (w1b >= 0).all(), "read a stage byte no copy wrote"
+                                w0 = int.from_bytes(bytes(w0b.astype(np.uint8)), "little")
+                                w1 = int.from_bytes(bytes(w1b.astype(np.uint8)), "little")
+                                sh = 16 * (ft & 1)
+                                q = [(w0 >> sh) & 255, (w0 >> (sh + 8)) & 255, (w1 >> sh) & 255,
+                                     (w1 >> (sh + 8)) & 255]
+                            v = np.array([(np.float32(8388608.0 + qq) - zf) * s for qq in q], np.float32)
+                            v = to_f32(host_bits(v, dtype), dtype)
+                            # mma.m16n8k16 A (row-major) slots of lane (g, t): a0 (row g, k 2t, 2t+1), a1 (row g+8,
+                            # same k), a2 (row g, k 2t+8, 2t+9), a3 (row g+8, same k); lower half = lower k
+                            for j, kl in enumerate((2 * ft, 2 * ft + 1, 2 * ft + 8, 2 * ft + 9)):
+                                out[row, k16 + kl] = v[j]
+                                cnt[row, k16 + kl] += 1
+    rows = np.array([_global_row(kind, r, e, bx, H, I, kn) for r in range(rm)])
+    return out, cnt, rows

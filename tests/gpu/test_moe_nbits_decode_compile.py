@@ -5,7 +5,9 @@ mixed bits, shared memory), grids == moe_decode's (so moe_decode_model's coverag
 row) written exactly once), the stacking of per-expert packed weights (zero-points implied where absent, gate and
 up rows fused); and the numpy model of the packed ring stages and their dequantisation into the T tile
 (moe_nbits_decode_model.py) == an independent dequantiser (nbits_decode_model.dequantize_op) rounded as the
-dequantise-at-load path rounds, for int4 / int8, sym / asym, group sizes 32 / 64 / 128 / K, short last k tiles."""
+dequantise-at-load path rounds, for int4 / int8, sym / asym, group sizes 32 / 64 / 128 / K, short last k tiles; the
+same for the ``reg`` 1 builds' A fragments lane by lane (every (row, k) in exactly one fragment slot, with the
+dequantise-at-load T value), and their swizzled packed stages read without shared-memory bank conflicts."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 from gpu_bits import host_bits, to_f32
 from moe_decode_model import coverage, routing
-from moe_nbits_decode_model import wt_tiles
+from moe_nbits_decode_model import pchunk, reg_fragments, wt_tiles
 from nbits_decode_model import dequantize_op, random_packed
 from test_cuda_compile import check_log, nvrtc_or_skip
 
@@ -295,3 +297,119 @@ def _signature_names(src: str, name: str) -> list[str]:
     m = re.search(name + r"\(([^)]*)\)", src)
     assert m
     return [re.split(r"[\s*]+", p.strip())[-1] for p in m.group(1).split(",")]
+
+
+def _reg(kn: NBitsKnobs) -> NBitsKnobs:
+    return replace(kn, reg=1)
+
+
+@pytest.mark.parametrize("case", range(len(WT_CASES)))
+def test_register_fragments_match_an_independent_dequantiser(case: int) -> None:
+    """The reg 1 builds (no T tile): every lane's A fragments, k16 step by k16 step of every warp, cover each (row, k)
+    of the CTA's weight rows exactly once, in the mma.m16n8k16 A slot of that (row, k) - the slot ldmatrix fills in
+    moe_decode's loop, so the MMAs see the very registers of the reg 0 / moe_decode builds - with the dequantise-at-load
+    T value, bit for bit; the cases of the T-tile test (short last k tiles, group 16 / 96 / K, bk 64, 2 warps)."""
+    kind, bits, group, asym, H, inter, kn, dtype = WT_CASES[case]
+    kn = _reg(kn)
+    rng = np.random.default_rng(50 + case)
+    R, K = (2 * inter, H) if kind == "gate_up" else (H, inter)
+    bs = K if group == -1 else group
+    packs = _experts(rng, 2, R, K, bits, bs, asym)
+    parts = [as_host_experts(p) for p in packs]
+    if asym:
+        plain = random_packed(rng, R, K, bits, bs, False, None)
+        packs.append(plain)
+        parts.append(as_host_experts(plain))
+    w = stack_experts(parts)
+    nbx = grid(kind, 1, 1, 1, H, inter, kn)[0]
+    for e in (1, len(packs) - 1):
+        want = _want_t(packs[e], dtype)
+        for bx in range(nbx):
+            got, cnt, rows = reg_fragments(kind, w, e, bx, H, inter, kn, dtype)
+            assert (cnt == 1).all(), (case, e, bx, int(cnt.min()), int(cnt.max()))
+            assert np.array_equal(got, want[rows - e * R]), (case, e, bx)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bk", [64, 128])
+def test_register_path_reads_are_bank_conflict_free(bits: int, bk: int) -> None:
+    """A warp's packed read of one k16 step (reg 1): rows g = 0..7 (+ 8 h + 16 mt) each read 8 (int4) / 2 x 4 (int8)
+    bytes of one 16-byte chunk; with mn_pchunk's swizzle the 8 rows' chunks lie in 8 different 16-byte bank groups
+    (mod 128 bytes) - one shared-memory wavefront a load - and the swizzle keeps each chunk inside its row."""
+    kn = NBitsKnobs(bk=bk, warps=2 if bk == 64 else 4, reg=1)
+    prowb = bk * bits // 8
+    for mt in range(4):
+        for h in range(2):
+            for ks in range(bk // 16):
+                ch = ks >> 1 if bits == 4 else ks
+                groups = set()
+                for g in range(8):
+                    row = mt * 16 + g + 8 * h
+                    pc = pchunk(row, ch, bits, kn)
+                    assert 0 <= pc < prowb // 16
+                    groups.add((row * prowb + pc * 16) % 128 // 16)
+                assert len(groups) == 8, (bits, bk, mt, h, ks, groups)
+    # a permutation of the row's chunks (copies never collide) for every row
+    for row in range(64):
+        assert sorted(pchunk(row, c, bits, kn) for c in range(prowb // 16)) == list(range(prowb // 16))
+
+
+def test_register_builds_drop_the_t_tile_and_keep_the_order() -> None:
+    """reg 1 options and shared memory: no T tile (rows x bk x 2 fewer bytes), the ring and table unchanged; early
+    only with reg; every reg build of KNOB_SETS splits K as the default (the same bits) and compiles with
+    -DMN_REG=1."""
+    kn = _reg(DEFAULT_KNOBS)
+    assert kn.options("bfloat16", 4) == (*DEFAULT_KNOBS.options("bfloat16", 4), "-DMN_REG=1")
+    assert smem_bytes("gate_up", 1, 4, 64, kn) == smem_bytes("gate_up", 1, 4, 64) - 32 * 256
+    assert kn.decode_knobs() == DEFAULT_KNOBS.decode_knobs()
+    for bad in ({"reg": 2}, {"early": 1}, {"reg": 1, "early": 2}):  # early only with reg
+        with pytest.raises(ValueError, match="early"):
+            NBitsKnobs(**bad)
+    assert replace(kn, early=1).options("bfloat16", 8)[-2:] == ("-DMN_REG=1", "-DMN_EARLY=1")
+    assert replace(kn, early=1).decode_knobs() == DEFAULT_KNOBS.decode_knobs()
+    regs = [name for name, k in KNOB_SETS.items() if k.reg]
+    assert {"reg", "reg_late", "reg_many"} <= set(regs) and KNOB_SETS["reg"].early and not KNOB_SETS["reg_late"].early
+    for name in regs:
+        assert "-DMN_REG=1" in KNOB_SETS[name].options("float16", 8), name
+
+
+def test_warm_cache_compiles_into_the_disk_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.warm_cache (the GPU test's parallel warm-up): each distinct job compiled once, in worker processes,
+    into the disk cache; compile_cubin then reads those files (they are not rewritten)."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda import kernels
+
+    monkeypatch.setenv("HYBRID_LLM_CACHE", str(tmp_path))
+    jobs = [(SOURCE, KNOB_SETS[name].options("bfloat16", 4), "sm_90") for name in ("default", "reg")]
+    assert kernels.warm_cache([*jobs, jobs[0]], workers=2) == 2
+    files = sorted(tmp_path.glob("*.cubin"))
+    assert len(files) == 2
+    before = {p: p.stat().st_ino for p in files}
+    monkeypatch.setattr(kernels, "_cubins", {})
+    got = [kernels.compile_cubin(kernels.source(name), name, opts, arch) for name, opts, arch in jobs]
+    assert sorted(got) == sorted(p.read_bytes() for p in files)
+    assert {p: p.stat().st_ino for p in files} == before  # read, not compiled and replaced
+    assert kernels.warm_cache([]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(n for n, k in KNOB_SETS.items() if k.reg))
+def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> None:
+    """Where cuobjdump or nvdisasm is installed: the reg builds' SASS has no local-memory load or store (LDL / STL:
+    a spill, or a fragment array indexed at run time), bf16 int4 and int8."""
+    import shutil
+    import subprocess
+
+    nvrtc_or_skip()
+    tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
+    if tool is None:
+        pytest.skip("neither cuobjdump nor nvdisasm on PATH")
+    from hybrid_runtime.cuda.kernels import compile_cubin, source
+
+    for bits in (4, 8):
+        path = tmp_path / f"{name}{bits}.cubin"
+        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, KNOB_SETS[name].options("bfloat16", bits), "sm_90"))
+        args = [tool, "-sass", str(path)] if tool.endswith("cuobjdump") else [tool, str(path)]
+        sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        assert "moe_nb_gate_up" in sass and "moe_nb_down" in sass, sass[:2000]
+        local = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", ln)]
+        assert not local, (name, bits, local[:8])

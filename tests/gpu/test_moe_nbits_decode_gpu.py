@@ -5,7 +5,8 @@ Random packed experts (independent codes, float16-valued scales, zero-points) of
 top-4), int4 and int8, symmetric and asymmetric, group sizes 32 / 64 / 128 / one block a row; routing as the backend
 routes a step (fused.cu's moe_route up to 16 tokens, moe_topk + moe_group past that); steps of 1, 8, 16 tokens
 (the shared expert folded) and 64 (not folded; one expert taking every token: two passes of 32 pairs), experts
-without pairs (cold half of the experts), one expert with all pairs. Checked, per step:
+without pairs (cold half of the experts), one expert with all pairs. Every case runs each build of :data:`BUILDS`
+(the first shared-memory build and the dequantise-in-registers one); checked, per step and build:
 
 * == dequantise-then-moe_decode: the experts dequantised on the device by the load path (nbits.cu) and run through
   moe_decode.cu's build with the same tiles (``NBitsKnobs.decode_knobs``): within |dy| <= 1e-5 max|y| (the stated
@@ -14,10 +15,12 @@ without pairs (cold half of the experts), one expert with all pairs. Checked, pe
   act rounded to T as stored): per pair |dy| / |y| < 5e-3 and overall < 1e-3 (bf16 / fp16 rounding of act, float32
   accumulation), for steps whose experts the host can afford to dequantise;
 * canaries: nothing written past y[:n, :kk] and act[:n*kk]; every pair's act row written;
-* batch invariance: the first token alone == inside a 16- and a 64-token step, bit for bit.
+* batch invariance: the first token alone == inside a 16- and a 64-token step, bit for bit;
+* the builds agree with each other bit for bit (every build of KNOB_SETS: test_every_knob_set_gives_the_default_bits).
 
-``-s`` prints one line per (shape, variant): the largest |y - ref64| / max|ref64|, |y - moe_decode| and whether
-every step was bit-identical.
+``-s`` prints one line per (shape, variant, build): the largest |y - ref64| / max|ref64|, |y - moe_decode| and
+whether every step was bit-identical. The modules the file loads are compiled first, in parallel worker processes
+(kernels.warm_cache), into the disk cache.
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ SHAPES = {"a35b": (2048, 512, 256, 8), "small": (256, 128, 16, 4)}
 STEPS = [(64, "one_takes_all", False), (16, "spread", True), (16, "one_takes_all", True), (8, "cold_experts", True),
          (8, "spread", False), (1, "spread", True)]
 REF_TOL = 1e-5  # |y - moe_decode(dequantised)| <= REF_TOL * max |y| (the design: 0, checked next)
+# the builds every case runs: the T tile in shared memory (reg 0) and the A fragments in registers (reg 1); the first
+# also against the float64 reference, the others bit for bit against it
+BUILDS = ("default", "reg")
+
+
+def _module_jobs(arch: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """(source, options, arch) of every moe_nbits_decode / moe_decode module this file loads."""
+    from hybrid_runtime.cuda import moe_decode
+    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, SOURCE
+
+    jobs = []
+    for dtype, names in (("bfloat16", list(KNOB_SETS)), ("float16", list(BUILDS))):
+        for name in names:
+            kn = KNOB_SETS[name]
+            jobs += [(SOURCE, kn.options(dtype, bits), arch) for bits in (4, 8)]
+            jobs.append((moe_decode.SOURCE, (f"-DDT={DT[dtype]}", *kn.decode_knobs().options), arch))
+    return jobs
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +64,11 @@ def dev():
 
     torch.cuda.init()
     from hybrid_runtime.cuda.driver import CudaDevice
+    from hybrid_runtime.cuda.kernels import warm_cache
 
-    return CudaDevice(0)
+    d = CudaDevice(0)
+    warm_cache(_module_jobs(d.arch))
+    return d
 
 
 def host_dequant(B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, bits: int, bs: int, K: int
@@ -222,7 +245,10 @@ def kernels(dev, dtype: str, knobs: str = "default"):
 
     if (dtype, knobs) not in _kernels:
         kn = KNOB_SETS[knobs]
-        _kernels[dtype, knobs] = (MoENBitsDecode(dev, dtype, kn), MoEDecode(dev, dtype, **asdict(kn.decode_knobs())))
+        dk = kn.decode_knobs()
+        if (dtype, dk) not in _kernels:
+            _kernels[dtype, dk] = MoEDecode(dev, dtype, **asdict(dk))
+        _kernels[dtype, knobs] = (MoENBitsDecode(dev, dtype, kn), _kernels[dtype, dk])
     return _kernels[dtype, knobs]
 
 
@@ -265,43 +291,58 @@ def _variants(shape: str, bits: int) -> list[tuple[int, bool]]:
 @pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_matches_dequantise_then_moe_decode_and_float64(dev, dtype: str, shape: str, bits: int) -> None:
-    moe, ref = kernels(dev, dtype)
+    builds = {name: kernels(dev, dtype, name) for name in BUILDS}
     r = rig(dev, dtype, shape, bits)
     for vi, (group, asym) in enumerate(_variants(shape, bits)):
         r.variant(group, asym, seed=vi)
         rng = np.random.default_rng(vi)
-        stats: dict = {}
+        stats: dict = {name: {} for name in BUILDS}
         for n, case, fold in STEPS:
             hb = host_bits(rng.standard_normal((n, r.H)).astype(np.float32), dtype)
             lg = logits_for(rng, n, r.E, r.ld, case)
-            got = r.run(moe, ref, n, hb, lg, fold)
             ref64 = shape == "small" or n == 1  # the 35B shape: 9 experts to dequantise on the host
             label = f"{dtype} {shape} int{bits} g{group} {'asym' if asym else 'sym'} n={n} {case} fold={fold}"
-            check_step(r, got, n, hb, lg, fold, label, case, ref64, stats)
-        print(f"\n[moe_nbits] {dtype} {shape} int{bits} g{group} {'asym' if asym else 'sym'}: max|y-ref64|/max|ref64| "
-              f"{stats.get('f64', float('nan')):.2e}, max|y-moe_decode|/max {stats['dec']:.2e}, bit-identical "
-              f"{stats['bits']}")
+            first = None
+            for name, (moe, ref) in builds.items():
+                got = r.run(moe, ref, n, hb, lg, fold)
+                check_step(r, got, n, hb, lg, fold, f"{name}: {label}", case, ref64 and first is None, stats[name])
+                if first is None:
+                    first = got
+                else:  # the float64 check of the first build holds for this one: the same bits
+                    assert got["y"].tobytes() == first["y"].tobytes(), (name, label)
+                    assert got["act"].tobytes() == first["act"].tobytes(), (name, label)
+        for name in BUILDS:
+            st = stats[name]
+            print(f"\n[moe_nbits] {name} {dtype} {shape} int{bits} g{group} {'asym' if asym else 'sym'}: "
+                  f"max|y-ref64|/max|ref64| {stats[BUILDS[0]].get('f64', float('nan')):.2e}, max|y-moe_decode|/max "
+                  f"{st['dec']:.2e}, bit-identical {st['bits']}")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None:
     """Batch invariance on the 35B shape: the first token alone == inside a 16-token step (shared expert folded)
     and a 64-token one (not folded, one expert with every token: two passes), act and y bit for bit."""
-    moe, _ = kernels(dev, "bfloat16")
     r = rig(dev, "bfloat16", "a35b", bits)
     r.variant(128, True, seed=7)
     rng = np.random.default_rng(11)
     hb = host_bits(rng.standard_normal((64, r.H)).astype(np.float32), "bfloat16")
     for n, case, fold in ((16, "spread", True), (64, "one_takes_all", False), (64, "spread", False)):
         lg = logits_for(rng, n, r.E, r.ld, case)
-        big = r.run(moe, None, n, np.ascontiguousarray(hb[:n]), lg, fold)
-        small = r.run(moe, None, 1, np.ascontiguousarray(hb[:1]), np.ascontiguousarray(lg[:1]), fold)
         kk = r.k + int(fold)
-        label = f"int{bits} n={n} {case}"
-        assert np.array_equal(small["pe"][:kk], big["pe"][:kk]), label
-        assert small["y"][:1, :kk].tobytes() == big["y"][:1, :kk].tobytes(), label
-        assert small["act"][:kk].tobytes() == big["act"][:kk].tobytes(), label
-    print(f"\n[moe_nbits] int{bits} batch invariance (1 vs 16 / 64 tokens): bit-identical True")
+        first = None
+        for name in BUILDS:
+            moe, _ = kernels(dev, "bfloat16", name)
+            big = r.run(moe, None, n, np.ascontiguousarray(hb[:n]), lg, fold)
+            small = r.run(moe, None, 1, np.ascontiguousarray(hb[:1]), np.ascontiguousarray(lg[:1]), fold)
+            label = f"{name} int{bits} n={n} {case}"
+            assert np.array_equal(small["pe"][:kk], big["pe"][:kk]), label
+            assert small["y"][:1, :kk].tobytes() == big["y"][:1, :kk].tobytes(), label
+            assert small["act"][:kk].tobytes() == big["act"][:kk].tobytes(), label
+            first = first or big
+            assert big["y"].tobytes() == first["y"].tobytes() and big["act"].tobytes() == first["act"].tobytes(), \
+                label
+    print(f"\n[moe_nbits] int{bits} batch invariance (1 vs 16 / 64 tokens), builds {', '.join(BUILDS)}: bit-identical "
+          "True")
 
 
 def test_every_knob_set_gives_the_default_bits(dev) -> None:
@@ -342,9 +383,12 @@ def test_launch_refuses_what_it_does_not_run(dev) -> None:
             moe.launch(1, 256, 2048, bad_gu, bad_dn, 2048, 512, 9, 9, 257, b)
 
 
-@pytest.mark.parametrize("bits,sym", [(4, False), (8, True)])
-def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, bits: int, sym: bool) -> None:
-    """``CudaBackend(packed_experts=True)`` on a bf16 GPTQ bundle whose MoE layers stack (tests/gptq_cases.py
+@pytest.mark.parametrize("bits,sym,builds", [(4, False, ("default", "many")), (4, False, ("reg", "reg_many")),
+                                             (8, True, ("reg", "reg_many"))])
+def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int,
+                                                                  sym: bool, builds: tuple[str, str]) -> None:
+    """``CudaBackend(packed_experts=True)`` (its ``MOE_NBITS_BUILDS`` set to ``builds``: the shipped pair and the
+    dequantise-in-registers one) on a bf16 GPTQ bundle whose MoE layers stack (tests/gptq_cases.py
     PACKED_EXPERTS: H 128, experts and folded shared expert of I 64) against the same bundle dequantised at load:
     fewer weight bytes; prefill (the layer's experts dequantised into the scratch stack, then the same grouped
     GEMMs) and decode (the packed twin of moe_decode: the same bits) give the same logits BIT FOR BIT, teacher-forced
@@ -352,15 +396,20 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, bits
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
+    from hybrid_runtime.cuda import backend as backend_mod
+    from hybrid_runtime.cuda import moe_nbits_decode
     from hybrid_runtime.cuda.backend import CudaBackend
     from hybrid_runtime.runner import ModelRunner
     from tests import gptq_cases as gc
 
+    monkeypatch.setattr(backend_mod, "MOE_NBITS_BUILDS", builds)  # as if BACKEND_BUILDS were ``builds``
+    monkeypatch.setattr(moe_nbits_decode, "BACKEND_BUILDS", builds)  # (weights.packed_layer_experts reads it)
     b = gc.packed_experts_bundle(tmp_path, bits=bits, sym=sym)
     m = Manifest.load(b)
     packed = CudaBackend(b, m, device="cuda", packed_experts=True)
     plain = CudaBackend(b, m, device="cuda")
     assert packed.w.packed_moe and not plain.w.packed_moe
+    assert set(packed.moe_nbits) == set(builds)
     assert packed.w.nbytes < plain.w.nbytes
     rng = np.random.default_rng(bits)
     lens, slots, decode_steps = [37, 20, 5], [3, 0, 2], 12
@@ -369,7 +418,8 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, bits
     drv = Driver([ModelRunner(b, m, backend=plain), ModelRunner(b, m, backend=packed)], slots, tables, prompts)
     steps = [list(r) for r in drv.prefill(chunk=5)] + [list(drv.decode()) for _ in range(decode_steps)]
     worst = max(float(np.abs(a - c).max()) for a, c in steps)
-    print(f"\n[moe_nbits] backend packed_experts int{bits} {'sym' if sym else 'asym'}: {len(steps)} steps, max |logit "
+    print(f"\n[moe_nbits] backend packed_experts {builds[0]} int{bits} {'sym' if sym else 'asym'}: {len(steps)} steps, "
+          f"max |logit "
           f"diff| {worst:.3e}, weight bytes {packed.w.nbytes} vs {plain.w.nbytes}, packed MoE launches "
           f"{packed.moe_nbits_calls}")
     assert packed.moe_nbits_calls > 0, "no decode step ran the packed-expert kernels"

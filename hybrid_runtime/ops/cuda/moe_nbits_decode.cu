@@ -4,8 +4,10 @@
 // Self-contained (no CUDA headers): NVRTC compiles it on a CPU.
 //
 // Compiled once per (dtype, bits) with -DDT=<1 float16 | 2 bfloat16> (T) and -DMN_BITS=<4 | 8>; knobs (-D) as
-// moe_decode.cu's: MD_GU_COLS, MD_DN_ROWS, MD_GU_STAGES, MD_DN_STAGES, MD_BK, MD_GMAX, MD_WARPS (no early / L2
-// prefetch / dn_pre variants).
+// moe_decode.cu's: MD_GU_COLS, MD_DN_ROWS, MD_GU_STAGES, MD_DN_STAGES, MD_BK, MD_GMAX, MD_WARPS (no L2 prefetch /
+// dn_pre variants), MN_REG (0: the staged tile is dequantised into a T tile in shared memory, the first build; 1:
+// each lane dequantises its own codes straight into its mma A fragments, see "MN_REG 1" below) and MN_EARLY (MN_REG
+// builds: moe_decode's MD_EARLY, plus the scale loads).
 //
 // Weights: w_gu = E_all stacked MatMulNBits weights of [2I rows][K = H] (rows 0..I-1 gate, I..2I-1 up), w_d = E_all
 // of [H rows][K = I]; the same bits and block size bs for all experts of a launch, K % bs == 0, no act order:
@@ -29,11 +31,24 @@
 // once per CTA right after the first pass's prologue copies go out (its latency overlaps them), visible from the
 // main loop's first __syncthreads on.
 //
-// Results: WT holds exactly the T weights of moe_decode's staged tile had the weights been dequantised at load, the
-// k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y element has moe_decode's bits on the
-// dequantised weights for the same MD_BK and MD_WARPS (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for
-// bit), and moe_decode's batch-invariance argument holds unchanged (the accumulation order depends on K, MD_BK and
-// MD_WARPS only).
+// MN_REG 1 (dequantisation in registers): no T tile and one __syncthreads per k tile, as moe_decode's loop. The ring
+// stages hold the packed rows with their 16-byte chunks XOR-swizzled (mn_pchunk: 8 rows' reads of one k16 step hit 8
+// different bank groups). At k16 step ks of a tile, lane (g = lane / 4, t = lane % 4) builds the A fragment of
+// m-tile mt from the packed codes of rows mt * 16 + g (a0, a2) and mt * 16 + g + 8 (a1, a3): a0 / a1 = k 2t, 2t + 1,
+// a2 / a3 = k 2t + 8, 2t + 9 of the step - the very slots and the very T values ldmatrix.x4 gives moe_decode's loop
+// (and MN_REG 0's) from the dequantised tile. int4: the step's 8 bytes of the row (one 8-byte shared load), byte t
+// (codes 2t, 2t + 1, low nibble first) and byte t + 4 (codes 2t + 8, 2t + 9); int8: the step's 16 bytes, bytes 2t,
+// 2t + 1 and 2t + 8, 2t + 9 (two 4-byte loads). Each code -> T((q - z) * s) as dequant8 (the same float32 operations
+// and rounding); the step's (scale, zero) from the table, here laid out [block][row] (8 rows of a warp's load in 8
+// banks). B fragments, MMAs, their order and the warps' sum are moe_decode's: the same bits as MN_REG 0. Depth: the
+// ring keeps STAGES - 1 packed k tiles in flight per CTA (4x / 2x fewer bytes a stage than bf16: the builds give it
+// more stages).
+//
+// Results: WT (MN_REG 0) / the A fragments (MN_REG 1) hold exactly the T weights of moe_decode's staged tile had the
+// weights been dequantised at load, the k16 steps, warps, MMAs and the warps' sum are moe_decode's, so every act / y
+// element has moe_decode's bits on the dequantised weights for the same MD_BK and MD_WARPS
+// (tests/gpu/test_moe_nbits_decode_gpu.py checks it bit for bit), and moe_decode's batch-invariance argument holds
+// unchanged (the accumulation order depends on K, MD_BK and MD_WARPS only).
 // Shapes (the host checks): K % 64 == 0 (H and I), bs % 16 == 0, K % bs == 0, I % MD_GU_COLS == 0,
 // H % MD_DN_ROWS == 0, ldh % 8 == 0, 16-byte aligned h / B, 4-byte aligned scales.
 
@@ -79,6 +94,25 @@ typedef u16 T;
 #ifndef MD_MIN_CTAS
 #define MD_MIN_CTAS 3
 #endif
+#ifndef MN_REG
+#define MN_REG 0
+#endif
+#if MN_REG != 0 && MN_REG != 1
+#error "MN_REG must be 0 or 1"
+#endif
+// MN_EARLY 1 (MN_REG builds): the first pass's prologue weight copies and the loads of this thread's first MN_TBR
+// (scale, zero) table entries are issued as soon as the expert is known, before the pair lists are read (moe_decode's
+// MD_EARLY for the weights: the copies join the first commit group). No result changes.
+#ifndef MN_EARLY
+#define MN_EARLY 0
+#endif
+#if MN_EARLY != 0 && MN_EARLY != 1
+#error "MN_EARLY must be 0 or 1"
+#endif
+#if MN_EARLY && !MN_REG
+#error "MN_EARLY needs MN_REG 1"
+#endif
+#define MN_TBR 4  // table entries per thread whose loads MN_REG builds issue together (registers), the rest one by one
 
 #define MD_THREADS (MD_WARPS * 32)
 #define MD_ROWB (MD_BK * 2)                 // bytes of one staged T row (WT and B rows)
@@ -89,6 +123,7 @@ typedef u16 T;
 #define MN_PCPR (MN_PROWB / 16)             // their 16-byte chunks (4 / 8)
 #define MN_CB (8 * MN_BITS / 8)             // packed bytes of 8 codes (4 / 8)
 #define MN_ZDEF (1u << (MN_BITS - 1))
+#define MN_RPL (128 / MN_PROWB)             // packed rows per 128 bytes (1, 2 or 4)
 
 static_assert(MD_BK == 64 || MD_BK == 128, "MD_BK must be 64 or 128");
 static_assert(MD_SPW >= 1 && (MD_BK / 16) % MD_WARPS == 0, "(MD_BK / 16) must be a multiple of MD_WARPS");
@@ -178,6 +213,17 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], const
 #endif
 }
 
+// Physical 16-byte chunk of packed chunk ch of staged weight row `row`: MN_REG 1 XOR-swizzles it by (row / MN_RPL)
+// mod MN_PCPR, so that rows g = 0..7 of a k16 step's reads sit in 8 different 16-byte bank groups (mod 128 bytes);
+// MN_REG 0 keeps the rows unswizzled (its dequantisation reads whole rows by thread).
+__device__ __forceinline__ int mn_pchunk(int row, int ch) {
+#if MN_REG
+  return ch ^ ((row / MN_RPL) & (MN_PCPR - 1));
+#else
+  return ch;
+#endif
+}
+
 // 8 codes (4-bit: one word, code i at bits 4 i; 8-bit: two words, code i at byte i % 4 of word i / 4) -> 8 T weights
 // (q - z) * s, 4 pairs in k order. zf = 2^23 + z.
 __device__ __forceinline__ uint4 dequant8(u32 w0, u32 w1, float s, float zf) {
@@ -193,6 +239,9 @@ __device__ __forceinline__ uint4 dequant8(u32 w0, u32 w1, float s, float zf) {
   }
   return make_uint4(pack2(v[1], v[0]), pack2(v[3], v[2]), pack2(v[5], v[4]), pack2(v[7], v[6]));
 }
+
+// One code -> (q - z) * s in float32 (zf = 2^23 + z), as dequant8.
+__device__ __forceinline__ float deq1(u32 q, float s, float zf) { return (u2f(0x4B000000u | q) - zf) * s; }
 
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
@@ -232,12 +281,14 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   const int nb = K / bs;     // blocks per row (the host checks K % bs == 0)
   const int zrow = MN_BITS == 4 ? (nb + 1) >> 1 : nb;
   const size_t prow = (size_t)K * MN_BITS / 8;  // packed bytes of a whole row
-  // shared memory: WT [RM][MD_ROWB] | SZ float2 [RM][nb] | ring (STAGES x (RM packed rows, cap B rows)) or the
-  // warps' partial sums after the last k tile (moe_nbits_decode.py smem_bytes)
+  // shared memory: WT [RM][MD_ROWB] (MN_REG 0 only) | SZ float2 [RM][nb] (MN_REG 0) or [nb][RM] (MN_REG 1) | ring
+  // (STAGES x (RM packed rows, cap B rows)) or the warps' partial sums after the last k tile (moe_nbits_decode.py
+  // smem_bytes)
+  constexpr int WT_BYTES = MN_REG ? 0 : RM * MD_ROWB;
   const u32 sbase = smem_u32(mn_smem);
   const u32 sWT = sbase;
-  float2* s_sz = reinterpret_cast<float2*>(mn_smem + RM * MD_ROWB);
-  const u32 ring_off = (u32)(RM * MD_ROWB + RM * nb * 8);
+  float2* s_sz = reinterpret_cast<float2*>(mn_smem + WT_BYTES);
+  const u32 ring_off = (u32)(WT_BYTES + RM * nb * 8);
   const u32 sRing = sbase + ring_off;
   const u32 stage_bytes = (u32)(RM * MN_PROWB + cap * MD_ROWB);
   const int KT = (K + MD_BK - 1) / MD_BK;
@@ -255,7 +306,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     const int c = tid + i * MD_THREADS, row = c / MN_PCPR, ch = c % MN_PCPR;
     const bool ok = c < RM * MN_PCPR;
     psrc[i] = B + (ok ? global_row<MODE, RM>(row, e, blockIdx.x, H, I) * prow : 0) + ch * 16;
-    pdst[i] = (u32)(row * MN_PROWB + ch * 16);
+    pdst[i] = (u32)(row * MN_PROWB + mn_pchunk(row, ch) * 16);
     pch[i] = ok ? ch : MN_PCPR;  // MN_PCPR: never copied
   }
   // k tile kt's packed weight rows into ring slot `slot` (no commit)
@@ -267,6 +318,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     for (int i = 0; i < NPC; ++i)
       if (pch[i] < nch) cp_async16(sP + pdst[i], psrc[i] + b0, 16);
   };
+#if !MN_REG
   // stage kt's packed rows (ring slot `slot`) -> WT: chunk c = tid + i * MD_THREADS is (row c / MD_CPR, 8-code chunk
   // c % MD_CPR), k = kt * MD_BK + 8 (c % MD_CPR), its block k / bs (bs % 16 == 0: the 8 codes share one block)
   auto dequant = [&](int slot, int kt) {
@@ -290,6 +342,75 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
       }
     }
   };
+#else
+  (void)sWT;
+  const int fg = lane >> 2, ft = lane & 3;  // the lane's fragment row (g) and k pair (t)
+  // The lane's A fragment of m-tile mt at k16 step ks of the packed stage sP, block blk (module header, MN_REG 1).
+  auto a_frag = [&](u32(&a)[4], const unsigned char* sP, int mt, int ks, int blk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + fg + 8 * h;
+      const float2 sz = s_sz[blk * RM + row];
+      u32 q0, q1, q2, q3;  // codes k 2t, 2t + 1, 2t + 8, 2t + 9 of the step
+#if MN_BITS == 4
+      // the step's 8 bytes: 16-byte chunk ks / 2, half ks % 2
+      const uint2 w = *reinterpret_cast<const uint2*>(sP + row * MN_PROWB + (mn_pchunk(row, ks >> 1) << 4) +
+                                                      ((ks & 1) << 3));
+      const int sh = 8 * ft;  // byte t (codes 2t, 2t + 1) of w.x; byte t + 4 (codes 2t + 8, 2t + 9) = byte t of w.y
+      q0 = (w.x >> sh) & 15u;
+      q1 = (w.x >> (sh + 4)) & 15u;
+      q2 = (w.y >> sh) & 15u;
+      q3 = (w.y >> (sh + 4)) & 15u;
+#else
+      // the step's 16 bytes: chunk ks; bytes 2t, 2t + 1 in word t / 2, bytes 2t + 8, 2t + 9 in word 2 + t / 2
+      const unsigned char* p = sP + row * MN_PROWB + (mn_pchunk(row, ks) << 4) + 4 * (ft >> 1);
+      const u32 w0 = *reinterpret_cast<const u32*>(p), w1 = *reinterpret_cast<const u32*>(p + 8);
+      const int sh = 16 * (ft & 1);
+      q0 = (w0 >> sh) & 255u;
+      q1 = (w0 >> (sh + 8)) & 255u;
+      q2 = (w1 >> sh) & 255u;
+      q3 = (w1 >> (sh + 8)) & 255u;
+#endif
+      a[h] = pack2(deq1(q1, sz.x, sz.y), deq1(q0, sz.x, sz.y));      // a0 (row g) / a1 (row g + 8): k 2t, 2t + 1
+      a[2 + h] = pack2(deq1(q3, sz.x, sz.y), deq1(q2, sz.x, sz.y));  // a2 / a3: k 2t + 8, 2t + 9
+    }
+  };
+#endif
+#if MN_REG
+  // The (scale, 2^23 + zero) table entry i = row * nb + b of the CTA's rows (its value; stored at s_sz[b * RM + row]).
+  auto tbl_load = [&](int i, float& s, u32& z) {
+    const int row = i / nb, b = i - row * nb;
+    const size_t gr = global_row<MODE, RM>(row, e, blockIdx.x, H, I);
+    s = ld_nc_f32(scales + gr * nb + b);
+    z = MN_ZDEF;
+    if (zp != nullptr) {
+      if (MN_BITS == 4)
+        z = (ld_nc_u8(zp + gr * zrow + (b >> 1)) >> (4 * (b & 1))) & 15u;
+      else
+        z = ld_nc_u8(zp + gr * zrow + b);
+    }
+  };
+  auto tbl_store = [&](int i, float s, u32 z) {
+    const int row = i / nb, b = i - row * nb;
+    s_sz[b * RM + row] = make_float2(s, 8388608.f + (float)z);
+  };
+#if MN_EARLY
+  // The first pass's prologue weight copies go out now (their addresses need e alone), uncommitted: committed with
+  // the pass's B rows below, as moe_decode's MD_EARLY.
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < KT) load_w(s, s);
+#endif
+  // This thread's first MN_TBR table entries i = tid + u * MD_THREADS: loads issued together (into registers; with
+  // MN_EARLY before the pair lists are read), stored after the first pass's prologue copies.
+  float tb_s[MN_TBR];
+  u32 tb_z[MN_TBR];
+  if (MN_EARLY) {
+#pragma unroll
+    for (int u = 0; u < MN_TBR; ++u)
+      if (tid + u * MD_THREADS < RM * nb) tbl_load(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+  }
+#endif
   const int p0 = expert_off[e], p1 = expert_off[e + 1];
 
 #pragma unroll 1
@@ -326,15 +447,41 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[mt][g][q] = 0.f;
 
-    // Prologue: stages 0 .. STAGES-2, one commit group each.
+    // Prologue: stages 0 .. STAGES-2, one commit group each. With MN_EARLY the first pass's weights went out above,
+    // uncommitted: they join the first group committed here with every prologue stage's B rows, and STAGES-2 empty
+    // groups follow; the main loop's wait for stage kt (every group but the newest STAGES-2 done) still covers it.
+    const bool early = MN_EARLY && base == p0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < KT) {
-        load_w(s, s);
+        if (!early) load_w(s, s);
         load_b(s, s);
       }
-      cp_commit();
+      if (!early) cp_commit();
     }
+    if (early)
+      for (int s = 0; s < STAGES - 1; ++s) cp_commit();  // the one real group, then STAGES-2 empty ones
+#if MN_REG
+    if (base == p0) {
+      // The table, once per CTA, while the prologue copies are in flight (the main loop's first __syncthreads
+      // publishes it): the first MN_TBR entries of each thread loaded together (MN_EARLY: already in registers),
+      // then stored; any further ones one by one.
+#if !MN_EARLY
+#pragma unroll
+      for (int u = 0; u < MN_TBR; ++u)
+        if (tid + u * MD_THREADS < RM * nb) tbl_load(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+#endif
+#pragma unroll
+      for (int u = 0; u < MN_TBR; ++u)
+        if (tid + u * MD_THREADS < RM * nb) tbl_store(tid + u * MD_THREADS, tb_s[u], tb_z[u]);
+      for (int i = tid + MN_TBR * MD_THREADS; i < RM * nb; i += MD_THREADS) {
+        float s;
+        u32 z;
+        tbl_load(i, s, z);
+        tbl_store(i, s, z);
+      }
+    }
+#else
     if (base == p0) {
       // The (scale, 2^23 + zero) table of the CTA's rows, once per CTA, while the prologue copies are in flight;
       // the main loop's first __syncthreads publishes it.
@@ -352,6 +499,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
         s_sz[i] = make_float2(s, 8388608.f + (float)z);
       }
     }
+#endif
 
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
@@ -363,8 +511,12 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
         load_b(nk % STAGES, nk);
       }
       cp_commit();  // one group per iteration (possibly empty) keeps the wait count uniform
+#if !MN_REG
       dequant(kt % STAGES, kt);
       __syncthreads();  // WT holds tile kt's T weights
+#else
+      const unsigned char* sP = mn_smem + ring_off + (kt % STAGES) * stage_bytes;
+#endif
       const u32 sB = sRing + (kt % STAGES) * stage_bytes + RM * MN_PROWB;
       const int nsteps = (kt == KT - 1 ? tail_ch : MD_CPR) >> 1;  // k16 steps of this tile
 #pragma unroll
@@ -379,11 +531,20 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
             ldsm_x2(b[g], sB + soff(row, 2 * ks + ((lane >> 3) & 1)));
           }
         }
+#if MN_REG
+        const int k16 = kt * MD_BK + ks * 16;  // bs % 16 == 0: the step lies in one block
+        const int blk = bs_shift >= 0 ? k16 >> bs_shift : k16 / bs;
+#endif
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          u32 a[4];  // A [row][k]: lanes 0-15 rows 0..15 at chunk 2ks, lanes 16-31 at 2ks + 1
+          u32 a[4];
+#if !MN_REG
+          // A [row][k]: lanes 0-15 rows 0..15 at chunk 2ks, lanes 16-31 at 2ks + 1
           const int row = mt * 16 + (lane & 15);
           ldsm_x4(a, sWT + soff(row, 2 * ks + (lane >> 4)));
+#else
+          a_frag(a, sP, mt, ks, blk);
+#endif
 #pragma unroll
           for (int g = 0; g < MD_GMAX; ++g)
             if (g < ng) mma16816(acc[mt][g], a, b[g]);
