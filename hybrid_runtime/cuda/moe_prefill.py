@@ -29,8 +29,8 @@ consumer warpgroups synchronised by mbarriers, the epilogue of one work item und
 ``"wgmma64"`` is ``moe_wgmma.cu`` on tiles of up to 64 rows (one warpgroup, 64 x 256 tiles): ``moe_group`` then
 cuts each expert's pairs into 64-row tiles (its ``bm`` argument), so a step with few pairs per expert computes half
 as many padding rows on its experts' last tiles. ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``,
-and on compute capability 9.0 also loads the 64-row build for steps of fewer than :data:`SMALL_TILE_PAIRS` pairs
-per expert (:meth:`MoEPrefill.tile_rows`); a shape the wgmma tiles do not divide runs ``"mma"``
+and on compute capability 9.0 with :data:`SMALL_TILE_PAIRS` > 0 also loads the 64-row build for steps of fewer
+pairs per expert (:meth:`MoEPrefill.tile_rows`; 0 today: measured no faster where it saves rows); a shape the wgmma tiles do not divide runs ``"mma"``
 (:meth:`MoEPrefill.gemm_impl`). Every build gives a row the same bits (the same m64n256k16 instructions in the same k
 order; the mma build its own), so which one a step takes does not depend on anything but its size. Routing is
 ``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
@@ -60,8 +60,11 @@ AUTO_IMPL = "wgmma_ws"
 WGMMA_WS_SOURCE = "moe_wgmma_ws.cu"
 IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws", "wgmma64")
 # "auto" on compute capability 9.0: steps with fewer pairs per expert (pairs / E_all) than this run 64-row tiles
-# (WGMMA_VARIANTS["wgmma64"]); the others AUTO_IMPL's 128-row tiles (benchmarks/results/gpu_moe_prefill_h200.md).
-SMALL_TILE_PAIRS = 160
+# (WGMMA_VARIANTS["wgmma64"]), the others AUTO_IMPL's 128-row tiles; 0 = never (the 64-row build is not loaded).
+# 0 since measured (benchmarks/results/gpu_moe_prefill_h200.md, stop 33): where the 64-row tiles save MMA rows (<= 1k
+# tokens of the 35B-A3B shape) the step reads every expert's weights and is bound by that read (1-2% faster), and
+# from 2k tokens on the build's halved weight reuse makes it 11-34% slower than wgmma_ws.
+SMALL_TILE_PAIRS = 0
 SMALL_BM = 64  # rows per tile of the 64-row build (moe_group's bm)
 
 
@@ -215,7 +218,7 @@ class MoEPrefill:
                     self.wgmma_module, self.variant = None, None
         self.impl = "mma" if self.variant is None else want
         small = WGMMA_VARIANTS["wgmma64"]
-        if impl == "auto" and self.variant is not None and self.variant.bn == small.bn:
+        if impl == "auto" and SMALL_TILE_PAIRS > 0 and self.variant is not None and self.variant.bn == small.bn:
             try:
                 self.small_module, self.small = self._load_variant(small), small
             except Exception:

@@ -256,6 +256,10 @@ def test_small_steps_take_64_row_tiles_under_auto(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(mp, "load_module", fake_load)
     dev = _FakeDevice((9, 0))
+    if mp.SMALL_TILE_PAIRS == 0:  # switched off: auto never loads the 64-row build
+        assert mp.MoEPrefill(dev, "bfloat16").small is None  # type: ignore[arg-type]
+        assert not any("-DWG_BM=64" in o for o in loads)
+    monkeypatch.setattr(mp, "SMALL_TILE_PAIRS", 160)
     m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
     assert m.impl == "wgmma_ws" and m.small == mp.WGMMA_VARIANTS["wgmma64"]
     assert any("-DWG_BM=64" in o for o in loads)
