@@ -30,9 +30,10 @@ consumer warpgroups synchronised by mbarriers, the epilogue of one work item und
 cuts each expert's pairs into 64-row tiles (its ``bm`` argument), so a step with few pairs per expert computes half
 as many padding rows on its experts' last tiles. ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``,
 and on compute capability 9.0 with :data:`SMALL_TILE_PAIRS` > 0 also loads the 64-row build for steps of fewer
-pairs per expert (:meth:`MoEPrefill.tile_rows`; 0 today: measured no faster where it saves rows); a shape the wgmma tiles do not divide runs ``"mma"``
-(:meth:`MoEPrefill.gemm_impl`). Every build gives a row the same bits (the same m64n256k16 instructions in the same k
-order; the mma build its own), so which one a step takes does not depend on anything but its size. Routing is
+pairs per expert (:meth:`MoEPrefill.tile_rows`; 0 today: measured no faster where it saves rows); a shape the
+wgmma tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Every wgmma build with 256-column tiles
+gives a row the same bits (the same m64n256k16 instructions in the same k order), so which of them a step takes
+does not depend on anything but its size. Routing is
 ``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
 
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes

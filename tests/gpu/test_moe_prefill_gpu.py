@@ -250,7 +250,8 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> No
 
 
 def test_auto_gives_small_and_large_steps_the_same_bits(dev, monkeypatch: pytest.MonkeyPatch) -> None:
-    """impl "auto" with SMALL_TILE_PAIRS 160: a small step runs the 64-row tiles (wgmma64), a large one AUTO_IMPL's 128-row tiles; a token's
+    """impl "auto" with SMALL_TILE_PAIRS 160: a small step runs the 64-row tiles (wgmma64), a large one
+    AUTO_IMPL's 128-row tiles; a token's
     slots have the same bits in both (batch invariance across the switch), and equal the explicit builds'."""
     import hybrid_runtime.cuda.moe_prefill as mp
     from hybrid_runtime.cuda.moe_prefill import SMALL_BM, MoEPrefill
