@@ -290,7 +290,8 @@ class ServingEngine:
     def warmup_long_steps(self) -> list[tuple[Phase, list[SeqStep]]]:
         """The warm-up's direct steps at the longest contexts, which the scheduled rounds do not reach: the last
         prefill chunk of a ``max_input_len`` prompt (``max_num_tokens`` queries over the whole prompt), a prefill
-        step of that prompt's last 64 tokens beside the first ``max_num_tokens - 64`` of another, then a
+        step of that prompt's last 64 tokens beside the first ``max_num_tokens - 64`` of another, a prefill step of
+        ``max_batch_size`` sequences (that prompt's last tokens beside one token each of the others), then a
         decode step of as many rows at context ``max_seq_len`` as the page pool holds (at least one row, at the
         longest context the pool holds). Attention's intermediates grow with the context, so these are the
         step's largest. Synthetic: free slots and pages while nothing is admitted, token id 0, the KV and
@@ -314,6 +315,15 @@ class ServingEngine:
             out.append((Phase.PREFILL, [SeqStep(0, list(range(per_prompt)), prompt - tail, [0] * tail),
                                         SeqStep(1, list(range(per_prompt, per_prompt + head_pages)), 0,
                                                 [0] * (chunk - tail))]))
+        # The widest padding: a full batch in one prefill step, one sequence with the rest of the step's tokens at
+        # the end of the long prompt, the others one token each. Attention pads every sequence's queries to the
+        # longest chunk, so its prefill output buffer (and the padded query copy) reach batch x chunk rows only
+        # here: served, such a step grew the buffer by 580 KB an hour into a soak (issue 21).
+        b = self.max_batch_size
+        if b > 2 and chunk > b and per_prompt + b - 1 <= total:
+            long = chunk - (b - 1)
+            out.append((Phase.PREFILL, [SeqStep(0, list(range(per_prompt)), prompt - long, [0] * long)]
+                        + [SeqStep(i, [per_prompt + i - 1], 0, [0]) for i in range(1, b)]))
         ctx = min(lim.max_seq_len, total * ps)
         per = -(-ctx // ps)
         rows = max(1, min(self.max_batch_size, total // per))

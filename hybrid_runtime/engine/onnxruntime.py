@@ -34,8 +34,10 @@ log = logging.getLogger("hybrid_runtime.engine")
 Bank = np.ndarray  # flat float32 storage shared by the segments of one parity
 
 
-# Output views are kept (the same objects every run: no rebinding) for steps of up to this many tokens.
-_VIEW_CACHE_TOKENS = 256
+# Output views are kept (the same objects every run: no rebinding) for steps of up to this many tokens, all made
+# when a context is bound: made on first use, the tables of 256 sizes filled over hours of random prompt lengths
+# (issue 21's soak: +5097 views, +478 KB of the stub's traced heap in 105 minutes). Larger steps make theirs per run.
+_VIEW_CACHE_TOKENS = 64
 
 
 class OrtContext(ExecutionContext):
@@ -50,6 +52,7 @@ class OrtContext(ExecutionContext):
         # tables read outside the graph (table_rows): each with a row buffer for up to max_tokens tokens
         self._lookups = [(lk, lk.buffer(max_tokens or profile.max_tokens)) for lk in lookups or ()]
         self._no_bind = {lk.ids_input for lk in lookups or () if not lk.keep_ids}
+        self._view_tables: dict[tuple[int, int], dict[int, dict[str, np.ndarray]]] = {}
         self.bind(profile, bank)
 
     def bind(self, profile: ProfileSpec, bank: Bank) -> None:
@@ -57,7 +60,22 @@ class OrtContext(ExecutionContext):
         self.profile = profile
         self.binding.clear()
         self._bank = bank
-        self._views: dict[int, dict[str, np.ndarray]] = {}  # token count -> output views of the bank
+        # token count -> output views of the bank, made once per (bank, profile size) this context is bound to
+        key = (id(bank), min(profile.max_tokens, _VIEW_CACHE_TOKENS))
+        views = self._view_tables.get(key)
+        if views is None:
+            views = self._view_tables[key] = {n: self._make_views(n) for n in range(1, key[1] + 1)}
+        self._views = views
+
+    def _make_views(self, n: int) -> dict[str, np.ndarray]:
+        """Each output a contiguous ``[n, width]`` block of the bank (``[n]`` for a width-0 output)."""
+        outs, offset = {}, 0
+        for name, dt, width in self.spec.outputs:
+            size = n * max(width, 1)
+            view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
+            outs[name] = view if width else view[:, 0]
+            offset += size
+        return outs
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = self.check(inputs)
@@ -68,15 +86,8 @@ class OrtContext(ExecutionContext):
             if name not in self._no_bind:
                 b.input(name, np.ascontiguousarray(arr))
         outs = self._views.get(n)
-        if outs is None:  # each output a contiguous [n, width] block of the bank (the same objects every run)
-            outs, offset = {}, 0
-            for name, dt, width in self.spec.outputs:
-                size = n * max(width, 1)
-                view = self._bank[offset:offset + size].view(np.dtype(dt)).reshape(n, max(width, 1))
-                outs[name] = view if width else view[:, 0]
-                offset += size
-            if n <= _VIEW_CACHE_TOKENS:  # decode sizes; a prefill size's views are made per run (one dict per
-                self._views[n] = outs  # token count seen would only grow over a server's life)
+        if outs is None:  # a prefill size: made per run (one dict per token count seen would only grow)
+            outs = self._make_views(n)
         for name, view in outs.items():
             b.output(name, view)
         b.run()

@@ -244,7 +244,10 @@ class MoE:
         self._binding = Binding(self._session)
         keep = np.empty((_KEEP_TOKENS, cfg.hidden_size), np.float32)
         self._keep_views = [keep[:t] for t in range(_KEEP_TOKENS + 1)]  # the same objects every call: no rebinding
-        self._pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # T -> (0..T*k-1, [T*k])
+        # T -> (0..T*k-1, [T*k]) for every step size up to _KEEP_TOKENS, made here: filled on first use, the
+        # table grew for hours as new sizes arrived (issue 21's soak: +129 KB of the stub's traced heap)
+        self._pairs = {T: (np.arange(T * self.top_k, dtype=np.int64), np.array([T * self.top_k], np.int64))
+                       for T in range(_KEEP_TOKENS + 1)}
 
     def _source(self, init: str) -> tuple[str, int | None]:
         """State weight name and expert index (None: not per expert) of a graph initializer."""
@@ -326,12 +329,9 @@ class MoE:
             return out
         self._binding.input("h", h)
         pairs = self._pairs.get(T)
-        if pairs is None and T > _KEEP_TOKENS:  # prefill sizes: made per call (a cache per size would only grow)
-            R = T * self.cfg.num_experts_per_tok
-            pairs = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
-        if pairs is None:
+        if pairs is None:  # prefill sizes: made per call (a cache per size would only grow)
             R = T * self.top_k
-            pairs = self._pairs[T] = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
+            pairs = (np.arange(R, dtype=np.int64), np.array([R], np.int64))
         self._binding.input("pair_r", pairs[0])
         self._binding.input("num_pairs", pairs[1])
         self._binding.output("y", out)

@@ -298,13 +298,20 @@ def test_warmup_plan_covers_the_largest_prefill_and_a_full_batch_within_the_pool
     small = ServingEngine(default_bundle, RuntimeOptions(kv_cache_bytes=4 * page_bytes, warmup=False))
     assert small.warmup_plan() == [[4 * 16 - 2]]  # one long prompt that fits 4 pages; no batch of 16 fits
     # the longest contexts: the last chunk of a max_input_len prompt, then max_seq_len decode rows
-    (pre, (p_step,)), (pre2, (tail, head)), (dec, d_steps) = eng.warmup_long_steps()
+    (pre, (p_step,)), (pre2, (tail, head)), (pre3, wide), (dec, d_steps) = eng.warmup_long_steps()
     assert pre.name == "PREFILL" and len(p_step.token_ids) == lim.max_num_tokens
     assert p_step.start_pos + len(p_step.token_ids) == lim.max_input_len
     assert len(p_step.page_table) * 16 >= lim.max_input_len
     assert pre2.name == "PREFILL" and tail.start_pos + len(tail.token_ids) == lim.max_input_len
     assert head.start_pos == 0 and len(tail.token_ids) + len(head.token_ids) == lim.max_num_tokens
     assert not set(tail.page_table) & set(head.page_table) and len(head.page_table) * 16 >= len(head.token_ids)
+    # the widest padding: a full batch, one long chunk at the end of the prompt, one token each for the others
+    assert pre3.name == "PREFILL" and len(wide) == b and len({s.slot for s in wide}) == b
+    assert sum(len(s.token_ids) for s in wide) == lim.max_num_tokens
+    assert wide[0].start_pos + len(wide[0].token_ids) == lim.max_input_len
+    assert all(s.start_pos == 0 and len(s.token_ids) == 1 for s in wide[1:])
+    wide_pages = [p for s in wide for p in s.page_table]
+    assert len(set(wide_pages)) == len(wide_pages) and max(wide_pages) < lim.num_kv_pages
     per = -(-lim.max_seq_len // 16)
     assert dec.name == "DECODE" and len(d_steps) == min(b, lim.num_kv_pages // per)
     assert all(s.start_pos == lim.max_seq_len - 1 and len(s.page_table) == per for s in d_steps)
