@@ -111,8 +111,9 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "reg_many": NBitsKnobs(gu_cols=32, gu_stages=4, reg=1, early=1),  # "many" in registers (many tokens)
 }
 # The builds CudaBackend(packed_experts=True) runs: (steps of <= 16 rows, steps of more). All builds give the same
-# bits, so this is a speed choice only: switch to ("reg", "reg_many") once the benchmark on the device says so.
-BACKEND_BUILDS: tuple[str, str] = ("default", "many")
+# bits, so this is a speed choice only. Measured on the H200 (benchmarks/results/gpu_moe_nbits_decode_h200.md, stop
+# 33): int4 reg_late 31.2 / 137.4 us at 1 / 8 tokens (default 32.6 / 145.3), reg_many 427.6 us at 64 (many 480.2).
+BACKEND_BUILDS: tuple[str, str] = ("reg_late", "reg_many")
 
 
 @dataclass(frozen=True)
