@@ -24,6 +24,16 @@ def _global_row(kind: str, row: int, e: int, bx: int, H: int, I: int, kn: NBitsK
     return e * H + bx * kn.rows(kind) + row
 
 
+def _zero_point(Zf: np.ndarray | None, gr: int, b: int, bits: int, zrow: int) -> int:
+    """Zero-point of block ``b`` of global weight row ``gr`` (MatMulNBits: int4 packed two per byte, low nibble
+    first; int8 one per byte; none stored: the symmetric 2^(bits-1))."""
+    if Zf is None:
+        return 1 << (bits - 1)
+    if bits == 4:
+        return (int(Zf[gr * zrow + (b >> 1)]) >> (4 * (b & 1))) & 15
+    return int(Zf[gr * zrow + b])
+
+
 def wt_tiles(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn: NBitsKnobs, dtype: str
              ) -> tuple[np.ndarray, np.ndarray]:
     """(weights [RM, K] float32 as the CTA (bx, expert e) of ``kind`` dequantises them into WT, k tile by k tile,
@@ -51,14 +61,7 @@ def wt_tiles(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn: NBi
     for i in range(rm * nb):
         row, b = i // nb, i % nb
         gr = _global_row(kind, row, e, bx, H, I, kn)
-        s = Sf[gr * nb + b]
-        if Zf is None:
-            z = 1 << (bits - 1)
-        elif bits == 4:
-            z = (int(Zf[gr * zrow + (b >> 1)]) >> (4 * (b & 1))) & 15
-        else:
-            z = int(Zf[gr * zrow + b])
-        sz[i] = (s, np.float32(8388608.0) + np.float32(z))
+        sz[i] = (Sf[gr * nb + b], np.float32(8388608.0) + np.float32(_zero_point(Zf, gr, b, bits, zrow)))
 
     # this CTA's packed chunk copies: (stage byte offset, source byte offset, chunk) per (thread, i)
     npc = -(-(rm * pcpr) // threads)
@@ -137,13 +140,7 @@ def reg_fragments(kind: str, w: HostExperts, e: int, bx: int, H: int, I: int, kn
     for i in range(rm * nb):
         row, b = i // nb, i % nb
         gr = _global_row(kind, row, e, bx, H, I, kn)
-        if Zf is None:
-            z = 1 << (bits - 1)
-        elif bits == 4:
-            z = (int(Zf[gr * zrow + (b >> 1)]) >> (4 * (b & 1))) & 15
-        else:
-            z = int(Zf[gr * zrow + b])
-        sz[b * rm + row] = (Sf[gr * nb + b], np.float32(8388608.0) + np.float32(z))
+        sz[b * rm + row] = (Sf[gr * nb + b], np.float32(8388608.0) + np.float32(_zero_point(Zf, gr, b, bits, zrow)))
 
     out = np.full((rm, K), np.nan, np.float32)
     cnt = np.zeros((rm, K), np.int64)

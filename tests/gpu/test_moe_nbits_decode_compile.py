@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,22 +176,26 @@ WT_CASES = [  # (kind, bits, group (-1: K), asym, H, I, knobs, dtype)
 ]
 
 
+def _stacked_case(rng: np.random.Generator, case: int, n: int) -> tuple[list, Any, int]:
+    """WT_CASES[case]'s experts: ``n`` random packed ones, plus (asym) one without zero-points; (the packs, their
+    stack, R = the weight rows an expert has)."""
+    kind, bits, group, asym, H, inter, _, _ = WT_CASES[case]
+    R, K = (2 * inter, H) if kind == "gate_up" else (H, inter)
+    bs = K if group == -1 else group
+    packs = _experts(rng, n, R, K, bits, bs, asym)
+    if asym:
+        packs.append(random_packed(rng, R, K, bits, bs, False, None))
+    return packs, stack_experts([as_host_experts(p) for p in packs]), R
+
+
 @pytest.mark.parametrize("case", range(len(WT_CASES)))
 def test_dequantised_tiles_match_an_independent_dequantiser(case: int) -> None:
     """Every CTA column block of two experts (stacked with stack_experts, the last one without zero-points when
     the others have them): the T weights the mma loop reads, k tile by k tile, == (q - z) * s rounded as
     nbits.cu's dequantise-at-load rounds (what moe_decode reads on the dequantised weights), bit for bit."""
-    kind, bits, group, asym, H, inter, kn, dtype = WT_CASES[case]
+    kind, _, _, _, H, inter, kn, dtype = WT_CASES[case]
     rng = np.random.default_rng(case)
-    R, K = (2 * inter, H) if kind == "gate_up" else (H, inter)
-    bs = K if group == -1 else group
-    packs = _experts(rng, 3, R, K, bits, bs, asym)
-    parts = [as_host_experts(p) for p in packs]
-    if asym:
-        plain = random_packed(rng, R, K, bits, bs, False, None)
-        packs.append(plain)
-        parts.append(as_host_experts(plain))
-    w = stack_experts(parts)
+    packs, w, R = _stacked_case(rng, case, 3)
     assert w.experts == len(packs)
     nbx = grid(kind, 1, 1, 1, H, inter, kn)[0]
     for e in (1, len(packs) - 1):
@@ -309,18 +314,10 @@ def test_register_fragments_match_an_independent_dequantiser(case: int) -> None:
     of the CTA's weight rows exactly once, in the mma.m16n8k16 A slot of that (row, k) - the slot ldmatrix fills in
     moe_decode's loop, so the MMAs see the very registers of the reg 0 / moe_decode builds - with the dequantise-at-load
     T value, bit for bit; the cases of the T-tile test (short last k tiles, group 16 / 96 / K, bk 64, 2 warps)."""
-    kind, bits, group, asym, H, inter, kn, dtype = WT_CASES[case]
+    kind, _, _, _, H, inter, kn, dtype = WT_CASES[case]
     kn = _reg(kn)
     rng = np.random.default_rng(50 + case)
-    R, K = (2 * inter, H) if kind == "gate_up" else (H, inter)
-    bs = K if group == -1 else group
-    packs = _experts(rng, 2, R, K, bits, bs, asym)
-    parts = [as_host_experts(p) for p in packs]
-    if asym:
-        plain = random_packed(rng, R, K, bits, bs, False, None)
-        packs.append(plain)
-        parts.append(as_host_experts(plain))
-    w = stack_experts(parts)
+    packs, w, R = _stacked_case(rng, case, 2)
     nbx = grid(kind, 1, 1, 1, H, inter, kn)[0]
     for e in (1, len(packs) - 1):
         want = _want_t(packs[e], dtype)
