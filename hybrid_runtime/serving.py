@@ -318,7 +318,7 @@ class ServingEngine:
         # The widest padding: a full batch in one prefill step, one sequence with the rest of the step's tokens at
         # the end of the long prompt, the others one token each. Attention pads every sequence's queries to the
         # longest chunk, so its prefill output buffer (and the padded query copy) reach batch x chunk rows only
-        # here: served, such a step grew the buffer by 580 KB an hour into a soak (issue 21).
+        # here: served, such a step grew the buffer by 580 KB after the warm-up of a 2-hour soak (issue 21).
         b = self.max_batch_size
         if b > 2 and chunk > b and per_prompt + b - 1 <= total:
             long = chunk - (b - 1)

@@ -28,13 +28,12 @@ tiles on a persistent grid of one CTA per SM, warp-specialised - a cp.async prod
 consumer warpgroups synchronised by mbarriers, the epilogue of one work item under the next item's copies).
 ``"wgmma64"`` is ``moe_wgmma.cu`` on tiles of up to 64 rows (one warpgroup, 64 x 256 tiles): ``moe_group`` then
 cuts each expert's pairs into 64-row tiles (its ``bm`` argument), so a step with few pairs per expert computes half
-as many padding rows on its experts' last tiles. ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``,
-and on compute capability 9.0 with :data:`SMALL_TILE_PAIRS` > 0 also loads the 64-row build for steps of fewer
-pairs per expert (:meth:`MoEPrefill.tile_rows`; 0 today: measured no faster where it saves rows); a shape the
-wgmma tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Every wgmma build with 256-column tiles
-gives a row the same bits (the same m64n256k16 instructions in the same k order), so which of them a step takes
-does not depend on anything but its size. Routing is
-``moe_gemm.cu``'s in every case, and the mma kernels are the same build whatever ``impl`` is.
+as many padding rows on its experts' last tiles; it gives a row ``"wgmma"``'s and ``"wgmma_ws"``'s bits (the same
+m64n256k16 instructions in the same k order). Measured, it is no faster where it saves rows (the step is bound by
+reading every expert's weights) and slower from 2k tokens on (benchmarks/results/gpu_moe_prefill_h200.md), so
+``"auto"`` does not take it. ``"auto"`` picks :data:`AUTO_IMPL` where it runs, else ``"mma"``; a shape the wgmma
+tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is ``moe_gemm.cu``'s in every case, and
+the mma kernels are the same build whatever ``impl`` is.
 
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
 the tiles do not divide (:func:`supported`).
@@ -60,12 +59,6 @@ WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: cubins run on com
 AUTO_IMPL = "wgmma_ws"
 WGMMA_WS_SOURCE = "moe_wgmma_ws.cu"
 IMPLS = ("auto", "mma", "wgmma", "wgmma128", "wgmma_ws", "wgmma64")
-# "auto" on compute capability 9.0: steps with fewer pairs per expert (pairs / E_all) than this run 64-row tiles
-# (WGMMA_VARIANTS["wgmma64"]), the others AUTO_IMPL's 128-row tiles; 0 = never (the 64-row build is not loaded).
-# 0 since measured (benchmarks/results/gpu_moe_prefill_h200.md, stop 33): where the 64-row tiles save MMA rows (<= 1k
-# tokens of the 35B-A3B shape) the step reads every expert's weights and is bound by that read (1-2% faster), and
-# from 2k tokens on the build's halved weight reuse makes it 11-34% slower than wgmma_ws.
-SMALL_TILE_PAIRS = 0
 SMALL_BM = 64  # rows per tile of the 64-row build (moe_group's bm)
 
 
@@ -112,7 +105,6 @@ class WgmmaVariant:
 WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0),
                   "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 2),
                   "wgmma64": WgmmaVariant(256, 4, 1, threads=128, bm=SMALL_BM)}
-WGMMA_THREADS = 256  # block of the non-persistent builds (WgmmaVariant.threads)
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
 GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
@@ -188,9 +180,8 @@ class MoEPrefill:
 
     def __init__(self, device: CudaDevice, dtype: str, impl: str = "auto") -> None:
         """``impl``: ``"auto"`` (:data:`AUTO_IMPL` on compute capability 9.0 if its module compiled and
-        loaded, else ``"mma"``; with the 64-row build beside it for small steps, :meth:`tile_rows`), ``"mma"``,
-        ``"wgmma"``, ``"wgmma128"``, ``"wgmma_ws"`` or ``"wgmma64"`` (ValueError off compute capability 9.0; a compile
-        error propagates). :attr:`impl` is the resolved choice (``"auto"`` resolves to the large steps' build)."""
+        loaded, else ``"mma"``), ``"mma"``, ``"wgmma"``, ``"wgmma128"``, ``"wgmma_ws"`` or ``"wgmma64"`` (ValueError
+        off compute capability 9.0; a compile error propagates). :attr:`impl` is the resolved choice."""
         if dtype not in DT_CODES:
             raise ValueError(f"the tensor-core MoE runs bfloat16 / float16, not {dtype!r}")
         if impl not in IMPLS:
@@ -201,9 +192,6 @@ class MoEPrefill:
             self.module.kernel(name).set_max_dynamic_smem(device, GEMM_SMEM)
         self.wgmma_module: Module | None = None
         self.variant: WgmmaVariant | None = None
-        # "auto": the 64-row build for steps of few pairs per expert (tile_rows), beside AUTO_IMPL's
-        self.small_module: Module | None = None
-        self.small: WgmmaVariant | None = None
         want = AUTO_IMPL if impl == "auto" else impl
         if want != "mma":
             on_hopper = tuple(device.compute_capability) == (9, 0)
@@ -218,32 +206,18 @@ class MoEPrefill:
                     log.exception("the wgmma MoE GEMMs did not build; the mma.sync ones run")
                     self.wgmma_module, self.variant = None, None
         self.impl = "mma" if self.variant is None else want
-        small = WGMMA_VARIANTS["wgmma64"]
-        if impl == "auto" and SMALL_TILE_PAIRS > 0 and self.variant is not None and self.variant.bn == small.bn:
-            try:
-                self.small_module, self.small = self._load_variant(small), small
-            except Exception:
-                log.exception("the 64-row wgmma MoE GEMMs did not build; every step runs %s", self.impl)
-
-    def _load_variant(self, v: WgmmaVariant) -> Module:
-        module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
-        for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
-            module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
-        return module
 
     def _load_wgmma(self, v: WgmmaVariant) -> None:
-        self.wgmma_module = self._load_variant(v)
+        self.wgmma_module = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
+        for name in ("moe_wgmma_gate_up", "moe_wgmma_down", "moe_wgmma_down_t"):
+            self.wgmma_module.kernel(name).set_max_dynamic_smem(self.device, v.smem)
         self.variant = v
 
-    def tile_rows(self, pairs: int, e_all: int) -> int:
-        """Rows per tile of a step of ``pairs`` (token, expert) pairs over ``e_all`` experts: :data:`SMALL_BM` for
-        the 64-row build (``impl`` ``"wgmma64"``, or ``"auto"`` below :data:`SMALL_TILE_PAIRS` pairs per expert),
-        else :data:`GEMM_BM`. :meth:`route` cuts the tile list and :meth:`experts` picks the build by it."""
-        if self.variant is not None and self.variant.bm == SMALL_BM:
-            return SMALL_BM
-        if self.small is not None and pairs < SMALL_TILE_PAIRS * e_all:
-            return SMALL_BM
-        return GEMM_BM
+    @property
+    def tile_rows(self) -> int:
+        """Rows per tile of the tile list :meth:`route` cuts: the build's (:data:`SMALL_BM` for ``"wgmma64"``),
+        else :data:`GEMM_BM` (every build takes tiles of up to 128 rows)."""
+        return self.variant.bm if self.variant is not None else GEMM_BM
 
     def gemm_impl(self, hidden: int, inter: int) -> str:
         """The build :meth:`experts` runs for this shape: :attr:`impl`, or ``"mma"`` where the wgmma tiles do not
@@ -260,7 +234,7 @@ class MoEPrefill:
         e_all, kk = num_experts + int(fold_shared), k + int(fold_shared)
         if not (0 < e_all <= MAX_EXPERTS and 0 < k <= MAX_TOPK and k <= num_experts):
             raise ValueError(f"routing of top-{k} over {num_experts} experts is not supported")
-        bm = self.tile_rows(n * kk, e_all)
+        bm = self.tile_rows
         need = max_tiles(n * kk, e_all, bm)
         if need > bufs.tile_capacity:
             raise ValueError(f"{n} tokens need room for {need} tiles, the tile list holds {bufs.tile_capacity}")
@@ -285,14 +259,11 @@ class MoEPrefill:
         if y_dtype not in ("float32", self.dtype):
             raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
         down_name = "down" if y_dtype == "float32" else "down_t"
-        bm = self.tile_rows(n * kk, e_all)  # the tiles route() cut: every build takes tiles of <= 128 rows
-        tiles = max_tiles(n * kk, e_all, bm)
-        v, module = self.variant, self.wgmma_module
-        if bm == SMALL_BM and self.small is not None and self.small.takes(hidden, inter):
-            v, module = self.small, self.small_module
-        if v is not None and module is not None and v.takes(hidden, inter):
-            k_gu = module.kernel("moe_wgmma_gate_up")
-            k_d = module.kernel(f"moe_wgmma_{down_name}")
+        tiles = max_tiles(n * kk, e_all, self.tile_rows)  # the tiles route() cut
+        v = self.variant
+        if v is not None and self.wgmma_module is not None and v.takes(hidden, inter):
+            k_gu = self.wgmma_module.kernel("moe_wgmma_gate_up")
+            k_d = self.wgmma_module.kernel(f"moe_wgmma_{down_name}")
             sms = self.device.limits.sm_count
             k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
                         [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),

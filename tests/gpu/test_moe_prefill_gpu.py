@@ -177,7 +177,7 @@ def test_prefill_moe_matches_a_per_token_reference(dev, dtype: str, shape: str, 
         if case == "cold_experts":
             assert not counts[E // 2:].any(), label
         tiles = got["tiles"]
-        want_tiles = tile_list(counts, s.moe.tile_rows(P, E))
+        want_tiles = tile_list(counts, s.moe.tile_rows)
         assert tiles[0] == len(want_tiles), label
         assert np.array_equal(tiles[4:4 + 4 * len(want_tiles)].reshape(-1, 4)[:, :3], want_tiles), label
         # the products, pair by pair
@@ -249,32 +249,21 @@ def test_a_rows_result_does_not_depend_on_the_other_tokens(dev, impl: str) -> No
     assert np.array_equal(big["yt"][:7, :s.k].view(np.uint32), small["yt"][:7, :s.k].view(np.uint32))
 
 
-def test_auto_gives_small_and_large_steps_the_same_bits(dev, monkeypatch: pytest.MonkeyPatch) -> None:
-    """impl "auto" with SMALL_TILE_PAIRS 160: a small step runs the 64-row tiles (wgmma64), a large one
-    AUTO_IMPL's 128-row tiles; a token's
-    slots have the same bits in both (batch invariance across the switch), and equal the explicit builds'."""
-    import hybrid_runtime.cuda.moe_prefill as mp
-    from hybrid_runtime.cuda.moe_prefill import SMALL_BM, MoEPrefill
-
+def test_the_64_row_build_gives_the_128_row_builds_bits(dev) -> None:
+    """wgmma64 (64-row tiles) and wgmma_ws (128-row tiles): a token's slots have the same bits whichever build and
+    step size computed them (7 tokens alone on one, the same 7 among 1000 on the other; the whole 1000-token step)."""
     impl_or_skip(dev, "wgmma64")
-    monkeypatch.setattr(mp, "SMALL_TILE_PAIRS", 160)  # the switch on (0 by default: measured no faster)
-    s = Setup(dev, "bfloat16", "small", n_max=1000, impl="wgmma_ws")
-    s.moe = MoEPrefill(dev, "bfloat16")
-    assert s.moe.small is not None
-    assert s.moe.tile_rows(7 * s.k, s.E) == SMALL_BM and s.moe.tile_rows(1000 * s.k, s.E) == 128
     rng = np.random.default_rng(6)
-    hb = host_bits(rng.standard_normal((1000, s.H)).astype(np.float32), "bfloat16")
-    lg = logits_for(rng, 1000, s.E, s.ld, "spread")
-    big = s.run(1000, hb, lg)
-    small = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]))
-    assert np.array_equal(big["y"][:7].view(np.uint32), small["y"][:7].view(np.uint32))
-    big_t = s.run(1000, hb, lg, y_dtype="bfloat16")
-    small_t = s.run(7, np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7]), y_dtype="bfloat16")
-    assert np.array_equal(big_t["yt"][:7, :s.k].view(np.uint16), small_t["yt"][:7, :s.k].view(np.uint16))
+    ws = Setup(dev, "bfloat16", "small", n_max=1000, impl="wgmma_ws")
     s64 = Setup(dev, "bfloat16", "small", n_max=1000, impl="wgmma64")
-    assert np.array_equal(s64.run(1000, hb, lg)["y"][:1000, :s.k].view(np.uint32),
-                          big["y"][:1000, :s.k].view(np.uint32))
-    print("\nauto: 7 tokens (64-row tiles) == 1000 tokens (128-row tiles) bit for bit; wgmma64 == wgmma_ws on 1000")
+    assert (ws.moe.tile_rows, s64.moe.tile_rows) == (128, 64)
+    hb = host_bits(rng.standard_normal((1000, ws.H)).astype(np.float32), "bfloat16")
+    lg = logits_for(rng, 1000, ws.E, ws.ld, "spread")
+    h7, lg7 = np.ascontiguousarray(hb[:7]), np.ascontiguousarray(lg[:7])
+    for y, y_dtype, view in (("y", "float32", np.uint32), ("yt", "bfloat16", np.uint16)):
+        big = ws.run(1000, hb, lg, y_dtype=y_dtype)[y][:, :ws.k]
+        assert np.array_equal(s64.run(7, h7, lg7, y_dtype=y_dtype)[y][:7, :ws.k].view(view), big[:7].view(view))
+        assert np.array_equal(s64.run(1000, hb, lg, y_dtype=y_dtype)[y][:, :ws.k].view(view), big.view(view))
 
 
 @pytest.mark.parametrize("other", ["wgmma", "wgmma_ws"])

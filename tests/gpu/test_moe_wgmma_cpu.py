@@ -242,10 +242,9 @@ def test_impl_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mp.MoEPrefill(dev, "bfloat16").impl == "mma"  # type: ignore[arg-type]
 
 
-def test_small_steps_take_64_row_tiles_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on compute capability 9.0 loads the 64-row build beside AUTO_IMPL's and cuts steps of fewer than
-    SMALL_TILE_PAIRS pairs per expert into 64-row tiles; "wgmma64" always, every other impl never; a 64-row build
-    that fails to compile leaves auto on 128-row tiles."""
+def test_the_64_row_build_cuts_64_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"wgmma64" (compiled with -DWG_BM=64) cuts 64-row tiles; auto and every other build 128-row ones; the
+    tile-list buffer holds the 64-row build's tile count for any step."""
     import hybrid_runtime.cuda.moe_prefill as mp
 
     loads: list[tuple[str, ...]] = []
@@ -256,34 +255,16 @@ def test_small_steps_take_64_row_tiles_under_auto(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(mp, "load_module", fake_load)
     dev = _FakeDevice((9, 0))
-    if mp.SMALL_TILE_PAIRS == 0:  # switched off: auto never loads the 64-row build
-        assert mp.MoEPrefill(dev, "bfloat16").small is None  # type: ignore[arg-type]
-        assert not any("-DWG_BM=64" in o for o in loads)
-    monkeypatch.setattr(mp, "SMALL_TILE_PAIRS", 160)
-    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
-    assert m.impl == "wgmma_ws" and m.small == mp.WGMMA_VARIANTS["wgmma64"]
-    assert any("-DWG_BM=64" in o for o in loads)
-    E = 256
-    assert m.tile_rows(1024 * 8, E) == 64 and m.tile_rows(mp.SMALL_TILE_PAIRS * E - 1, E) == 64
-    assert m.tile_rows(mp.SMALL_TILE_PAIRS * E, E) == 128 and m.tile_rows(8192 * 8, E) == 128
-    for impl in ("wgmma", "wgmma_ws", "wgmma128", "mma"):
-        other = mp.MoEPrefill(dev, "bfloat16", impl=impl)  # type: ignore[arg-type]
-        assert other.small is None and other.tile_rows(8, E) == 128, impl
+    for impl in ("auto", "wgmma", "wgmma_ws", "wgmma128", "mma"):
+        assert mp.MoEPrefill(dev, "bfloat16", impl=impl).tile_rows == 128, impl  # type: ignore[arg-type]
+    assert not any("-DWG_BM=64" in o for o in loads)
     w64 = mp.MoEPrefill(dev, "bfloat16", impl="wgmma64")  # type: ignore[arg-type]
-    assert w64.impl == "wgmma64" and w64.tile_rows(8192 * 8, E) == 64 and w64.gemm_impl(2048, 512) == "wgmma64"
-    assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").tile_rows(8, E) == 128  # type: ignore[arg-type]
-    # the tile-list buffer holds the 64-row build's tile count for any step
+    assert w64.impl == w64.gemm_impl(2048, 512) == "wgmma64" and w64.tile_rows == SMALL_BM == 64
+    assert any("-DWG_BM=64" in o for o in loads)
+    assert mp.MoEPrefill(_FakeDevice((8, 0)), "bfloat16").tile_rows == 128  # type: ignore[arg-type]
+    E = 256
     assert mp.tile_list_words(8192 * 8, E) == 4 + 4 * mp.max_tiles(8192 * 8, E, 64) >= 4 + 4 * mp.max_tiles(
         8192 * 8, E)
-
-    def no_small(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
-        if "-DWG_BM=64" in options:
-            raise RuntimeError("no 64-row build today")
-        return _FakeModule()
-
-    monkeypatch.setattr(mp, "load_module", no_small)
-    m = mp.MoEPrefill(dev, "bfloat16")  # type: ignore[arg-type]
-    assert m.impl == "wgmma_ws" and m.small is None and m.tile_rows(8, E) == 128
 
 
 def test_ws_persistent_items_cover_every_tile_and_column_block_once() -> None:
