@@ -103,7 +103,7 @@ class WgmmaVariant:
 
 
 WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0),
-                  "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 2),
+                  "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 1),
                   "wgmma64": WgmmaVariant(256, 4, 1, threads=128, bm=SMALL_BM)}
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM

@@ -236,10 +236,13 @@ def ws_load_stage(smem: np.ndarray, mode: str, A: np.ndarray, lda: int, W: np.nd
 
 def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: int, H: int, kk: int, ny: int,
                  tile_list: list[tuple[int, int, int]], pair_list: np.ndarray, pair_w: np.ndarray | None,
-                 items: list[tuple[int, int]], out: np.ndarray, sbase: int = 0x1400) -> None:
+                 items: list[tuple[int, int]], out: np.ndarray, sbase: int = 0x1400, staged: bool | None = None,
+                 y_in_t: bool = True) -> None:
     """One persistent CTA of moe_wgmma_ws.cu running ``items`` (tile index, x) in order: the producer's copies
     (:func:`ws_load_stage`) into stage g % S of the ring, the consumers' descriptor reads (each warpgroup its 64
-    rows, the k16 steps), the accumulator fragment and the epilogue (pair ids from pair_list)."""
+    rows, the k16 steps), the accumulator fragment and the epilogue (pair ids from pair_list): stores straight
+    from the accumulators, or with ``staged`` (default: the source's WS_STAGED_EPI) through shared memory for
+    gate_up and for down into the bundle dtype (``y_in_t``; :func:`ws_staged_epilogue`)."""
     d = ws_defines()
     BM, BN, BK, S = d["WS_BM"], d["WS_BN"], d["WS_BK"], d["WS_STAGES"]
     wd = {"WG_LBO": d["WS_LBO"], "WG_SBO": d["WS_SBO"], "WG_SWIZZLE_128B": d["WS_SWIZZLE_128B"]}
@@ -262,11 +265,18 @@ def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: i
                     b = smem[canonical_k_major_address(db + 2 * s, np.arange(BN)[:, None], k16) // 2]
                     acc[wg] += a @ b.T
             g += 1
+        regs_of = {}
         for tid in range(d["WS_CONSUMERS"]):
             wg, lt = tid >> 7, tid & 127
-            regs = [acc[wg][accumulator_position(lt, i)] for i in range(BN // 2)]
+            regs_of[tid] = [acc[wg][accumulator_position(lt, i)] for i in range(BN // 2)]
+        if (d["WS_STAGED_EPI"] if staged is None else staged) and (mode == "gate_up" or y_in_t):
+            ws_staged_epilogue(mode, regs_of, I, H, kk, ny, start, rows, pair_list, pair_w, x, out)
+            continue
+        for tid in range(d["WS_CONSUMERS"]):
+            regs = regs_of[tid]
             wq, lane = (tid >> 5) & 3, tid & 31
             g8, t4 = lane >> 2, lane & 3
+            wg = tid >> 7
             for hi in range(2):
                 r = wg * 64 + wq * 16 + g8 + hi * 8
                 if r >= rows:
@@ -278,13 +288,65 @@ def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: i
                         for b in range(2):
                             v, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
                             out[dst + j * 8 + b] = v / (1 + np.exp(-v)) * u
+                    continue
+                t, slot = p // kk, p % kk
+                assert pair_w is not None
+                dst = (t * ny + slot) * H + x * BN + 2 * t4
+                for j in range(nj):
+                    for b in range(2):
+                        out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
+
+
+def ws_staged_epilogue(mode: str, regs_of: dict[int, list[float]], I: int, H: int, kk: int, ny: int, start: int,
+                       rows: int, pair_list: np.ndarray, pair_w: np.ndarray | None, x: int, out: np.ndarray) -> None:
+    """moe_wgmma_ws.cu's staged epilogue (gate_up, and down into the bundle dtype), lane by lane: each pass the
+    consumers write their fragments (2 values per 32-bit word) at byte ``row * WS_EPI_ROWB + 2 * column`` of the
+    held stage, then thread ``tid`` copies the 16-byte chunk tid & 15 of rows (tid >> 4) + 16 i to the pair's row
+    (the ``-DWS_STAGED_EPI=1`` build). Asserts that every warp's fragment write touches 32 different banks, that
+    the copy reads only bytes this pass wrote, and that the buffer fits one stage."""
+    d = ws_defines()
+    BN, ROWB_E, NC = d["WS_BN"], d["WS_EPI_ROWB"], d["WS_CONSUMERS"]
+    assert d["WS_BM"] * ROWB_E <= (d["WS_BM"] + BN) * ROWB
+    nj = BN // 8
+    passes = 1 if mode == "gate_up" else 2
+    for ps in range(passes):
+        buf = np.full(d["WS_BM"] * ROWB_E // 4 * 2, np.nan)  # bf16 elements by byte address / 2
+        for warp in range(NC // 32):
+            for hi in range(2):
+                for j in range(16):
+                    banks = []
+                    for lane in range(32):
+                        tid = warp * 32 + lane
+                        wg, wq, g8, t4 = tid >> 7, (tid >> 5) & 3, lane >> 2, lane & 3
+                        r = wg * 64 + wq * 16 + g8 + hi * 8
+                        addr = r * ROWB_E + 4 * t4 + 16 * j
+                        banks.append((addr // 4) % 32)
+                        if r >= rows:
+                            continue
+                        regs = regs_of[tid]
+                        for b in range(2):
+                            if mode == "gate_up":
+                                v, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
+                                val = v / (1 + np.exp(-v)) * u
+                            else:
+                                assert pair_w is not None
+                                val = pair_w[int(pair_list[start + r])] * regs[4 * (j + 16 * ps) + 2 * hi + b]
+                            buf[addr // 2 + b] = val
+                    assert len(set(banks)) == 32, ("bank conflict in the staged epilogue", warp, hi, j)
+        for tid in range(NC):
+            for i in range(d["WS_BM"] * 16 // NC):  # WS_EPI_COPIES
+                r, c = (tid >> 4) + (NC // 16) * i, tid & 15
+                if r >= rows:
+                    continue
+                p = int(pair_list[start + r])
+                if mode == "gate_up":
+                    dst = p * I + x * (BN // 2) + 8 * c
                 else:
                     t, slot = p // kk, p % kk
-                    assert pair_w is not None
-                    dst = (t * ny + slot) * H + x * BN + 2 * t4
-                    for j in range(nj):
-                        for b in range(2):
-                            out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
+                    dst = (t * ny + slot) * H + x * BN + 128 * ps + 8 * c
+                chunk = buf[(r * ROWB_E + 16 * c) // 2:(r * ROWB_E + 16 * c) // 2 + 8]
+                assert not np.isnan(chunk).any(), ("copy of a byte the pass did not write", r, c)
+                out[dst:dst + 8] = chunk
 
 
 class _MBarrier:
@@ -308,14 +370,16 @@ class _MBarrier:
 
 
 def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, consumers: int = 2,
-                    seed: int = 0) -> int:
+                    seed: int = 0, staged: bool = False) -> int:
     """Random interleavings of moe_wgmma_ws.cu's producer and consumer threads over one CTA's work items (k
     tiles per item ``kts``), transcribed statement by statement: mbarrier waits and arrivals (phase parity),
     cp.async groups that land at any time (cp.async.wait_group LAG blocks until all but the newest LAG have),
-    MMAs that may read a stage until the wgmma.wait_group that guarantees them. Asserts: an MMA reads a stage
-    only after every producer thread's copies of exactly that k tile landed; a copy never overwrites a stage an
-    MMA may still read; every arrival is for the barrier's current phase; no deadlock (some thread can always
-    move or some copy land). Returns the number of steps taken."""
+    MMAs that may read a stage until the wgmma.wait_group that guarantees them; with ``staged``
+    (``-DWS_STAGED_EPI=1``) the epilogue that stages an item's rows in its last stage after a barrier of the
+    consumers. Asserts: an MMA reads a stage only after every producer thread's copies of exactly
+    that k tile landed; a copy never overwrites a stage an MMA may still read or the epilogue still uses; every
+    arrival is for the barrier's current phase; no deadlock (some thread can always move or some copy land).
+    Returns the number of steps taken."""
     rng = np.random.default_rng(seed)
     S = stages
     full = [_MBarrier(producers) for _ in range(S)]
@@ -324,6 +388,8 @@ def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, c
     content: list[dict[int, tuple[int, int] | None]] = [{} for _ in range(S)]  # stage -> producer -> landed tile
     reading: list[set[tuple[int, int]]] = [set() for _ in range(S)]  # (consumer, g) whose MMAs may read it
     groups: dict[int, list[tuple[int, tuple[int, int]]]] = {pt: [] for pt in range(producers)}  # pending cp.async
+    staging: list[set[int]] = [set() for _ in range(S)]  # consumers whose epilogue writes / reads the stage
+    at_barrier = [0] * len(kts)  # consumers arrived at the staged epilogue's first barrier, per item
 
     def producer(pt: int) -> Iterator[bool]:  # yields False while blocked
         for g, tile in enumerate(seq):
@@ -331,6 +397,7 @@ def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, c
             while not empty[stage].ready((rnd & 1) ^ 1):
                 yield False
             assert not reading[stage], ("copy over a stage in use", g, reading[stage])
+            assert not staging[stage], ("copy over a stage the epilogue uses", g, staging[stage])
             content[stage][pt] = None
             groups[pt].append((stage, tile))
             yield True
@@ -363,6 +430,14 @@ def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, c
                 yield True
             if n:  # wait_group 0, then the epilogue
                 reading[(g - 1) % S].discard((c, g - 1))
+                if staged:  # bar.sync of the consumers, rows staged in the item's last stage, bar.sync, free it
+                    at_barrier[it] += 1
+                    while at_barrier[it] < consumers:
+                        yield False
+                    assert not reading[(g - 1) % S], ("staging over a stage an MMA may read", g)
+                    staging[(g - 1) % S].add(c)
+                    yield True
+                    staging[(g - 1) % S].discard(c)
                 empty[(g - 1) % S].arrive((g - 1) // S)
             yield True
 

@@ -80,7 +80,7 @@ def test_variant_constants_match_the_source() -> None:
     assert dws["WS_BM"] == GEMM_BM and dws["WS_BK"] == 64 and dws["WS_CONSUMERS"] + dws["WS_PRODUCERS"] == 384
     assert (dws["WS_SBO"], dws["WS_LBO"], dws["WS_SWIZZLE_128B"]) == (d["WG_SBO"], d["WG_LBO"], d["WG_SWIZZLE_128B"])
     assert dws["WS_PRODUCERS"] == dws["WS_PROD_ROWS"] * 8 and 1 <= ws.lag <= ws.stages - 2
-    assert ws.options == ("-DWS_STAGES=4", "-DWS_LAG=2") and ws.takes(2048, 512) and not ws.takes(128, 128)
+    assert ws.options == ("-DWS_STAGES=4", "-DWS_LAG=1") and ws.takes(2048, 512) and not ws.takes(128, 128)
     assert ws.grid(4, 1000, 132) == (132, 1, 1) and ws.grid(8, 3, 132) == (24, 1, 1) and w.grid(4, 9, 132) == (4, 9, 1)
     with pytest.raises(ValueError, match="impl"):
         MoEPrefill(None, "bfloat16", impl="tcgen05")  # type: ignore[arg-type]
@@ -278,10 +278,12 @@ def test_ws_persistent_items_cover_every_tile_and_column_block_once() -> None:
 def test_ws_protocol_is_safe_and_deadlock_free(kts: list[int], seed: int) -> None:
     """The mbarrier ring of the warp-specialised build under random interleavings (and random landing of the
     cp.async groups): data ready before every MMA, no stage overwritten under an MMA, arrivals in phase, no
-    deadlock - for the build's (stages, lag) and the tighter legal lags."""
+    deadlock - for the build's (stages, lag) and the tighter legal lags, with the epilogue stored straight from
+    the accumulators (the default) or staged in the item's last stage (``-DWS_STAGED_EPI=1``)."""
     ws = WGMMA_VARIANTS["wgmma_ws"]
     for stages, lag in {(ws.stages, ws.lag), (4, 1), (3, 1)}:
-        assert ws_protocol_sim(kts, stages, lag, seed=seed) > 0
+        for staged in (False, True):
+            assert ws_protocol_sim(kts, stages, lag, seed=seed, staged=staged) > 0
 
 
 def test_ws_protocol_sim_catches_a_deadlock() -> None:
@@ -307,24 +309,28 @@ def test_ws_cta_model_matches_numpy(rows: int) -> None:
     pair_list = np.concatenate([rng.integers(0, n * kk, 3), *pairs_t, rng.integers(0, n * kk, 3)])
     tl = [(2, 3, 128), (2, 3 + 128, r2), (0, 3 + 128 + r2, rows)]
     pair_w = rng.random(n * kk)
-    act = np.full(n * kk * I, np.nan)
-    for items in ws_items(len(tl), I // 128, 5):
-        ws_cta_model("gate_up", h.ravel(), ldh, gu.ravel(), H, I, H, kk, ny, tl, pair_list, None, items, act)
-    act = act.reshape(n * kk, I)
-    for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
-        x = h[pairs // kk, :H] @ gu[e].T
-        np.testing.assert_allclose(act[pairs], x[:, :I] / (1 + np.exp(-x[:, :I])) * x[:, I:], rtol=1e-10,
-                                   atol=1e-10)
     done = np.concatenate(pairs_t)
-    assert np.isnan(act[np.setdiff1d(np.arange(n * kk), done)]).all()
+    for staged in (False, True):  # straight from the accumulators, or through shared memory (WS_STAGED_EPI)
+        act = np.full(n * kk * I, np.nan)
+        for items in ws_items(len(tl), I // 128, 5):
+            ws_cta_model("gate_up", h.ravel(), ldh, gu.ravel(), H, I, H, kk, ny, tl, pair_list, None, items, act,
+                         staged=staged)
+        act = act.reshape(n * kk, I)
+        for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
+            x = h[pairs // kk, :H] @ gu[e].T
+            np.testing.assert_allclose(act[pairs], x[:, :I] / (1 + np.exp(-x[:, :I])) * x[:, I:], rtol=1e-10,
+                                       atol=1e-10)
+        assert np.isnan(act[np.setdiff1d(np.arange(n * kk), done)]).all()
     a_in = rng.standard_normal((n * kk, I))
-    y = np.full(n * ny * H, np.nan)
-    for items in ws_items(len(tl), H // 256, 3):
-        ws_cta_model("down", a_in.ravel(), I, dn.ravel(), I, I, H, kk, ny, tl, pair_list, pair_w, items, y)
-    y = y.reshape(n, ny, H)
-    for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
-        np.testing.assert_allclose(y[pairs // kk, pairs % kk], pair_w[pairs, None] * (a_in[pairs] @ dn[e].T),
-                                   rtol=1e-10, atol=1e-10)
-    written = np.zeros((n, ny), bool)
-    written[done // kk, done % kk] = True
-    assert np.isnan(y[~written]).all()
+    for staged, y_in_t in ((False, True), (True, True), (True, False)):  # direct, down_t staged, float32 direct
+        y = np.full(n * ny * H, np.nan)
+        for items in ws_items(len(tl), H // 256, 3):
+            ws_cta_model("down", a_in.ravel(), I, dn.ravel(), I, I, H, kk, ny, tl, pair_list, pair_w, items, y,
+                         staged=staged, y_in_t=y_in_t)
+        y = y.reshape(n, ny, H)
+        for (e, _, _), pairs in zip(tl, pairs_t, strict=True):
+            np.testing.assert_allclose(y[pairs // kk, pairs % kk], pair_w[pairs, None] * (a_in[pairs] @ dn[e].T),
+                                       rtol=1e-10, atol=1e-10)
+        written = np.zeros((n, ny), bool)
+        written[done // kk, done % kk] = True
+        assert np.isnan(y[~written]).all()

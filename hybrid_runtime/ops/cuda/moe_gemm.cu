@@ -42,7 +42,8 @@ typedef unsigned long long u64;
 typedef u16 T;
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+// The fast intrinsics, as moe_wgmma_ws.cu (every prefill build gives the same act bits).
+__device__ __forceinline__ float siluf_(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ void pdl_enter() {
 #if __CUDA_ARCH__ >= 900

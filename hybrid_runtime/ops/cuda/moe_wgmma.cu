@@ -92,7 +92,8 @@ typedef u16 T;
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
 
-__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+// The fast intrinsics, as moe_wgmma_ws.cu (every prefill build gives the same act bits).
+__device__ __forceinline__ float siluf_(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

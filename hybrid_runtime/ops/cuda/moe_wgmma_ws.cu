@@ -18,8 +18,13 @@
 //   (the consumers free stage g - S once they have issued the MMAs of g - S + 1).
 // * Consumer step g: wait full, the 4 wgmmas of the k tile, commit, wgmma.wait_group 1 (the previous k tile's
 //   MMAs have completed: consecutive k tiles overlap on the tensor cores), arrive on that previous tile's empty
-//   barrier. After an item's last k tile: wait_group 0, free its stage, epilogue straight from the accumulators
-//   (as moe_wgmma.cu; pair ids read from pair_list), while the producer already fills the ring for the next item.
+//   barrier. After an item's last k tile: wait_group 0 and the epilogue, while the producer already fills the
+//   other stages for the next item. Epilogue (WS_STAGED_EPI, the default; not for float32 y): a barrier of the
+//   256 consumers (both warpgroups' MMAs have read the item's last stage), the fragments written into that stage
+//   (padded rows: no bank conflicts), a barrier, 16-byte coalesced copies to the pairs' rows (down: two passes of
+//   128 columns), a barrier, then the stage freed. The pair ids (and down's weights) are loaded at the item's
+//   start, their latency hidden by its MMAs. (Stores straight from the accumulators, the float32 y path and
+//   -DWS_STAGED_EPI=0, left down 19% slower at 8192 tokens: 4- and 16-byte pieces of 8 rows per warp store.)
 // * Persistent: grid = min(#SMs, items bound) CTAs; CTA b runs work items b, b + gridDim.x, ... < tiles[0] * nx,
 //   item = tile * nx + x (x fastest, the column blocks of a tile side by side: the order of the non-persistent
 //   grid, so an expert's weight slab is read by its tiles at about the same time).
@@ -53,7 +58,7 @@ typedef u16 T;
 #define WS_STAGES 4
 #endif
 #ifndef WS_LAG
-#define WS_LAG 2  // stages a producer thread keeps in flight before it waits for its oldest copies
+#define WS_LAG 1  // stages a producer thread keeps in flight before it waits for its oldest copies
 #endif
 #if WS_LAG < 1 || WS_LAG > WS_STAGES - 2
 #error "WS_LAG must be in [1, WS_STAGES - 2]"
@@ -74,10 +79,21 @@ typedef u16 T;
 #define WS_SWIZZLE_128B 1  // descriptor bits 62-63
 #define WS_PROD_ROWS 16    // rows a producer pass covers: 128 threads = 16 rows x 8 chunks
 #define WS_HANG_CYCLES (1ll << 34)
+#define WS_EPI_ROWB 272            // staged epilogue row: 128 bf16 / fp16 columns + 16 bytes of pad
+#define WS_EPI_COPIES (WS_BM * 16 / WS_CONSUMERS)  // 16-byte copies per consumer thread and pass (staged)
+#ifndef WS_STAGED_EPI
+#define WS_STAGED_EPI 1  // 0: the epilogue stores straight from the accumulators (down 19% slower at 8192 tokens)
+#endif
+#if WS_BM * WS_EPI_ROWB > WS_A_BYTES + WS_B_BYTES
+#error "the staged epilogue must fit in one stage"
+#endif
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
 
-__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+// The fast intrinsics (ex2.approx, a reciprocal): the precise expf and IEEE division made gate_up 7% slower (H200,
+// 8192 tokens). moe_wgmma.cu and moe_gemm.cu use the same, so every prefill build gives the same act bits. For
+// x < -87 the sum is inf and the quotient -0 (silu's limit).
+__device__ __forceinline__ float siluf_(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -140,6 +156,26 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
 // even, cvt.rn: the only rounding the T slots add to the float32 products).
 __device__ __forceinline__ void store_y2(float* dst, float a, float b) { *(float2*)dst = make_float2(a, b); }
 __device__ __forceinline__ void store_y2(T* dst, float a, float b) { *(u32*)dst = pack2(a, b); }
+
+template <typename Y>
+struct is_t {  // whether Y is the bundle dtype T (the down_t kernel), i.e. not float32
+  static constexpr bool value = false;
+};
+template <>
+struct is_t<T> {
+  static constexpr bool value = true;
+};
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+// The two consumer warpgroups only (named barrier 1; the producer warpgroup never waits on it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(WS_CONSUMERS) : "memory"); }
 
 // Matrix descriptor of a K-major, 128B-swizzled operand tile at shared address `saddr` (1024-aligned; + 32 s for
 // the k16 step s): moe_wgmma.cu's wg_desc.
@@ -269,6 +305,26 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
 #pragma unroll 1
   for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
     const int tile = item / nx, x = item - tile * nx;
+    // The epilogue's pair ids (and down's weights), loaded before the mainloop: three dependent global loads
+    // (tile list -> pair_list -> pair_w) whose latency the item's MMAs now hide.
+    const int4 tl = *(const int4*)(tiles + 4 + 4 * (size_t)tile);
+    const int start = tl.y, rows = tl.z;
+    int ep[2];
+    float ew[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = wg * 64 + wq * 16 + g8 + hi * 8;
+      ep[hi] = r < rows ? pair_list[start + r] : -1;
+      ew[hi] = MODE == MODE_DOWN && ep[hi] >= 0 ? pair_w[ep[hi]] : 1.f;
+    }
+#if WS_STAGED_EPI
+    int cpr[WS_EPI_COPIES];  // the pair of each row this thread copies out (row (tid >> 4) + 16 i)
+#pragma unroll
+    for (int i = 0; i < WS_EPI_COPIES; ++i) {
+      const int r = (tid >> 4) + (WS_CONSUMERS / 16) * i;
+      cpr[i] = r < rows ? pair_list[start + r] : -1;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.f;
 #pragma unroll 1
@@ -290,17 +346,60 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
     }
     wgmma_wait<0>();
     acc_fence(acc);
-    mbar_arrive(empty0 + 8 * ((g - 1) % WS_STAGES));  // KT >= 1: g >= 1
-
-    // Epilogue: acc[4 j + 2 hi + b] = D[row 16 wq + g8 + 8 hi][column 8 j + 2 t4 + b] of this warpgroup's rows.
-    const int4 tl = *(const int4*)(tiles + 4 + 4 * (size_t)tile);
-    const int start = tl.y, rows = tl.z;
+    const u32 held = (g - 1) % WS_STAGES;  // KT >= 1: g >= 1. The item's last stage
     constexpr int NJ = WS_BN / 8;  // n-tiles of 8 columns
+    // Epilogue: acc[4 j + 2 hi + b] = D[row 16 wq + g8 + 8 hi][column 8 j + 2 t4 + b] of this warpgroup's rows.
+#if WS_STAGED_EPI
+    if constexpr (MODE == MODE_GATE_UP || is_t<YT>::value) {
+      // Staged through the held stage (rows of WS_EPI_ROWB bytes: 128 columns + a 16-byte pad, so the fragment
+      // writes of a warp hit 32 different banks), then copied out 16 bytes per thread, a row's 256 bytes by 16
+      // consecutive threads. gate_up: one pass (128 act columns); down: two passes of 128 of its 256 columns.
+      const u32 sE = sbase + held * WS_STAGE_BYTES;
+      constexpr int PASSES = MODE == MODE_GATE_UP ? 1 : 2;
+      consumers_sync();  // both warpgroups' MMAs have finished reading the held stage
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) {
+        if (pass > 0) consumers_sync();  // the previous pass's copies have read the buffer
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          if (ep[hi] < 0) continue;
+          const u32 srow = sE + (wg * 64 + wq * 16 + g8 + hi * 8) * WS_EPI_ROWB + 4 * t4;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            u32 v;
+            if (MODE == MODE_GATE_UP)  // gate n-tile j and the up n-tile of the same columns, j + NJ / 2
+              v = pack2(siluf_(acc[4 * j + 2 * hi]) * acc[4 * (j + NJ / 2) + 2 * hi],
+                        siluf_(acc[4 * j + 2 * hi + 1]) * acc[4 * (j + NJ / 2) + 2 * hi + 1]);
+            else
+              v = pack2(ew[hi] * acc[4 * (j + 16 * pass) + 2 * hi], ew[hi] * acc[4 * (j + 16 * pass) + 2 * hi + 1]);
+            st_shared_u32(srow + 16 * j, v);
+          }
+        }
+        consumers_sync();  // the staged rows are complete
+#pragma unroll
+        for (int i = 0; i < WS_EPI_COPIES; ++i) {
+          const int r = (tid >> 4) + (WS_CONSUMERS / 16) * i, c = tid & 15, p = cpr[i];
+          if (p < 0) continue;
+          T* dst;
+          if (MODE == MODE_GATE_UP) {
+            dst = act + (size_t)p * I + x * (WS_BN / 2) + 8 * c;
+          } else {
+            const int t = p / kk, slot = p - t * kk;
+            dst = (T*)y + ((size_t)t * ny + slot) * H + x * WS_BN + 128 * pass + 8 * c;
+          }
+          *(uint4*)dst = ld_shared_v4(sE + r * WS_EPI_ROWB + 16 * c);
+        }
+      }
+      consumers_sync();  // every copy has read the buffer: the producer may refill it
+      mbar_arrive(empty0 + 8 * held);
+      continue;
+    }
+#endif
+    mbar_arrive(empty0 + 8 * held);  // stored straight from the accumulators
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int r = wg * 64 + wq * 16 + g8 + hi * 8;
-      if (r >= rows) continue;
-      const int p = pair_list[start + r];
+      const int p = ep[hi];
+      if (p < 0) continue;
       if (MODE == MODE_GATE_UP) {
         T* dst = act + (size_t)p * I + x * (WS_BN / 2) + 2 * t4;
 #pragma unroll
@@ -311,11 +410,10 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
         }
       } else {
         const int t = p / kk, slot = p - t * kk;
-        const float w = pair_w[p];
         YT* dst = y + ((size_t)t * ny + slot) * H + x * WS_BN + 2 * t4;
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
-          store_y2(dst + j * 8, w * acc[4 * j + 2 * hi], w * acc[4 * j + 2 * hi + 1]);
+          store_y2(dst + j * 8, ew[hi] * acc[4 * j + 2 * hi], ew[hi] * acc[4 * j + 2 * hi + 1]);
       }
     }
   }
