@@ -5,6 +5,7 @@ and against a dense bf16 cuBLASLt GEMM measured in the same run ([8192 x 2048] @
 
     python3 -m benchmarks.gpu_moe_prefill --impl mma,wgmma,wgmma128,wgmma_ws
 
+``--y-dtype``: the slots the down GEMM writes, bfloat16 (default: the backend's prefill steps) or float32.
 ``--impl``: the grouped-GEMM builds to time (``MoEPrefill(impl=...)``: mma.sync, wgmma 128 x 256, wgmma 128 x 128,
 the warp-specialised persistent wgmma 128 x 256),
 one table row per (tokens, build); the CUDA-core baseline is timed once per token count.
@@ -37,6 +38,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/gpu_moe_prefill_h200.md")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--impl", default="mma,wgmma", help="comma-separated MoEPrefill impls to compare")
+    ap.add_argument("--y-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the routed slots' dtype: bfloat16 (the backend's prefill steps, the _t down kernels) or "
+                         "float32")
     args = ap.parse_args()
     import torch
 
@@ -85,7 +89,8 @@ def main() -> int:
         b = {name: dev.empty(shape, dt) for name, shape, dt in (
             ("pw", (P,), "float32"), ("pe", (P,), "int32"), ("pl", (P,), "int32"), ("off", (E + 2,), "int32"),
             ("active", (E + 2,), "int32"), ("tiles", (tile_list_words(P, E),), "int32"),
-            ("cta", (ROUTE_MAX_CTAS, E), "int32"), ("act", (P, INTER), "bfloat16"), ("y", (n, ny, H), "float32"))}
+            ("cta", (ROUTE_MAX_CTAS, E), "int32"), ("act", (P, INTER), "bfloat16"),
+            ("y", (n, ny, H), args.y_dtype), ("y32", (n, ny, H), "float32"))}
         bufs = MoEBuffers(b["pw"].ptr, b["pe"].ptr, b["pl"].ptr, b["off"].ptr, b["active"].ptr, b["tiles"].ptr,
                           b["cta"].ptr, b["act"].ptr, b["y"].ptr, (b["tiles"].size - 4) // 4)
 
@@ -112,7 +117,7 @@ def main() -> int:
                 dev, (-(-H // MOE_ROWS_PER_CTA), ny_grid, 1), (256, 1, 1), tg_d * INTER * 2,
                 [("ptr", b["act"].ptr), ("ptr", dn.ptr), ("ptr", b["pw"].ptr), ("i32", H), ("i32", INTER),
                  ("i32", K), ("i32", ny), ("i32", E), ("ptr", b["off"].ptr), ("ptr", b["pl"].ptr),
-                 ("ptr", b["active"].ptr), ("ptr", b["y"].ptr), ("i32", tg_d)], pdl=True)
+                 ("ptr", b["active"].ptr), ("ptr", b["y32"].ptr), ("i32", tg_d)], pdl=True)
 
         t_old = timed(dev, old_all, reps=5)
         t_old_route = timed(dev, old_route, reps=5)
@@ -120,13 +125,13 @@ def main() -> int:
         for impl, moe in moes.items():
 
             def new_all() -> None:
-                moe.launch(n, lg.ptr, ld, mw, h.ptr, H, K, True, ny, bufs)
+                moe.launch(n, lg.ptr, ld, mw, h.ptr, H, K, True, ny, bufs, y_dtype=args.y_dtype)
 
             def new_route() -> None:
                 moe.route(n, lg.ptr, ld, E, K, True, bufs)
 
             def new_gemms() -> None:
-                moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs)
+                moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs, y_dtype=args.y_dtype)
 
             t_new = timed(dev, new_all)
             t_route = timed(dev, new_route)
@@ -142,7 +147,8 @@ def main() -> int:
              f"{datetime.date.today().isoformat()})", "",
              f"Qwen3.5-35B-A3B routed experts: H {H}, {E} experts of I {INTER}, top-{K}, random bf16 weights; "
              f"`python3 -m benchmarks.gpu_moe_prefill`. Dense reference: cuBLASLt bf16 [{M} x {H}] @ [{H} x {N}] "
-             f"= {t_dense * 1e6:.0f} us, **{dense / 1e12:.0f} TFLOP/s**. Rate = 2 * pairs * 3 * I * H / time.", "",
+             f"= {t_dense * 1e6:.0f} us, **{dense / 1e12:.0f} TFLOP/s**. Rate = 2 * pairs * 3 * I * H / time. "
+             f"Routed slots in {args.y_dtype} (`--y-dtype`; the CUDA-core baseline writes float32).", "",
              "| tokens | pairs | GEMM build | tensor cores: all (us) | routing (us) | 2 GEMMs (us) | TFLOP/s all "
              "| TFLOP/s GEMMs "
              "| share of dense | CUDA cores: all (us) | moe_route (us) | TFLOP/s | speed-up |",

@@ -950,7 +950,7 @@ class CudaBackend:
             att, gate = env[op.inputs[0]], env[op.inputs[1]]
             H, hd = cfg.num_heads, cfg.head_dim
             o = A.mat("o", n, H * hd, dense=True)
-            self._launch("sigmoid_mul", (-(-n * H * hd // 256), 1, 1), 256,
+            self._launch("sigmoid_mul", (n, -(-H * hd // 256), 1), 256,
                          [("ptr", att.ptr), ("ptr", gate.ptr), ("i64", gate.ld), ("i32", hd), ("ptr", o.ptr),
                           ("i32", n), ("i32", H)])
             env[op.outputs[0]] = o
@@ -958,7 +958,7 @@ class CudaBackend:
             gu = env[op.inputs[0]]
             inter = a["inter"]
             act = A.mat("act", n, inter, dense=True)
-            self._launch("swiglu", (-(-n * inter // 256), 1, 1), 256,
+            self._launch("swiglu", (n, -(-inter // 256), 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", inter)])
             env[op.outputs[0]] = act
         else:  # pragma: no cover - Op validates kinds
@@ -1168,7 +1168,7 @@ class CudaBackend:
             si = sgu.shape[0] // 2
             gu, act = A.mat("gu", n, 2 * si), A.mat("act", n, si, dense=True)
             self._gemm(h, sgu, gu, decode=ctx.phase == Phase.DECODE)
-            self._launch("swiglu", (-(-n * si // 256), 1, 1), 256,
+            self._launch("swiglu", (n, -(-si // 256), 1), 256,
                          [("ptr", gu.ptr), ("i64", gu.ld), ("ptr", act.ptr), ("i32", n), ("i32", si)])
             slot = Mat(y.ptr + k * H * ITEMSIZE[ydt], n, H, self.ny * H, ydt)  # cuBLASLt rounds to ydt once
             self._gemm(act, sdn, slot, decode=ctx.phase == Phase.DECODE)

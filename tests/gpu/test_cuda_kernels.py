@@ -269,7 +269,7 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     qgd = up(dev, qg)
     o2 = dev.empty((n, Hh * hd), dtype)
     es = 4
-    mod.kernel("sigmoid_mul").launch(dev, (1, 1, 1), (256, 1, 1), 0,
+    mod.kernel("sigmoid_mul").launch(dev, (n, 1, 1), (256, 1, 1), 0,
                                      [("ptr", up(dev, a).ptr), ("ptr", qgd.ptr + hd * es), ("i64", Hh * 2 * hd),
                                       ("i32", hd), ("ptr", o2.ptr), ("i32", n), ("i32", Hh)])
     gate = qg.reshape(n, Hh, 2 * hd)[..., hd:].reshape(n, Hh * hd)
@@ -277,7 +277,7 @@ def test_norms_gates_and_elementwise_ops_match_the_program(dev, dtype: str) -> N
     inter = 40
     gu = rounded(rng.standard_normal((n, 2 * inter)), dtype)
     act = dev.empty((n, inter), dtype)
-    mod.kernel("swiglu").launch(dev, (1, 1, 1), (256, 1, 1), 0,
+    mod.kernel("swiglu").launch(dev, (n, 1, 1), (256, 1, 1), 0,
                                 [("ptr", up(dev, gu).ptr), ("i64", 2 * inter), ("ptr", act.ptr), ("i32", n),
                                  ("i32", inter)])
     env = {"gu": gu}

@@ -398,25 +398,25 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core, const f
 // Attention output gate: o[t, h*hd + d] = a[t, h*hd + d] * sigmoid(gate[t * gate_stride + h * 2hd + d]).
 // a float32 [n, H*hd] (the attention kernels' output); gate points at p + hd (its rows of p_stride).
 // ------------------------------------------------------------------------------------------------
+// grid (n, ceil(H * hd / 256)), block 256: row t = blockIdx.x, so no 64-bit division per element (the flat grid's
+// i / width took 200 us for 8192 x 4096 elements on an H200).
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const float* __restrict__ gate, long long gate_stride,
                                        int hd, T* __restrict__ o, int n, int H) {
   pdl_enter();
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long width = (long long)H * hd;
-  if (i >= (long long)n * width) return;
-  const long long t = i / width;
-  const int j = (int)(i % width), h = j / hd, d = j % hd;
+  const int t = blockIdx.x, j = blockIdx.y * blockDim.x + threadIdx.x, width = H * hd;
+  if (t >= n || j >= width) return;
+  const int h = j / hd, d = j - h * hd;
+  const size_t i = (size_t)t * width + j;
   o[i] = from_f32(a[i] * sigmoidf_(gate[t * gate_stride + (long long)h * 2 * hd + d]));
 }
 
 // SwiGLU: act[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu rows of stride elements).
+// grid (n, ceil(I / 256)), block 256: row t = blockIdx.x (no 64-bit division per element).
 extern "C" __global__ void swiglu(const float* __restrict__ gu, long long stride, T* __restrict__ act, int n, int I) {
   pdl_enter();
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (long long)n * I) return;
-  const long long t = i / I;
-  const int c = (int)(i % I);
-  act[i] = from_f32(siluf_(gu[t * stride + c]) * gu[t * stride + I + c]);
+  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (t >= n || c >= I) return;
+  act[(size_t)t * I + c] = from_f32(siluf_(gu[t * stride + c]) * gu[t * stride + I + c]);
 }
 
 // ================================================================================================
