@@ -130,15 +130,18 @@ def main() -> int:
             def new_route() -> None:
                 moe.route(n, lg.ptr, ld, E, K, True, bufs)
 
-            def new_gemms() -> None:
-                moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs, y_dtype=args.y_dtype)
+            def new_gemms(which: str = "both") -> None:
+                moe.experts(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, K, ny, E, bufs, y_dtype=args.y_dtype, gemms=which)
 
             t_new = timed(dev, new_all)
             t_route = timed(dev, new_route)
             new_route()
             t_gemm = timed(dev, new_gemms)
+            t_gu = timed(dev, lambda: new_gemms("gate_up"))
+            t_dn = timed(dev, lambda: new_gemms("down"))
             r = {"n": n, "pairs": P, "impl": f"{impl} ({moe.gemm_impl(H, INTER)})", "new": t_new, "route": t_route,
-                 "gemms": t_gemm, "old": t_old, "old_route": t_old_route, "tflops": flops / t_new / 1e12,
+                 "gemms": t_gemm, "gate_up": t_gu, "down": t_dn,
+                 "old": t_old, "old_route": t_old_route, "tflops": flops / t_new / 1e12,
                  "gemm_tflops": flops / t_gemm / 1e12, "old_tflops": flops / t_old / 1e12}
             log(r)
             rows.append(r)
@@ -149,13 +152,14 @@ def main() -> int:
              f"`python3 -m benchmarks.gpu_moe_prefill`. Dense reference: cuBLASLt bf16 [{M} x {H}] @ [{H} x {N}] "
              f"= {t_dense * 1e6:.0f} us, **{dense / 1e12:.0f} TFLOP/s**. Rate = 2 * pairs * 3 * I * H / time. "
              f"Routed slots in {args.y_dtype} (`--y-dtype`; the CUDA-core baseline writes float32).", "",
-             "| tokens | pairs | GEMM build | tensor cores: all (us) | routing (us) | 2 GEMMs (us) | TFLOP/s all "
-             "| TFLOP/s GEMMs "
+             "| tokens | pairs | GEMM build | tensor cores: all (us) | routing (us) | 2 GEMMs (us) "
+             "| gate_up alone (us) | down alone (us) | TFLOP/s all | TFLOP/s GEMMs "
              "| share of dense | CUDA cores: all (us) | moe_route (us) | TFLOP/s | speed-up |",
-             "|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['n']} | {r['pairs']} | {r['impl']} | {r['new'] * 1e6:.0f} | {r['route'] * 1e6:.1f} | "
-                     f"{r['gemms'] * 1e6:.0f} | {r['tflops']:.0f} | {r['gemm_tflops']:.0f} | "
+                     f"{r['gemms'] * 1e6:.0f} | {r['gate_up'] * 1e6:.0f} | {r['down'] * 1e6:.0f} | "
+                     f"{r['tflops']:.0f} | {r['gemm_tflops']:.0f} | "
                      f"{r['tflops'] * 1e12 / dense:.0%} | {r['old'] * 1e6:.0f} | {r['old_route'] * 1e6:.0f} | "
                      f"{r['old_tflops']:.1f} | {r['old'] / r['new']:.1f}x |")
     write_report(args.out, lines)

@@ -249,15 +249,19 @@ class MoEPrefill:
                       ("ptr", bufs.active), ("ptr", bufs.tiles), ("i32", need), ("i32", bm)])
 
     def experts(self, n: int, h: int, ldh: int, gate_up: int, down: int, hidden: int, inter: int, kk: int, ny: int,
-                e_all: int, bufs: MoEBuffers, y_dtype: str = "float32") -> None:
+                e_all: int, bufs: MoEBuffers, y_dtype: str = "float32", gemms: str = "both") -> None:
         """The grouped GEMMs after :meth:`route`: h (T ``[n, ldh]``), stacked weights ``gate_up``
         ``[E_all, 2I, H]`` and ``down`` ``[E_all, H, I]`` (device pointers) -> ``bufs.act``, ``bufs.y``.
         ``y_dtype``: ``"float32"``, or the bundle dtype (the ``_t`` down kernels: the same float32 products, each
-        rounded once to T, round to nearest even)."""
+        rounded once to T, round to nearest even). ``gemms``: ``"both"``, or only ``"gate_up"`` / ``"down"``
+        (benchmarks time them apart; down reads the act a gate_up launch left)."""
         if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
             raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
         if y_dtype not in ("float32", self.dtype):
             raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
+        if gemms not in ("both", "gate_up", "down"):
+            raise ValueError(f"gemms must be 'both', 'gate_up' or 'down', not {gemms!r}")
+        run_gu, run_d = gemms in ("both", "gate_up"), gemms in ("both", "down")
         down_name = "down" if y_dtype == "float32" else "down_t"
         tiles = max_tiles(n * kk, e_all, self.tile_rows)  # the tiles route() cut
         v = self.variant
@@ -265,21 +269,25 @@ class MoEPrefill:
             k_gu = self.wgmma_module.kernel("moe_wgmma_gate_up")
             k_d = self.wgmma_module.kernel(f"moe_wgmma_{down_name}")
             sms = self.device.limits.sm_count
-            k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
-                        [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
-                         ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], pdl=True)
-            k_d.launch(self.device, v.grid(hidden // v.bn, tiles, sms), (v.threads, 1, 1), v.smem,
-                       [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
-                        ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
-                       pdl=True)
+            if run_gu:
+                k_gu.launch(self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
+                            [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter),
+                             ("i32", kk), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], pdl=True)
+            if run_d:
+                k_d.launch(self.device, v.grid(hidden // v.bn, tiles, sms), (v.threads, 1, 1), v.smem,
+                           [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden),
+                            ("i32", inter), ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list),
+                            ("ptr", bufs.y)], pdl=True)
             return
-        self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
-                     [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
-                      ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)
-        self._launch(f"moe_gemm_{down_name}", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
-                     [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
-                      ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
-                     smem=GEMM_SMEM)
+        if run_gu:
+            self._launch("moe_gemm_gate_up", (inter // GATE_UP_BN, tiles, 1), GEMM_THREADS,
+                         [("ptr", h), ("i64", ldh), ("ptr", gate_up), ("i32", hidden), ("i32", inter), ("i32", kk),
+                          ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.act)], smem=GEMM_SMEM)
+        if run_d:
+            self._launch(f"moe_gemm_{down_name}", (hidden // DOWN_BN, tiles, 1), GEMM_THREADS,
+                         [("ptr", bufs.act), ("ptr", down), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),
+                          ("i32", kk), ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)],
+                         smem=GEMM_SMEM)
 
     def launch(self, n: int, logits: int, ld: int, mw: MoEWeights, h: int, ldh: int, k: int, renorm: bool, ny: int,
                bufs: MoEBuffers, fold_shared: bool = False, y_dtype: str = "float32") -> None:

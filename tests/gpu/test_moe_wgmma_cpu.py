@@ -334,3 +334,42 @@ def test_ws_cta_model_matches_numpy(rows: int) -> None:
         written = np.zeros((n, ny), bool)
         written[done // kk, done % kk] = True
         assert np.isnan(y[~written]).all()
+
+
+def test_experts_launches_the_gemms_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MoEPrefill.experts(gemms=...)``: both GEMMs in order (gate_up, then down), or only the one asked for
+    (the benchmark times them apart), on the wgmma_ws build and the mma fallback; anything else is refused before
+    a launch."""
+    import types
+
+    import hybrid_runtime.cuda.moe_prefill as mp
+    from hybrid_runtime.cuda.moe_prefill import MoEBuffers
+
+    launched: list[str] = []
+
+    class RecKernel(_FakeKernel):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def launch(self, *args: object, **kw: object) -> None:
+            launched.append(self.name)
+
+    class RecModule:
+        def kernel(self, name: str) -> RecKernel:
+            return RecKernel(name)
+
+    monkeypatch.setattr(mp, "load_module", lambda src, options, arch: RecModule())
+    dev = _FakeDevice((9, 0))
+    dev.limits = types.SimpleNamespace(sm_count=132)  # type: ignore[attr-defined]
+    bufs = MoEBuffers(*range(1, 10), 1000)
+    for impl, gu, dn in (("wgmma_ws", "moe_wgmma_gate_up", "moe_wgmma_down_t"),
+                         ("mma", "moe_gemm_gate_up", "moe_gemm_down_t")):
+        moe = mp.MoEPrefill(dev, "bfloat16", impl=impl)  # type: ignore[arg-type]
+        for gemms, want in (("both", [gu, dn]), ("gate_up", [gu]), ("down", [dn])):
+            launched.clear()
+            moe.experts(64, 1, 2048, 2, 3, 2048, 512, 8, 9, 256, bufs, y_dtype="bfloat16", gemms=gemms)
+            assert launched == want, (impl, gemms, launched)
+        launched.clear()
+        with pytest.raises(ValueError, match="gemms"):
+            moe.experts(64, 1, 2048, 2, 3, 2048, 512, 8, 9, 256, bufs, y_dtype="bfloat16", gemms="up")
+        assert launched == []
