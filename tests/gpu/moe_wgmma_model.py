@@ -8,7 +8,7 @@ it, so a slip there shows up here as a wrong product on a CPU."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -125,30 +125,40 @@ def wgmma_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I
                 a = smem[canonical_k_major_address(da + 2 * s, np.arange(64)[:, None], k16) // 2]
                 b = smem[canonical_k_major_address(db + 2 * s, np.arange(bn)[:, None], k16) // 2]
                 acc[wg] += a @ b.T
-    nj = bn // 8
     for tid in range(THREADS):
         wg, lt = tid >> 7, tid & 127
         regs = [acc[wg][accumulator_position(lt, i)] for i in range(bn // 2)]
-        wq, lane = (tid >> 5) & 3, tid & 31
-        g, t4 = lane >> 2, lane & 3
-        for hi in range(2):
-            r = wg * 64 + wq * 16 + g + hi * 8
-            if r >= rows:
-                continue
-            p = s_pair[r]
-            if mode == "gate_up":
-                dst = p * I + bx * (bn // 2) + 2 * t4
-                for j in range(nj // 2):
-                    for b in range(2):
-                        x, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
-                        out[dst + j * 8 + b] = x / (1 + np.exp(-x)) * u
-            else:
-                t, slot = p // kk, p % kk
-                assert pair_w is not None
-                dst = (t * ny + slot) * H + bx * bn + 2 * t4
-                for j in range(nj):
-                    for b in range(2):
-                        out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
+        store_fragment_rows(mode, regs, tid, rows, lambda r: int(s_pair[r]), I, H, kk, ny, bn, bx, pair_w, out)
+
+
+def store_fragment_rows(mode: str, regs: list[float], tid: int, rows: int, pair_of_row: Callable[[int], int],
+                        I: int, H: int, kk: int, ny: int, bn: int, bx: int, pair_w: np.ndarray | None,
+                        out: np.ndarray) -> None:
+    """The epilogue stored straight from consumer thread ``tid``'s accumulator fragment ``regs`` (moe_wgmma.cu;
+    moe_wgmma_ws.cu's float32 slots and ``-DWS_STAGED_EPI=0``): its rows 16 wq + g8 (+ 8) of its warpgroup's 64
+    below ``rows``, pair ``pair_of_row(r)``; gate_up writes SwiGLU of its gate / up columns to act, down
+    ``pair_w * acc`` to the pair's y slot, column block ``bx`` of ``bn``."""
+    nj = bn // 8
+    wg, wq, lane = tid >> 7, (tid >> 5) & 3, tid & 31
+    g8, t4 = lane >> 2, lane & 3
+    for hi in range(2):
+        r = wg * 64 + wq * 16 + g8 + hi * 8
+        if r >= rows:
+            continue
+        p = pair_of_row(r)
+        if mode == "gate_up":
+            dst = p * I + bx * (bn // 2) + 2 * t4
+            for j in range(nj // 2):
+                for b in range(2):
+                    x, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
+                    out[dst + j * 8 + b] = x / (1 + np.exp(-x)) * u
+        else:
+            t, slot = p // kk, p % kk
+            assert pair_w is not None
+            dst = (t * ny + slot) * H + bx * bn + 2 * t4
+            for j in range(nj):
+                for b in range(2):
+                    out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
 
 
 def ring_schedule(kt_count: int, stages: int, inflight: int) -> list[tuple[str, int, int, int]]:
@@ -250,7 +260,6 @@ def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: i
     stage_bytes = (BM + BN) * ROWB
     smem = np.full((sbase + S * stage_bytes) // 2, np.nan)
     g = 0
-    nj = BN // 8
     for ti, x in items:
         _, start, rows = tile_list[ti]
         acc = np.zeros((2, 64, BN))
@@ -273,28 +282,8 @@ def ws_cta_model(mode: str, A: np.ndarray, lda: int, W: np.ndarray, K: int, I: i
             ws_staged_epilogue(mode, regs_of, I, H, kk, ny, start, rows, pair_list, pair_w, x, out)
             continue
         for tid in range(d["WS_CONSUMERS"]):
-            regs = regs_of[tid]
-            wq, lane = (tid >> 5) & 3, tid & 31
-            g8, t4 = lane >> 2, lane & 3
-            wg = tid >> 7
-            for hi in range(2):
-                r = wg * 64 + wq * 16 + g8 + hi * 8
-                if r >= rows:
-                    continue
-                p = int(pair_list[start + r])
-                if mode == "gate_up":
-                    dst = p * I + x * (BN // 2) + 2 * t4
-                    for j in range(nj // 2):
-                        for b in range(2):
-                            v, u = regs[4 * j + 2 * hi + b], regs[4 * (j + nj // 2) + 2 * hi + b]
-                            out[dst + j * 8 + b] = v / (1 + np.exp(-v)) * u
-                    continue
-                t, slot = p // kk, p % kk
-                assert pair_w is not None
-                dst = (t * ny + slot) * H + x * BN + 2 * t4
-                for j in range(nj):
-                    for b in range(2):
-                        out[dst + j * 8 + b] = pair_w[p] * regs[4 * j + 2 * hi + b]
+            store_fragment_rows(mode, regs_of[tid], tid, rows, lambda r, s0=start: int(pair_list[s0 + r]), I, H, kk,
+                                ny, BN, x, pair_w, out)
 
 
 def ws_staged_epilogue(mode: str, regs_of: dict[int, list[float]], I: int, H: int, kk: int, ny: int, start: int,
