@@ -24,7 +24,7 @@
 //   (padded rows: no bank conflicts), a barrier, 16-byte coalesced copies to the pairs' rows (down: two passes of
 //   128 columns), a barrier, then the stage freed. The pair ids (and down's weights) are loaded at the item's
 //   start, their latency hidden by its MMAs. (Stores straight from the accumulators, the float32 y path and
-//   -DWS_STAGED_EPI=0, left down 19% slower at 8192 tokens: 4- and 16-byte pieces of 8 rows per warp store.)
+//   -DWS_STAGED_EPI=0, left down 17% slower at 8192 tokens, H200: each warp store wrote 16 bytes of 8 rows.)
 // * Persistent: grid = min(#SMs, items bound) CTAs; CTA b runs work items b, b + gridDim.x, ... < tiles[0] * nx,
 //   item = tile * nx + x (x fastest, the column blocks of a tile side by side: the order of the non-persistent
 //   grid, so an expert's weight slab is read by its tiles at about the same time).
@@ -82,7 +82,7 @@ typedef u16 T;
 #define WS_EPI_ROWB 272            // staged epilogue row: 128 bf16 / fp16 columns + 16 bytes of pad
 #define WS_EPI_COPIES (WS_BM * 16 / WS_CONSUMERS)  // 16-byte copies per consumer thread and pass (staged)
 #ifndef WS_STAGED_EPI
-#define WS_STAGED_EPI 1  // 0: the epilogue stores straight from the accumulators (down 19% slower at 8192 tokens)
+#define WS_STAGED_EPI 1  // 0: the epilogue stores straight from the accumulators (down 17% slower at 8192 tokens)
 #endif
 #if WS_BM * WS_EPI_ROWB > WS_A_BYTES + WS_B_BYTES
 #error "the staged epilogue must fit in one stage"
