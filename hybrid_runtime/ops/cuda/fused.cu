@@ -398,8 +398,8 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core, const f
 // Attention output gate: o[t, h*hd + d] = a[t, h*hd + d] * sigmoid(gate[t * gate_stride + h * 2hd + d]).
 // a float32 [n, H*hd] (the attention kernels' output); gate points at p + hd (its rows of p_stride).
 // ------------------------------------------------------------------------------------------------
-// grid (n, ceil(H * hd / 256)), block 256: row t = blockIdx.x, so no 64-bit division per element (the flat grid's
-// i / width took 200 us for 8192 x 4096 elements on an H200).
+// grid (n, ceil(H * hd / 256)), block 256: row t = blockIdx.x, no 64-bit division per element (the flat grid with
+// one: 199 us for 8192 x 4096 elements on an H200, this grid 181 us).
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ a, const float* __restrict__ gate, long long gate_stride,
                                        int hd, T* __restrict__ o, int n, int H) {
   pdl_enter();
