@@ -278,8 +278,9 @@ def test_ws_persistent_items_cover_every_tile_and_column_block_once() -> None:
 def test_ws_protocol_is_safe_and_deadlock_free(kts: list[int], seed: int) -> None:
     """The mbarrier ring of the warp-specialised build under random interleavings (and random landing of the
     cp.async groups): data ready before every MMA, no stage overwritten under an MMA, arrivals in phase, no
-    deadlock - for the build's (stages, lag) and the tighter legal lags, with the epilogue stored straight from
-    the accumulators (the default) or staged in the item's last stage (``-DWS_STAGED_EPI=1``)."""
+    deadlock - for the build's (stages, lag) and the tighter legal lags, with the epilogue staged in the item's
+    last stage (the default for bf16 / fp16 outputs) or stored straight from the accumulators (float32 slots,
+    ``-DWS_STAGED_EPI=0``)."""
     ws = WGMMA_VARIANTS["wgmma_ws"]
     for stages, lag in {(ws.stages, ws.lag), (4, 1), (3, 1)}:
         for staged in (False, True):
