@@ -71,9 +71,12 @@ CHUNK_COLS_WIDE = 64  # value columns per gdn_chunk_state CTA of the "tf32" buil
 PREFILL_MODES = ("chunked", "scan")
 # builds of gdn_chunk.cu: "fp32" -DTC=0 (float32 SIMT), "tf32" -DTC=3 (tensor cores, (I + A)^-1 prep, 64-column
 # state CTAs), "tf32_v2" -DTC=2 (the same with 32-column state CTAs), "tf32_v1" -DTC=1 (the first tensor-core
-# build: SIMT forward substitution); v2 and v1 are kept for benchmark comparison
-PRECISIONS = ("fp32", "tf32", "tf32_v2", "tf32_v1")
-TC_BUILD = {"fp32": 0, "tf32": 3, "tf32_v2": 2, "tf32_v1": 1}
+# build: SIMT forward substitution); v2 and v1 are kept for benchmark comparison; "bf16" -DTC=4 (tf32 prep, then
+# the state pass split in two on bf16 tensor cores: gdn_chunk_h carries the state, gdn_chunk_o forms o per chunk)
+PRECISIONS = ("fp32", "tf32", "tf32_v2", "tf32_v1", "bf16")
+TC_BUILD = {"fp32": 0, "tf32": 3, "tf32_v2": 2, "tf32_v1": 1, "bf16": 4}
+H_COLS = 32  # value columns per gdn_chunk_h CTA (HB in gdn_chunk.cu)
+H_COLS_NARROW = 16  # its twin (-DHB=16) for steps whose 32-column grid leaves SMs idle (state_cols_for)
 
 
 FUSED_MAX_DK = 128  # gdn_decode_norm (FUSED_OK in gdn.cu): one CTA of fused_threads(dv) threads per value head
@@ -91,7 +94,9 @@ def fused_threads(dv: int) -> int:
 
 
 def chunk_cols(precision: str) -> int:
-    """Value columns per gdn_chunk_state CTA of a build: 64 for ``"tf32"``, else 32."""
+    """Value columns per state CTA of a build (gdn_chunk_state; "bf16": gdn_chunk_h): 64 for ``"tf32"``, else 32."""
+    if precision == "bf16":
+        return H_COLS
     return CHUNK_COLS_WIDE if precision == "tf32" else CHUNK_COLS
 
 
@@ -101,20 +106,26 @@ def chunk_prep_smem(dk: int, precision: str = "fp32", dv: int | None = None) -> 
     (tf32_v1: 85,504). tf32: q-then-v ``[64][max(dk+4, dvp+8)]`` (dvp = dv rounded up to 8), k ``[64][dk+4]``,
     A and T ``[64][68]``, the same rows: 104,960 bytes at dk = dv = 128 (two CTAs per SM); tf32_v2 the same.
     ``dv`` defaults to dk."""
-    if precision in ("tf32", "tf32_v2"):
+    if precision in ("tf32", "tf32_v2", "bf16"):
         dvp = -(-(dk if dv is None else dv) // 8) * 8
         return 4 * (CHUNK * max(dk + 4, dvp + 8) + CHUNK * (dk + 4) + 2 * CHUNK * (CHUNK + 4) + 6 * CHUNK)
     dkp = dk + (4 if precision == "tf32_v1" else 1)
     return 4 * (2 * CHUNK * dkp + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
 
 
-def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
+def chunk_state_smem(dk: int, precision: str = "fp32", cols: int = H_COLS) -> int:
     """Dynamic shared memory of gdn_chunk_state (STATE_SMEM). fp32: S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
     ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``: 157,696 bytes at dk = 128. tf32 (rows padded
     for conflict-free mma fragments): S ``[dk][40]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``,
     U, V, sk*V ``[64][40]``, scales: 173,056 bytes at dk = 128 (tf32_v2 and tf32_v1). tf32 (64 columns): S^T
     ``[64][dk+4]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``, U ``[64][72]``, V^T, (sk*V)^T
-    ``[64][68]``, scales: 208,896 bytes at dk = 128 (dk = 192 does not fit 227 KB: that shape runs tf32_v2)."""
+    ``[64][68]``, scales: 208,896 bytes at dk = 128 (dk = 192 does not fit 227 KB: that shape runs tf32_v2).
+    bf16 (gdn_chunk_h, H_SMEM): W, K ``[2][64][dk+8]`` bf16, U ``[2][64][40]`` float32, scales ``[2][64][4]``, S
+    ``[dk][40]`` and sk*V ``[64][40]`` bf16: 107,520 bytes at dk = 128 (two CTAs per SM); ``cols`` = 16 (the
+    16-column twin, -DHB=16): rows of 24, 96,768 bytes."""
+    if precision == "bf16":
+        hb = cols + 8
+        return 2 * (4 * CHUNK * (dk + 8) + 4 * CHUNK * hb + 4 * CHUNK * 4 + dk * hb + CHUNK * hb)
     if precision == "tf32":
         bw = CHUNK_COLS_WIDE
         return 4 * (bw * (dk + 4) + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4)
@@ -124,6 +135,12 @@ def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
         return 4 * (dk * vst + 2 * CHUNK * (dk + 4) + CHUNK * (dk + 8) + CHUNK * (CHUNK + 4) + 3 * CHUNK * vst
                     + 2 * CHUNK * 4)
     return 4 * (dk * CHUNK_COLS + 3 * CHUNK * dk + CHUNK * CHUNK + 3 * CHUNK * CHUNK_COLS + 2 * CHUNK * 4)
+
+
+def chunk_out_smem(dk: int, dv: int) -> int:
+    """Dynamic shared memory of gdn_chunk_o (build "bf16", O_SMEM): Q ``[64][dk+8]``, H ``[dk][dv+8]``, Aqk
+    ``[64][72]``, V ``[64][dv+8]`` bf16 and the scales ``[64][4]`` float32: 79,872 bytes at dk = dv = 128."""
+    return 2 * (CHUNK * (dk + 8) + dk * (dv + 8) + CHUNK * (CHUNK + 8) + CHUNK * (dv + 8)) + 4 * CHUNK * 4
 
 
 class CudaGdn:
@@ -168,8 +185,12 @@ class CudaGdn:
         optin = device.limits.max_shared_mem_optin
 
         def fits(p: str) -> bool:
+            if p == "bf16" and (dv % 32 or chunk_out_smem(dk, dv) > optin):
+                return False
             return dk % 16 == 0 and max(chunk_prep_smem(dk, p, dv), chunk_state_smem(dk, p)) <= optin
 
+        if precision == "bf16" and not fits(precision):
+            precision = "tf32"
         if precision == "tf32" and not fits(precision):
             precision = "tf32_v2"
         if precision != "fp32" and not fits(precision):
@@ -182,12 +203,21 @@ class CudaGdn:
             self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
                                                            f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}"),
                                             device.arch)
-            for name, nbytes in zip(("gdn_chunk_prep", "gdn_chunk_state"), self.chunk_smem):
+            names = ("gdn_chunk_prep", "gdn_chunk_h" if precision == "bf16" else "gdn_chunk_state")
+            for name, nbytes in zip(names, self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
+            if precision == "bf16":
+                self.chunk_module.kernel("gdn_chunk_o").set_max_dynamic_smem(device, chunk_out_smem(dk, dv))
         # "tf32" also loads the 32-column state pass ("tf32_v2": the same prep, workspace and bits) for steps whose
         # 64-column grid would leave SMs idle (state_cols_for): a single long prompt runs nv CTAs per 64 columns.
         self.narrow_module = None
         self.narrow_smem = chunk_state_smem(dk, "tf32_v2")
+        if self.chunk_module is not None and precision == "bf16":  # gdn_chunk_h on 16 columns: the same bits
+            self.narrow_smem = chunk_state_smem(dk, "bf16", H_COLS_NARROW)
+            self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
+                                                            f"-DDV={dv}", "-DTC=4", f"-DHB={H_COLS_NARROW}"),
+                                             device.arch)
+            self.narrow_module.kernel("gdn_chunk_h").set_max_dynamic_smem(device, self.narrow_smem)
         if self.chunk_module is not None and precision == "tf32" and fits("tf32_v2"):
             self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
                                                             f"-DDV={dv}", f"-DTC={TC_BUILD['tf32_v2']}"),
@@ -316,7 +346,7 @@ class CudaGdn:
         o = d.empty((N, self.nv * self.dv), self.act_dtype, stream_ordered=True)
         ws = None
         if (mode or self.prefill_mode) == "chunked" and self.chunk_module is not None:
-            ws = d.empty((self.workspace_bytes(N),), "uint8", stream_ordered=True)
+            ws = d.empty((self.workspace_bytes(N, S),), "uint8", stream_ordered=True)
         self.prefill_launch(conv, rec, meta_dev.ptr, meta_dev.ptr + 4 * (S + 1), S, int(lens.max()), u.ptr, self.C,
                             g.ptr, beta.ptr, conv_w, x.ptr, o.ptr, workspace=ws, n_tokens=N, mode=mode)
         return o
@@ -328,22 +358,45 @@ class CudaGdn:
         64; H200, 30 layers: 43.9 -> 41.6 ms of GDN. Two prompts: 256 narrow CTAs were slower than 128 wide
         ones, 8 x 4k GDN 32 -> 42 ms). The two state passes round the same operands in the same k order, so the
         choice changes no bit (``tests/gpu/test_gdn_chunk_gpu.py``) and prefill stays batch invariant."""
+        if self.precision == "bf16":  # gdn_chunk_h: 16 columns per CTA under the same rule (H200, one 8192-token
+            # prompt: 256 CTAs instead of 128), the same bits (columns are independent, k order unchanged)
+            small = self.narrow_module is not None and -(-self.dv // H_COLS) * self.nv * S <= self.narrow_below
+            return H_COLS_NARROW if small else H_COLS
         if self.narrow_module is not None and -(-self.dv // 32) * self.nv * S <= self.narrow_below:
             return 32
         return self.chunk_cols
 
-    def workspace_bytes(self, max_tokens: int) -> int:
-        """Bytes of the chunked prefill's workspace for steps of up to ``max_tokens`` packed tokens:
-        ``4 * max_tokens * nv * (dk + dv + 64 + 4)`` (w ``[N, nv, dk]``, u ``[N, nv, dv]``, Aqk rows
-        ``[N, nv, 64]``, scales ``[N, nv, 4]``, float32). Qwen3.5-35B-A3B (nv = 32, dk = dv = 128): 40.5 KiB
-        per token, 324 MiB at 8192 tokens. One workspace serves every GDN layer (they run one after another
-        on one stream)."""
-        return 4 * int(max_tokens) * self.nv * (self.dk + self.dv + CHUNK + 4)
+    def workspace_bytes(self, max_tokens: int, max_seqs: int = 1) -> int:
+        """Bytes of the chunked prefill's workspace for steps of up to ``max_tokens`` packed tokens in up to
+        ``max_seqs`` sequences: ``4 * max_tokens * nv * (dk + dv + 64 + 4)`` (w ``[N, nv, dk]``, u ``[N, nv, dv]``,
+        Aqk rows ``[N, nv, 64]``, scales ``[N, nv, 4]``, float32). Qwen3.5-35B-A3B (nv = 32, dk = dv = 128):
+        40.5 KiB per token, 324 MiB at 8192 tokens. The "bf16" build (``max_seqs`` counts only there): w and Aqk
+        in bf16, u and the scales float32, then bf16 q / k rows ``[N, 2, nk, dk]``, V ``[N, nv, dv]`` and one
+        starting state per chunk ``[ceil(N / 64) + max_seqs, nv, dk, dv]``: 44.5 KiB per token + 1 MiB per
+        chunk at that shape (485 MiB at 8192 tokens, one sequence). One workspace serves every GDN layer
+        (they run one after another on one stream)."""
+        N = int(max_tokens)
+        if self.precision == "bf16":
+            chunks = -(-N // CHUNK) + int(max_seqs)
+            return (N * (2 * self.nv * self.dk + 4 * self.nv * self.dv + 2 * self.nv * CHUNK + 16 * self.nv
+                         + 4 * self.nk * self.dk + 2 * self.nv * self.dv)
+                    + 2 * chunks * self.nv * self.dk * self.dv)
+        return 4 * N * self.nv * (self.dk + self.dv + CHUNK + 4)
 
-    def workspace_views(self, ptr: int, max_tokens: int) -> tuple[int, int, int, int]:
+    def workspace_views(self, ptr: int, max_tokens: int) -> tuple[int, ...]:
         """Device pointers of w, u, Aqk and the scales inside a workspace of ``workspace_bytes(max_tokens)``
-        bytes at ``ptr`` (each region a multiple of 16 bytes, so 16-byte aligned when ``ptr`` is)."""
-        per = 4 * int(max_tokens) * self.nv
+        bytes at ``ptr`` (each region a multiple of 16 bytes, so 16-byte aligned when ``ptr`` is); the "bf16"
+        build adds the q / k rows, V and the per-chunk states (last: their count depends on ``max_seqs``)."""
+        N = int(max_tokens)
+        if self.precision == "bf16":
+            w = ptr
+            u = w + 2 * N * self.nv * self.dk
+            a = u + 4 * N * self.nv * self.dv
+            sc = a + 2 * N * self.nv * CHUNK
+            qk = sc + 16 * N * self.nv
+            vn = qk + 4 * N * self.nk * self.dk
+            return w, u, a, sc, qk, vn, vn + 2 * N * self.nv * self.dv
+        per = 4 * N * self.nv
         w = ptr
         u = w + per * self.dk
         a = u + per * self.dv
@@ -391,15 +444,36 @@ class CudaGdn:
         ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
         if self.chunk_module is None:
             raise ValueError(f"no chunked prefill for dk={self.dk} on {self.device.limits.name}")
-        if n_tokens < 1 or workspace.nbytes < self.workspace_bytes(n_tokens):
-            raise ValueError(f"workspace of {workspace.nbytes} bytes, {self.workspace_bytes(n_tokens)} needed "
-                             f"for {n_tokens} tokens")
+        if n_tokens < 1 or workspace.nbytes < self.workspace_bytes(n_tokens, S):
+            raise ValueError(f"workspace of {workspace.nbytes} bytes, {self.workspace_bytes(n_tokens, S)} needed "
+                             f"for {n_tokens} tokens in {S} sequences")
         if workspace.device != self.device.ordinal:
             raise ValueError(f"workspace on device {workspace.device}, kernels on {self.device.ordinal}")
         if (workspace.ptr | x_ptr) % 16:
             raise ValueError("the chunked prefill needs 16-byte aligned x and workspace (cp.async)")
-        ws_w, ws_u, ws_a, ws_s = self.workspace_views(workspace.ptr, n_tokens)
+        views = self.workspace_views(workspace.ptr, n_tokens)
+        ws_w, ws_u, ws_a, ws_s = views[:4]
         m, d = self.chunk_module, self.device
+        if self.precision == "bf16":
+            ws_qk, ws_vn, ws_hb = views[4:]
+            m.kernel("gdn_chunk_prep").launch(
+                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
+                [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
+                 ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
+                 ("ptr", ws_qk)], pdl=True)
+            cols = self.state_cols_for(S)
+            hm, hsmem = (self.narrow_module, self.narrow_smem) if cols != H_COLS else (m, self.chunk_smem[1])
+            assert hm is not None
+            hm.kernel("gdn_chunk_h").launch(
+                d, (-(-self.dv // cols), self.nv, S), (CHUNK_THREADS, 1, 1), hsmem,
+                [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
+                 ("ptr", ws_u), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb), ("i32", S),
+                 ("i32", self.nk), ("i32", self.nv)], pdl=True)
+            m.kernel("gdn_chunk_o").launch(
+                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), chunk_out_smem(self.dk, self.dv),
+                [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
+                 ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
+            return
         m.kernel("gdn_chunk_prep").launch(
             d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),

@@ -2,8 +2,8 @@
 against the float64 token recurrence, outputs and final states, from non-zero initial states, with GQA
 (nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch; the builds
 (precision "fp32": float32 SIMT, "tf32": tensor cores with the (I + A)^-1 prep and 64-column state CTAs,
-"tf32_v2": the same with 32-column state CTAs, and "tf32_v1": the first tensor-core build, forward
-substitution), "tf32" against "tf32_v2" (same numerics), and the batch invariance of each (a prompt alone ==
+"tf32_v2": the same with 32-column state CTAs, "tf32_v1": the first tensor-core build, forward
+substitution, and "bf16": the state pass split in two on bf16 tensor cores), "tf32" against "tf32_v2" (same numerics), and the batch invariance of each (a prompt alone ==
 in a batch, whole == cut at a multiple of 64, bit for bit)."""
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ TOL = 5e-5  # float32 kernels vs float64 (relative, Frobenius norm)
 # tf32 build vs float64: the numpy model of its operand rounding (tests/unit/test_gdn_chunk_math.py
 # test_tf32_operands_stay_near_float64) gives ~4e-4 at dk = dv = 128; 2.5e-3 leaves room for float32 sums
 TF32_TOL = 2.5e-3
+# bf16 build vs float64: W, Aqk, q, k, V, S and sk V rounded to bf16 (8-bit significand) as tensor-core operands,
+# float32 accumulators and state; the numpy model (test_gdn_chunk_math.py test_bf16_split_build_stays_near_float64)
+# gives ~2.4e-3 at dk = dv = 128, the H200 2.2e-3 / 2.3e-3 (o / state)
+BF16_TOL = 6e-3
+
+
+def tol_of(precision: str) -> float:
+    return {"fp32": TOL, "bf16": BF16_TOL}.get(precision, TF32_TOL)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,7 @@ def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, pre
     cache.upload_layer(0, conv_np, rec_np)
     gdn = CudaGdn(dev, layout, sh.nk, "float32", precision=precision)
     assert gdn.chunk_module is not None and gdn.precision == (runs or precision)
-    tol = TF32_TOL if precision != "fp32" else TOL
+    tol = tol_of(runs or precision)
     N = sum(lens)
     u = rng.standard_normal((N, sh.C)).astype(np.float32)
     g = (-np.abs(rng.standard_normal((N, sh.nv))) * 0.5).astype(np.float32)
@@ -86,7 +94,7 @@ def run_both(dev, sh: Shape, lens: list[int], seed: int, ref64: bool = True, pre
     o_chunk = dev.download(gdn.prefill(conv, rec, chunk_slots, lens, ud, gd, bd, wd, mode="chunked"))
     conv_d, rec_d = cache.download_layer(0)
     assert np.isfinite(o_chunk).all() and np.isfinite(rec_d[chunk_slots]).all()
-    vs_scan = TF32_TOL if precision != "fp32" else 1e-4
+    vs_scan = tol if precision != "fp32" else 1e-4
     assert rel(o_chunk, o_scan) < vs_scan
     assert rel(rec_d[chunk_slots], rec_d[scan_slots]) < vs_scan
     assert np.array_equal(conv_d[chunk_slots], conv_d[scan_slots])  # the conv path is shared
@@ -244,6 +252,72 @@ def test_tf32_takes_the_32_column_state_pass_when_the_grid_is_small(dev) -> None
     assert np.array_equal(o_auto, o_wide) and np.array_equal(rec_d[0], rec_d[1])
 
 
+# ---------------------------------------------------------------------------------------------- bf16 build
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+def test_bf16_single_sequence_qwen35_shape(dev, T: int) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [T], seed=T, precision="bf16")
+
+
+def test_bf16_long_prompt(dev) -> None:
+    """8192 tokens: 128 chunks of state carried through bf16 operands (the float32 master state must not drift)."""
+    run_both(dev, Shape(nk=2, nv=4, dk=128, dv=128, K=4), [8192], seed=8192, precision="bf16")
+
+
+def test_bf16_varlen_batch(dev) -> None:
+    run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), [65, 1, 700, 64, 129, 3, 2000], seed=17,
+             precision="bf16")
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 64, 32), (2, 4, 16, 96), (1, 2, 192, 64), (1, 2, 16, 12)])
+def test_bf16_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
+    """dk = 64 / 16 (idle warps in the state update), dv = 96 (a CTA of masked columns), dk = 192 (two state tiles
+    per warp); dv = 12 (not a multiple of 32) runs the "tf32" build."""
+    nk, nv, dk, dv = dims
+    runs = "tf32" if dv % 32 else "bf16"
+    run_both(dev, Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4), [1, 100, 64, 257], seed=dk + dv, precision="bf16",
+             runs=runs)
+
+
+def test_bf16_qwen35_batch_8x4096_against_scan(dev) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision="bf16")
+
+
+def test_bf16_takes_the_16_column_state_pass_when_the_grid_is_small(dev) -> None:
+    """One prompt of Qwen3.5-35B-A3B's GDN: 128 CTAs of 32 columns fit the H200's SMs, so the "bf16" object runs
+    gdn_chunk_h on 16 columns (256 CTAs); the result has the bits of the 32-column pass (batch invariance)."""
+    from hybrid_runtime.cuda.gdn import CudaGdn
+    from hybrid_runtime.cuda.state import DeviceStateCache
+    from hybrid_runtime.state_cache import StateLayout
+
+    sh = Shape(nk=16, nv=32, dk=128, dv=128, K=4)
+    layout = StateLayout(2, (sh.K - 1, sh.C), (sh.nv, sh.dk, sh.dv))
+    auto = CudaGdn(dev, layout, sh.nk, "float32", precision="bf16")
+    assert auto.narrow_module is not None and auto.state_cols_for(1) == (16 if dev.limits.sm_count >= 128 else 32)
+    assert auto.state_cols_for(dev.limits.sm_count // 128 + 1) == 32
+    wide = CudaGdn(dev, layout, sh.nk, "float32", precision="bf16")
+    wide.narrow_below = 0
+    assert wide.state_cols_for(1) == 32
+    rng = np.random.default_rng(4)
+    N = 700
+    cache = DeviceStateCache(dev, layout, layers=[0])
+    conv_np, rec_np = layout.allocate()
+    conv_np[:2] = rng.standard_normal((1, sh.K - 1, sh.C)).astype(np.float32)
+    rec_np[:2] = (0.1 * rng.standard_normal((1, sh.nv, sh.dk, sh.dv))).astype(np.float32)
+    cache.upload_layer(0, conv_np, rec_np)
+    u = dev.upload(rng.standard_normal((N, sh.C)).astype(np.float32))
+    g = dev.upload((-np.abs(rng.standard_normal((N, sh.nv))) * 0.5).astype(np.float32))
+    beta = dev.upload((1 / (1 + np.exp(-rng.standard_normal((N, sh.nv))))).astype(np.float32))
+    w = dev.upload((0.5 * rng.standard_normal((sh.C, sh.K))).astype(np.float32))
+    conv, rec = cache.conv[0], cache.recurrent[0]
+    o_auto = dev.download(auto.prefill(conv, rec, [0], [N], u, g, beta, w, mode="chunked"))
+    o_wide = dev.download(wide.prefill(conv, rec, [1], [N], u, g, beta, w, mode="chunked"))
+    _, rec_d = cache.download_layer(0)
+    assert np.isfinite(o_auto).all()
+    assert np.array_equal(o_auto, o_wide) and np.array_equal(rec_d[0], rec_d[1])
+
+
 def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
     from hybrid_runtime.cuda.gdn import CudaGdn
     from hybrid_runtime.state_cache import StateLayout
@@ -253,7 +327,7 @@ def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
     assert gdn.precision == "fp32" and gdn.chunk_module is not None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "tf32_v2", "tf32_v1"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "tf32_v2", "tf32_v1", "bf16"])
 def test_batch_and_cut_invariance(dev, precision: str) -> None:
     """The chunked path gives a prompt the same bits alone, in a packed batch with others, and cut at a
     multiple of 64 tokens (state and conv window through the slot): outputs and final state."""

@@ -48,7 +48,10 @@ typedef unsigned int u32;
 #define TC 0
 #endif
 #if TC && (DK % 16)
-#error "the tf32 builds (TC=1, 2, 3) need DK % 16 == 0"
+#error "the tensor-core builds (TC=1, 2, 3, 4) need DK % 16 == 0"
+#endif
+#if TC == 4 && (DV % 32)
+#error "the bf16 build (TC=4) needs DV % 32 == 0"
 #endif
 
 #if DT == 0
@@ -133,6 +136,12 @@ __device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane
                : "r"(smem_u32(q))
                : "memory");
 }
+// bf16 helpers (build 4). Two floats -> one word of bf16 (lo at the lower address), round to nearest even.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 
 // ------------------------------------------------------------------------------------------------
 // Kernel 1: one CTA per (chunk c, value head h, sequence s). Shared memory (floats):
@@ -168,7 +177,11 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
                                                                    const int* __restrict__ seq_start,
                                                                    float* __restrict__ ws_w, float* __restrict__ ws_u,
                                                                    float* __restrict__ ws_a, float* __restrict__ ws_s,
-                                                                   int S, int NK, int NV) {
+                                                                   int S, int NK, int NV
+#if TC == 4
+                                                                   , u16* __restrict__ ws_qk
+#endif
+) {
   extern __shared__ __align__(16) float sm[];
   const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   if (s >= S || h >= NV) return;
@@ -220,6 +233,18 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
   }
   cp_wait0();
   __syncthreads();
+#if TC == 4
+  // raw q, k rows in bf16 for gdn_chunk_h / gdn_chunk_o (one CTA of each key head's group writes them)
+  if (h % (NV / NK) == 0)
+    for (int e = tid; e < CH * (DK / 2); e += NT) {
+      const int i = e / (DK / 2), d2 = (e % (DK / 2)) * 2;
+      if (i < n) {
+        u16* qr = ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK + d2;
+        *(u32*)qr = pack_bf16(qv[i * PKS + d2], qv[i * PKS + d2 + 1]);
+        *(u32*)(qr + NK * DK) = pack_bf16(ks[i * PKS + d2], ks[i * PKS + d2 + 1]);
+      }
+    }
+#endif
   const double Glast = gd[CH - 1];  // = G_{n-1}: padding adds 0
   // l2 norms; q, k scaled and rounded to tf32 in place; the per-token scales
   for (int i = warp; i < CH; i += NT / 32) {
@@ -284,9 +309,15 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
         const float d1 = j + 1 <= i ? expf((float)(gi - gd[j + 1])) : 0.f;
         am[i * PAS + j] = j < i ? bt[i] * kk[nt][2 * hf] * d0 : 0.f;
         am[i * PAS + j + 1] = j + 1 < i ? bt[i] * kk[nt][2 * hf + 1] * d1 : 0.f;
-        if (i < n)
+        if (i < n) {
+#if TC == 4
+          *(u32*)((u16*)ws_a + ((size_t)(t0 + i) * NV + h) * CH + j) =
+              pack_bf16(qk[nt][2 * hf] * d0, qk[nt][2 * hf + 1] * d1);
+#else
           *(float2*)(ws_a + ((size_t)(t0 + i) * NV + h) * CH + j) =
               make_float2(rnd_tf32(qk[nt][2 * hf] * d0), rnd_tf32(qk[nt][2 * hf + 1] * d1));
+#endif
+        }
       }
   }
   __syncthreads();  // q reads done (qv free for v), A complete
@@ -410,8 +441,13 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
           const int i = 16 * mt + g + 8 * hf, col = 8 * (nt0 + q) + 2 * t4;
           if (i < n && nt0 + q < ntn) {
             if (isw)
+#if TC == 4
+              *(u32*)((u16*)ws_w + ((size_t)(t0 + i) * NV + h) * DK + col) =
+                  pack_bf16(acc[mt][q][2 * hf], acc[mt][q][2 * hf + 1]);
+#else
               *(float2*)(ws_w + ((size_t)(t0 + i) * NV + h) * DK + col) =
                   make_float2(rnd_tf32(acc[mt][q][2 * hf]), rnd_tf32(acc[mt][q][2 * hf + 1]));
+#endif
             else if (col < DV)
               *(float2*)(ws_u + ((size_t)(t0 + i) * NV + h) * DV + col) =
                   make_float2(acc[mt][q][2 * hf], acc[mt][q][2 * hf + 1]);
@@ -640,7 +676,27 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
 #define VTS (CH + 4)  // V^T, (sk V)^T rows [BW][VTS] (B operands [n][k] by ldmatrix)
 #define STATE_FLOATS_TC3 (BW * SST + 2 * CH * WST + CH * KST + CH * AST + CH * UST + 2 * BW * VTS + 2 * CH * 4)
 #define MTC ((DK / 16 + 7) / 8)  // 16-row state tiles per warp in step c (tensor-core builds)
-#if TC == 3
+// TC=4 build (bf16 operands): W, K [2][64][HKS] bf16, U [2][64][HUS] float32, sc [2][64][4], S [DK][HSS] and
+// (sk V) [64][HSS] bf16 (gdn_chunk_h); Q [64][HKS], H [DK][HOS], Aqk [64][HAS], V [64][HOS] bf16 (gdn_chunk_o).
+// Row strides are 16 bytes mod 128 (ldmatrix rows conflict-free) and U rows 8 floats mod 32 (float2 C-layout).
+#ifndef HB
+#define HB 32          // value columns per gdn_chunk_h CTA (-DHB=16: the twin for grids under one CTA per SM)
+#endif
+#if HB != 32 && HB != 16
+#error "HB (value columns per gdn_chunk_h CTA) must be 16 or 32"
+#endif
+#define HNT (HB / 8)   // n-tiles of the state per warp in step c
+#define HNA (HB / 16)  // n-tiles per warp in step a
+#define HKS (DK + 8)   // W, K, Q rows (bf16)
+#define HUS (HB + 8)   // U rows (float32)
+#define HSS (HB + 8)   // S, sk V rows (bf16)
+#define HOS (DV + 8)   // H, V rows of gdn_chunk_o (bf16)
+#define HAS (CH + 8)   // Aqk rows (bf16)
+#define H_SMEM (2 * (4 * CH * HKS + 4 * CH * HUS + 4 * CH * 4 + DK * HSS + CH * HSS))
+#define O_SMEM (2 * (CH * HKS + DK * HOS + CH * HAS + CH * HOS) + 4 * CH * 4)
+#if TC == 4
+#define STATE_SMEM H_SMEM
+#elif TC == 3
 #define STATE_SMEM (STATE_FLOATS_TC3 * 4)
 #elif TC
 #define STATE_SMEM (STATE_FLOATS_TC * 4)
@@ -1174,7 +1230,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
     }
   }
 }
-#else  // TC == 3
+#elif TC == 3
 // ------------------------------------------------------------------------------------------------
 // Kernel 2, tf32 build 3 (precision "tf32"): the numerics of build 2 (same operands rounded the same way, same
 // k order in every accumulator chain) in a CTA of BW = 64 value columns (grid (ceil(DV/64), NV, S)): W, Q and
@@ -1442,5 +1498,335 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
         }
     }
   }
+}
+#else  // TC == 4
+// ------------------------------------------------------------------------------------------------
+// Build 4 (precision "bf16"): the state pass split in two, as in flash-linear-attention's chunked kernels.
+// gdn_chunk_h carries the state only: per chunk two products on bf16 tensor cores (mma.sync m16n8k16, float32
+// accumulators, float32 master state in registers)
+//   a: V = U - W S        warp w: rows 16 (w & 3) .. +15, columns (HB / 2) (w >> 2) .. (HNA n-tiles), k = DK
+//   c: S = e^{G_last} S + K^T (sk V)   warp w: state rows 16 (w + 8 m) .. +15, all HB (32 or 16) columns, k = 64
+// and writes, for gdn_chunk_o, every chunk's starting state H_c (bf16) and V (bf16). gdn_chunk_o then forms
+// o = sq (Q H_c) + Aqk V for every chunk in parallel (grid (chunks, NV, S)). Operands are bf16 (W, Aqk, V, S, sk V
+// rounded to nearest even once, q / k raw rows in bf16 written by the prep); ~4e-3 relative to float64.
+// Workspace (bytes, N = token capacity, CB = chunk capacity N / 64 + S):
+//   w bf16 [N, NV, DK] | u f32 [N, NV, DV] | aqk bf16 [N, NV, 64] | sc f32 [N, NV, 4] | qk bf16 [N, 2, NK, DK]
+//   | vn bf16 [N, NV, DV] | hb bf16 [CB, NV, DK, DV]
+// The chunk c of sequence s is H slot (seq_start[s] + 64 c) / 64 + s: distinct for distinct chunks, < N / 64 + S.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// ldmatrix x4 of bf16 16 x 16 tiles (lane l names row l & 7 of matrix l >> 3):
+//   A [m][k] row-major (non-trans): matrices (m 0-7, k 0-7) (m 8-15, k 0-7) (m 0-7, k 8-15) (m 8-15, k 8-15)
+//     -> a0a1 a2a3 a4a5 a6a7; lane row m = (l & 7) + 8 ((l >> 3) & 1), column k = 8 (l >> 4).
+//   A from [k][m] storage (A = stored^T, .trans): matrices (k 0-7, m 0-7) (k 0-7, m 8-15) (k 8-15, m 0-7)
+//     (k 8-15, m 8-15); lane stored row k = (l & 7) + 8 (l >> 4), column m = 8 ((l >> 3) & 1).
+//   B [k][n] row-major (.trans): two n-tiles, matrices (k 0-7, n 0-7) (k 8-15, n 0-7) (k 0-7, n 8-15)
+//     (k 8-15, n 8-15) -> b0b1, b2b3 of n-tile 0 then of n-tile 1; lane row k = (l & 7) + 8 ((l >> 3) & 1),
+//     column n = 8 (l >> 4).
+// p points at the tile's (0, 0) element, st is the row stride in bf16 elements.
+__device__ __forceinline__ void ldsm16_a(u32* a, const u16* p, int st, int lane) {
+  const u16* q = p + ((lane & 7) + 8 * ((lane >> 3) & 1)) * st + 8 * (lane >> 4);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_u32(q)) : "memory");
+}
+__device__ __forceinline__ void ldsm16_at(u32* a, const u16* p, int st, int lane) {
+  const u16* q = p + ((lane & 7) + 8 * (lane >> 4)) * st + 8 * ((lane >> 3) & 1);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_u32(q)) : "memory");
+}
+__device__ __forceinline__ void ldsm16_bt(u32* b, const u16* p, int st, int lane) {
+  const u16* q = p + ((lane & 7) + 8 * ((lane >> 3) & 1)) * st + 8 * (lane >> 4);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(smem_u32(q)) : "memory");
+}
+__device__ __forceinline__ void cp16b(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ int h_slot(const int* seq_start, int s, int c) { return (seq_start[s] + CH * c) / CH + s; }
+
+// Kernel 2 of build 4: grid (ceil(DV / HB), NV, S), 256 threads, H_SMEM bytes. Per chunk: one wait + barrier
+// (chunk c landed everywhere, the previous step c done), the next chunk's loads issued, step a, barrier, step c.
+extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __restrict__ seq_start,
+                                                                const int* __restrict__ slots,
+                                                                float* __restrict__ rec, long long rec_row,
+                                                                const u16* __restrict__ ws_w,
+                                                                const float* __restrict__ ws_u,
+                                                                const float* __restrict__ ws_s,
+                                                                const u16* __restrict__ ws_qk,
+                                                                u16* __restrict__ ws_vn, u16* __restrict__ ws_hb,
+                                                                int S, int NK, int NV) {
+  extern __shared__ __align__(16) float sm[];
+  const int h = blockIdx.y, s = blockIdx.z;
+  if (s >= S || h >= NV) return;
+  pdl_wait();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3, mt = warp & 3, nh = warp >> 2;
+  const int col0 = blockIdx.x * HB;
+  const int kh = h / (NV / NK);
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  const int nc = (T_len + CH - 1) / CH;
+  float* St = rec + (long long)slots[s] * rec_row + (long long)h * DK * DV;
+
+  u16* wm = (u16*)sm;               // [2][CH][HKS]
+  u16* km = wm + 2 * CH * HKS;      // [2][CH][HKS]
+  float* um = (float*)(km + 2 * CH * HKS);  // [2][CH][HUS]
+  float* scm = um + 2 * CH * HUS;   // [2][CH][4]
+  u16* ss = (u16*)(scm + 2 * CH * 4);  // [DK][HSS]
+  u16* vk = ss + DK * HSS;          // [CH][HSS]
+
+  auto issue = [&](int cc) {
+    if (cc < nc) {
+      const int t0 = start + cc * CH, n = min(CH, T_len - cc * CH), b = cc & 1;
+      for (int e = tid; e < CH * (DK / 8); e += NT) {
+        const int i = e / (DK / 8), q8 = (e % (DK / 8)) * 8;
+        const bool ok = i < n;
+        cp16b(wm + (b * CH + i) * HKS + q8, ok ? ws_w + ((size_t)(t0 + i) * NV + h) * DK + q8 : ws_w, ok);
+        cp16b(km + (b * CH + i) * HKS + q8,
+              ok ? ws_qk + (size_t)(t0 + i) * 2 * NK * DK + NK * DK + kh * DK + q8 : ws_qk, ok);
+      }
+      for (int e = tid; e < CH * (HB / 4); e += NT) {
+        const int i = e / (HB / 4), q4 = (e % (HB / 4)) * 4;
+        const bool ok = i < n && col0 + q4 < DV;
+        cp16b(um + (b * CH + i) * HUS + q4, ok ? ws_u + ((size_t)(t0 + i) * NV + h) * DV + col0 + q4 : ws_u, ok);
+      }
+      for (int i = tid; i < CH; i += NT) {
+        const bool ok = i < n;
+        cp16b(scm + (b * CH + i) * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
+      }
+    }
+    cp_commit();
+  };
+
+  issue(0);
+  // state: st[m][nt][r] = S[16 (warp + 8 m) + g + 8 (r >> 1)][col0 + 8 nt + 2 t4 + (r & 1)]; columns >= DV zero
+  float st[MTC][HNT][4];
+  auto publish = [&](int cc) {  // S (bf16) into ss and, for gdn_chunk_o, into chunk cc's H slot
+    u16* hb = ws_hb + ((size_t)h_slot(seq_start, s, cc) * NV + h) * DK * DV;
+#pragma unroll
+    for (int m = 0; m < MTC; ++m) {
+      const int tile = warp + 8 * m;
+      if (tile < DK / 16) {
+#pragma unroll
+        for (int nt = 0; nt < HNT; ++nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int d = 16 * tile + g + 8 * hf, n = 8 * nt + 2 * t4;
+            const u32 v = pack_bf16(st[m][nt][2 * hf], st[m][nt][2 * hf + 1]);
+            *(u32*)(ss + d * HSS + n) = v;
+            if (col0 + n < DV) *(u32*)(hb + (size_t)d * DV + col0 + n) = v;
+          }
+      }
+    }
+  };
+#pragma unroll
+  for (int m = 0; m < MTC; ++m)
+#pragma unroll
+    for (int nt = 0; nt < HNT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int tile = warp + 8 * m, d = 16 * tile + g + 8 * (r >> 1), n = 8 * nt + 2 * t4 + (r & 1);
+        st[m][nt][r] = (tile < DK / 16 && col0 + n < DV) ? St[(size_t)d * DV + col0 + n] : 0.f;
+      }
+  publish(0);
+
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = start + c * CH, n = min(CH, T_len - c * CH), b = c & 1;
+    cp_wait0();
+    __syncthreads();  // chunk c's W, K, U, sc and the state S_c visible; step c of chunk c-1 done everywhere
+    issue(c + 1);
+    const u16* wb = wm + b * CH * HKS;
+    const u16* kb = km + b * CH * HKS;
+    const float* ub = um + b * CH * HUS;
+    const float* sc = scm + b * CH * 4;
+    // ---- step a: V = U - W S (rows 16 mt .., columns (HB / 2) nh ..), V -> vn (bf16), sk V -> vk (bf16)
+    {
+      float acc[HNA][4];
+#pragma unroll
+      for (int q = 0; q < HNA; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[q][r] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < DK; kk += 16) {
+        u32 a[4], bf[4];
+        ldsm16_a(a, wb + 16 * mt * HKS + kk, HKS, lane);
+#if HB == 32
+        ldsm16_bt(bf, ss + kk * HSS + 16 * nh, HSS, lane);
+        mma_bf16(acc[0], a, bf[0], bf[1]);
+        mma_bf16(acc[1], a, bf[2], bf[3]);
+#else  // both n-tiles of the 16 columns come in; warp half nh takes its own
+        ldsm16_bt(bf, ss + kk * HSS, HSS, lane);
+        mma_bf16(acc[0], a, bf[2 * nh], bf[2 * nh + 1]);
+#endif
+      }
+#pragma unroll
+      for (int q = 0; q < HNA; ++q)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mt + g + 8 * hf, n2 = (HB / 2) * nh + 8 * q + 2 * t4;
+          const float2 uu = *(const float2*)(ub + i * HUS + n2);
+          const float v0 = uu.x - acc[q][2 * hf], v1 = uu.y - acc[q][2 * hf + 1];
+          const float sk = sc[i * 4 + 1];
+          *(u32*)(vk + i * HSS + n2) = pack_bf16(sk * v0, sk * v1);
+          if (i < n && col0 + n2 < DV)
+            *(u32*)(ws_vn + ((size_t)(t0 + i) * NV + h) * DV + col0 + n2) = pack_bf16(v0, v1);
+        }
+    }
+    __syncthreads();  // vk complete; every read of ss done
+    // ---- step c: S = e^{G_last} S + K^T (sk V)
+    {
+      const float el = sc[2];  // row 0 always exists (n >= 1)
+#pragma unroll
+      for (int m = 0; m < MTC; ++m)
+#pragma unroll
+        for (int nt = 0; nt < HNT; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) st[m][nt][r] *= el;
+#pragma unroll
+      for (int kt = 0; kt < CH; kt += 16) {
+        u32 bv[HNT / 2][4];
+#pragma unroll
+        for (int p = 0; p < HNT / 2; ++p) ldsm16_bt(bv[p], vk + kt * HSS + 16 * p, HSS, lane);
+#pragma unroll
+        for (int m = 0; m < MTC; ++m) {
+          const int tile = warp + 8 * m;
+          if (tile < DK / 16) {
+            u32 a[4];
+            ldsm16_at(a, kb + kt * HKS + 16 * tile, HKS, lane);
+#pragma unroll
+            for (int p = 0; p < HNT / 2; ++p) {
+              mma_bf16(st[m][2 * p], a, bv[p][0], bv[p][1]);
+              mma_bf16(st[m][2 * p + 1], a, bv[p][2], bv[p][3]);
+            }
+          }
+        }
+      }
+    }
+    if (c + 1 < nc) publish(c + 1);  // ss is free (barrier above); read after the next chunk's barrier
+  }
+  cp_wait0();  // the trailing (empty) group
+
+#pragma unroll
+  for (int m = 0; m < MTC; ++m) {
+    const int tile = warp + 8 * m;
+    if (tile < DK / 16) {
+#pragma unroll
+      for (int nt = 0; nt < HNT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
+          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
+        }
+    }
+  }
+}
+
+// Kernel 3 of build 4: grid (max chunks, NV, S), 256 threads, O_SMEM bytes. o = sq (Q H_c) + Aqk V for the 64 rows
+// of one chunk of one value head: warp w rows 16 (w & 3) .., columns (DV / 2) (w >> 1 & 1) .. (DV / 16 n-tiles).
+#define ONT (DV / 16)  // n-tiles per warp
+extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_o(const int* __restrict__ seq_start,
+                                                                const u16* __restrict__ ws_a,
+                                                                const float* __restrict__ ws_s,
+                                                                const u16* __restrict__ ws_qk,
+                                                                const u16* __restrict__ ws_vn,
+                                                                const u16* __restrict__ ws_hb,
+                                                                T* __restrict__ out, int S, int NK, int NV) {
+  extern __shared__ __align__(16) float sm[];
+  const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+  if (s >= S || h >= NV) return;
+  pdl_wait();
+  const int start = seq_start[s], T_len = seq_start[s + 1] - start;
+  if (c * CH >= T_len) return;
+  const int t0 = start + c * CH, n = min(CH, T_len - c * CH);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3, mt = warp & 3, nh = warp >> 2;
+  const int kh = h / (NV / NK);
+
+  u16* qm = (u16*)sm;          // [CH][HKS]
+  u16* hm = qm + CH * HKS;     // [DK][HOS]
+  u16* am = hm + DK * HOS;     // [CH][HAS]
+  u16* vm = am + CH * HAS;     // [CH][HOS]
+  float* scm = (float*)(vm + CH * HOS);  // [CH][4]
+  const u16* hb = ws_hb + ((size_t)h_slot(seq_start, s, c) * NV + h) * DK * DV;
+  for (int e = tid; e < CH * (DK / 8); e += NT) {
+    const int i = e / (DK / 8), q8 = (e % (DK / 8)) * 8;
+    const bool ok = i < n;
+    cp16b(qm + i * HKS + q8, ok ? ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK + q8 : ws_qk, ok);
+  }
+  for (int e = tid; e < DK * (DV / 8); e += NT) {
+    const int d = e / (DV / 8), q8 = (e % (DV / 8)) * 8;
+    cp16b(hm + d * HOS + q8, hb + (size_t)d * DV + q8, true);
+  }
+  for (int e = tid; e < CH * (CH / 8); e += NT) {
+    const int i = e / (CH / 8), q8 = (e % (CH / 8)) * 8;
+    const bool ok = i < n;
+    cp16b(am + i * HAS + q8, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q8 : ws_a, ok);
+  }
+  for (int e = tid; e < CH * (DV / 8); e += NT) {
+    const int i = e / (DV / 8), q8 = (e % (DV / 8)) * 8;
+    const bool ok = i < n;
+    cp16b(vm + i * HOS + q8, ok ? ws_vn + ((size_t)(t0 + i) * NV + h) * DV + q8 : ws_vn, ok);
+  }
+  for (int i = tid; i < CH; i += NT) {
+    const bool ok = i < n;
+    cp16b(scm + i * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
+  }
+  cp_commit();
+  cp_wait0();
+  __syncthreads();
+
+  const int n0 = (DV / 2) * nh;
+  float acc[ONT][4];
+#pragma unroll
+  for (int q = 0; q < ONT; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[q][r] = 0.f;
+#pragma unroll 2
+  for (int kk = 0; kk < DK; kk += 16) {
+    u32 a[4];
+    ldsm16_a(a, qm + 16 * mt * HKS + kk, HKS, lane);
+#pragma unroll
+    for (int q = 0; q < ONT; q += 2) {
+      u32 bf[4];
+      ldsm16_bt(bf, hm + kk * HOS + n0 + 8 * q, HOS, lane);
+      mma_bf16(acc[q], a, bf[0], bf[1]);
+      mma_bf16(acc[q + 1], a, bf[2], bf[3]);
+    }
+  }
+  const float sq0 = scm[(16 * mt + g) * 4], sq1 = scm[(16 * mt + g + 8) * 4];
+#pragma unroll
+  for (int q = 0; q < ONT; ++q) {
+    acc[q][0] *= sq0;
+    acc[q][1] *= sq0;
+    acc[q][2] *= sq1;
+    acc[q][3] *= sq1;
+  }
+  for (int kk = 0; kk <= 16 * mt; kk += 16) {  // Aqk is lower triangular: blocks past the diagonal are zero
+    u32 a[4];
+    ldsm16_a(a, am + 16 * mt * HAS + kk, HAS, lane);
+#pragma unroll
+    for (int q = 0; q < ONT; q += 2) {
+      u32 bf[4];
+      ldsm16_bt(bf, vm + kk * HOS + n0 + 8 * q, HOS, lane);
+      mma_bf16(acc[q], a, bf[0], bf[1]);
+      mma_bf16(acc[q + 1], a, bf[2], bf[3]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < ONT; ++q)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = 16 * mt + g + 8 * hf, col = n0 + 8 * q + 2 * t4;
+      if (i < n) {
+        T* op = out + (size_t)(t0 + i) * NV * DV + (size_t)h * DV + col;
+        store_act(op, acc[q][2 * hf]);
+        store_act(op + 1, acc[q][2 * hf + 1]);
+      }
+    }
 }
 #endif  // TC
