@@ -1,8 +1,9 @@
 """Gated DeltaNet prefill delta rule on the GPU: the chunked WY/UT path (gdn_chunk_prep + gdn_chunk_state) in
 its builds (precision "fp32": float32 SIMT; "tf32": tensor cores, (I + A)^-1 prep, 64-column state CTAs;
 "tf32_v2": the same with 32-column state CTAs; "tf32_v1": the first tensor-core build; the last two for
-comparison; prep and state pass also timed apart) against the token scan (gdn_prefill), one
-layer of the Qwen3.5-35B-A3B shape.
+comparison; prep and state pass also timed apart; "bf16": the tf32 prep, then the state pass split in two on bf16
+tensor cores, gdn_chunk_h + gdn_chunk_o, what the cuda backend runs for bf16 bundles) against the token scan
+(gdn_prefill), one layer of the Qwen3.5-35B-A3B shape.
 
     python3 -m benchmarks.gpu_gdn_prefill --out benchmarks/results/gdn_prefill_h200.md
 
@@ -27,7 +28,7 @@ NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096)]  # (sequences, tokens each)
 # the scan, the chunked fp32 build, the chunked tf32 build (inverse-form prep, 64-column state CTAs), the
 # previous tf32 builds (32-column state CTAs; SIMT forward substitution)
-MODES = ("scan", "chunked", "tf32", "tf32_v2", "tf32_v1")
+MODES = ("scan", "chunked", "tf32", "tf32_v2", "tf32_v1", "bf16")
 TC_MODES = ("tf32", "tf32_v2", "tf32_v1")
 
 
@@ -98,14 +99,25 @@ def bench_case(torch: Any, dev: Any, gdns: dict[str, Any], conv: Any, rec: Any, 
                                 float((outs[m][1] - outs["scan"][1]).norm() / outs["scan"][1].norm()))
                             for m in MODES[1:]}
     errs["tf32_vs_v2"] = float((outs["tf32"][0] - outs["tf32_v2"][0]).norm() / outs["tf32_v2"][0].norm())
+    errs["bf16_vs_tf32"] = float((outs["bf16"][0] - outs["tf32"][0]).norm() / outs["tf32"][0].norm())
     host_us = 60.0
     t = {(kind, m): time_calls(torch, (full if kind == "full" else delta)(m), host_us_per_call=host_us,
                                max_calls=50)
-         for kind in ("full", "delta") for m in MODES}
+         for kind in ("full", "delta") for m in MODES if kind == "full" or m != "bf16"}  # bf16: conv fused
     for m in TC_MODES:  # the two kernels apart (each build's state pass after its own prep)
         delta(m)(0)
         t["prep", m] = time_calls(torch, one_kernel(m, "gdn_chunk_prep"), host_us_per_call=host_us, max_calls=50)
         t["state", m] = time_calls(torch, one_kernel(m, "gdn_chunk_state"), host_us_per_call=host_us, max_calls=50)
+    # bf16: its prep (the tf32 build's, bf16 stores, the causal conv fused: it reads u) alone; the rest of the full
+    # call is gdn_chunk_h + gdn_chunk_o + the window update
+    bf = gdns["bf16"]
+    pk = bf.chunk_module.kernel("gdn_chunk_prep")
+    views = bf.workspace_views(ws.ptr, N)
+    pargs = [("ptr", ua.ptr), ("i64", C), ("ptr", wa.ptr), ("ptr", conv.ptr), ("i64", bf.conv_row), ("ptr", slots),
+             ("ptr", ga.ptr), ("ptr", ba.ptr), ("ptr", starts), *[("ptr", v) for v in views[:4]], ("i32", S),
+             ("i32", NK), ("i32", NV), ("ptr", views[4])]
+    t["prep", "bf16"] = time_calls(torch, lambda i: pk.launch(dev, (-(-T // 64), NV, S), (256, 1, 1), bf.chunk_smem[0],
+                                                              pargs, pdl=True), host_us_per_call=host_us, max_calls=50)
     tc = "; ".join(f"{m} {t['delta', m] * 1e3:.3f} ms (prep {t['prep', m] * 1e3:.3f} + state "
                    f"{t['state', m] * 1e3:.3f}, full {t['full', m] * 1e3:.3f})" for m in TC_MODES)
     diffs = "; ".join(f"{m} {errs[m][0]:.1e}, {errs[m][1]:.1e}" for m in MODES[1:])
@@ -137,13 +149,13 @@ def main() -> int:
     conv, rec = cache.conv[0], cache.recurrent[0]
     gdn = CudaGdn(dev, layout, NK, "float32")
     gdns = {"scan": gdn, "chunked": gdn}
-    for m in TC_MODES:
+    for m in (*TC_MODES, "bf16"):
         gdns[m] = CudaGdn(dev, layout, NK, "float32", precision=m)
         assert gdns[m].precision == m
     w = torch.randn(C, KW, device="cuda") * 0.5
     wa = DeviceArray.from_torch(w)
     n_max = max(s * t for s, t in CASES)
-    ws = dev.empty((gdn.workspace_bytes(n_max),), "uint8")
+    ws = dev.empty((max(g.workspace_bytes(n_max, max_s) for g in gdns.values()),), "uint8")
     log(f"{dev.limits.name}: workspace {gdn.workspace_bytes(n_max) / 2**20:.0f} MiB for {n_max} tokens")
     rows = [bench_case(torch, dev, gdns, conv, rec, wa, ws, S, T) for S, T in CASES]
 
@@ -164,8 +176,9 @@ def main() -> int:
         "tf32 Mtok/s | scan full ms | fp32 full ms | tf32 full ms | fp32 vs scan (o, state) | "
         "tf32 vs scan (o, state) | tf32 prep / state ms | tf32_v2 delta ms | tf32_v2 prep / state ms | "
         "tf32_v2 full ms | tf32 vs tf32_v2 (o) | tf32_v1 delta ms | tf32_v1 prep / state ms | "
-        "tf32_v1 full ms | tf32_v1 vs scan (o, state) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tf32_v1 full ms | tf32_v1 vs scan (o, state) | bf16 full ms | tf32 full / bf16 full | "
+        "bf16 prep (conv fused) / rest ms | bf16 vs scan (o, state) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for S, T, t, errs in rows:
         sd, cd, td = t["delta", "scan"], t["delta", "chunked"], t["delta", "tf32"]
@@ -179,7 +192,10 @@ def main() -> int:
                      f"{t['full', 'tf32_v2'] * 1e3:.3f} | {errs['tf32_vs_v2']:.1e} | "
                      f"{t['delta', 'tf32_v1'] * 1e3:.3f} | "
                      f"{t['prep', 'tf32_v1'] * 1e3:.3f} / {t['state', 'tf32_v1'] * 1e3:.3f} | "
-                     f"{t['full', 'tf32_v1'] * 1e3:.3f} | {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e} |")
+                     f"{t['full', 'tf32_v1'] * 1e3:.3f} | {errs['tf32_v1'][0]:.1e}, {errs['tf32_v1'][1]:.1e} | "
+                     f"{t['full', 'bf16'] * 1e3:.3f} | {tf / t['full', 'bf16']:.2f}x | "
+                     f"{t['prep', 'bf16'] * 1e3:.3f} / {(t['full', 'bf16'] - t['prep', 'bf16']) * 1e3:.3f} | "
+                     f"{errs['bf16'][0]:.1e}, {errs['bf16'][1]:.1e} |")
     write_report(args.out, lines)
     return 0
 

@@ -22,7 +22,12 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
     per CTA (grid ``(ceil(dv/64), nv, S)``: half the W / Q / K reloads of the 32-column CTAs of
     ``"tf32_v2"``, the same numerics). The build is fixed per object; the "tf32" object runs its state pass
     on the 32-column twin for steps too small to fill the GPU (``state_cols_for``: the same bits, so batch
-    invariance holds).
+    invariance holds). ``"bf16"`` (bf16 bundles in the ``cuda`` backend) keeps the tf32 prep (w, Aqk and the raw
+    q / k rows stored in bf16) and splits the state pass in two, as flash-linear-attention does:
+    ``gdn_chunk_h`` carries the state alone on bf16 tensor cores (grid ``(ceil(dv/32), nv, S)``, or 16 columns per
+    CTA for steps too small to fill the GPU, the same bits) and stores every chunk's starting state and V in bf16;
+    ``gdn_chunk_o`` then forms o for all chunks in parallel (grid ``(ceil(max_len/64), nv, S)``). ~2.3e-3 relative
+    to float64; needs dv % 32 == 0 (else ``"tf32"``).
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -201,8 +206,8 @@ class CudaGdn:
         self.chunk_module = None
         if dk % 4 == 0 and max(self.chunk_smem) <= optin:
             self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                           f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}"),
-                                            device.arch)
+                                                           f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}",
+                                                           f"-DKW={self.K}"), device.arch)
             names = ("gdn_chunk_prep", "gdn_chunk_h" if precision == "bf16" else "gdn_chunk_state")
             for name, nbytes in zip(names, self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
@@ -215,7 +220,8 @@ class CudaGdn:
         if self.chunk_module is not None and precision == "bf16":  # gdn_chunk_h on 16 columns: the same bits
             self.narrow_smem = chunk_state_smem(dk, "bf16", H_COLS_NARROW)
             self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                            f"-DDV={dv}", "-DTC=4", f"-DHB={H_COLS_NARROW}"),
+                                                            f"-DDV={dv}", "-DTC=4", f"-DHB={H_COLS_NARROW}",
+                                                            f"-DKW={self.K}"),
                                              device.arch)
             self.narrow_module.kernel("gdn_chunk_h").set_max_dynamic_smem(device, self.narrow_smem)
         if self.chunk_module is not None and precision == "tf32" and fits("tf32_v2"):
@@ -411,11 +417,21 @@ class CudaGdn:
         g/beta float32 ``[N, nv]``, x a float32 ``[N, C]`` work area, o ``[N, nv*dv]`` (act dtype).
 
         Conv + window update, then the delta rule: chunked (``gdn_chunk_prep`` + ``gdn_chunk_state``) when
-        the mode is ``"chunked"`` and a ``workspace`` of at least ``workspace_bytes(n_tokens)`` is given
-        (``n_tokens`` = N, the packed tokens of this call), else the token scan ``gdn_prefill``. x, o and
-        the workspace must be 16-byte aligned (device allocations are)."""
+        the mode is ``"chunked"`` and a ``workspace`` of at least ``workspace_bytes(n_tokens, S)`` is given
+        (``n_tokens`` = N, the packed tokens of this call), else the token scan ``gdn_prefill``. The "bf16" build
+        runs its prep on u with the conv fused (x unused), then ``gdn_chunk_h``, ``gdn_chunk_o`` and the window
+        update. x, o and the workspace must be 16-byte aligned (device allocations are)."""
         d = self.device
         cblocks = -(-self.C // CONV_THREADS)
+        if (mode or self.prefill_mode) == "chunked" and workspace is not None and self.precision == "bf16":
+            # the prep computes the conv itself from u and the old windows; the windows move on after it
+            self._prefill_bf16(conv, rec, starts_ptr, slots_ptr, S, max_len, u_ptr, u_stride, g_ptr, beta_ptr,
+                               conv_w, o_ptr, workspace, n_tokens)
+            self.module.kernel("gdn_conv_window").launch(
+                d, (cblocks, S, 1), (CONV_THREADS, 1, 1), 0,
+                [("ptr", u_ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
+                 ("ptr", slots_ptr), ("i32", S), ("i32", self.C), ("i64", u_stride)])
+            return
         self.module.kernel("gdn_conv_prefill").launch(
             d, (cblocks, -(-max_len // PREFILL_TOK_TILE), S), (CONV_THREADS, 1, 1), 0,
             [("ptr", u_ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
@@ -436,12 +452,7 @@ class CudaGdn:
              ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv),
              ("i32", self.chunk)])
 
-    def delta_prefill_chunked(self, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int, max_len: int,
-                              g_ptr: int, beta_ptr: int, x_ptr: int, o_ptr: int, workspace: DeviceArray,
-                              n_tokens: int) -> None:
-        """The chunked delta rule on post-conv x (two launches, both programmatic dependents that wait in
-        the kernel before touching memory): intra-chunk prep of every chunk, then the state pass + output.
-        ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
+    def _check_workspace(self, workspace: DeviceArray, n_tokens: int, S: int) -> None:
         if self.chunk_module is None:
             raise ValueError(f"no chunked prefill for dk={self.dk} on {self.device.limits.name}")
         if n_tokens < 1 or workspace.nbytes < self.workspace_bytes(n_tokens, S):
@@ -449,31 +460,51 @@ class CudaGdn:
                              f"for {n_tokens} tokens in {S} sequences")
         if workspace.device != self.device.ordinal:
             raise ValueError(f"workspace on device {workspace.device}, kernels on {self.device.ordinal}")
-        if (workspace.ptr | x_ptr) % 16:
-            raise ValueError("the chunked prefill needs 16-byte aligned x and workspace (cp.async)")
-        views = self.workspace_views(workspace.ptr, n_tokens)
-        ws_w, ws_u, ws_a, ws_s = views[:4]
+        if workspace.ptr % 16:
+            raise ValueError("the chunked prefill needs a 16-byte aligned workspace (cp.async)")
+
+    def _prefill_bf16(self, conv: DeviceArray, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int,
+                      max_len: int, u_ptr: int, u_stride: int, g_ptr: int, beta_ptr: int, conv_w: DeviceArray,
+                      o_ptr: int, workspace: DeviceArray, n_tokens: int) -> None:
+        """The "bf16" build's three launches (programmatic dependents): ``gdn_chunk_prep`` with the causal conv +
+        SiLU fused (reads u and the slots' old windows: runs before ``gdn_conv_window``), ``gdn_chunk_h`` (the
+        state, chunk after chunk), ``gdn_chunk_o`` (o of every chunk)."""
+        self._check_workspace(workspace, n_tokens, S)
+        ws_w, ws_u, ws_a, ws_s, ws_qk, ws_vn, ws_hb = self.workspace_views(workspace.ptr, n_tokens)
         m, d = self.chunk_module, self.device
+        assert m is not None
+        m.kernel("gdn_chunk_prep").launch(
+            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
+            [("ptr", u_ptr), ("i64", u_stride), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row),
+             ("ptr", slots_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
+             ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
+             ("ptr", ws_qk)], pdl=True)
+        cols = self.state_cols_for(S)
+        hm, hsmem = (self.narrow_module, self.narrow_smem) if cols != H_COLS else (m, self.chunk_smem[1])
+        assert hm is not None
+        hm.kernel("gdn_chunk_h").launch(
+            d, (-(-self.dv // cols), self.nv, S), (CHUNK_THREADS, 1, 1), hsmem,
+            [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
+             ("ptr", ws_u), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb), ("i32", S),
+             ("i32", self.nk), ("i32", self.nv)], pdl=True)
+        m.kernel("gdn_chunk_o").launch(
+            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), chunk_out_smem(self.dk, self.dv),
+            [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
+             ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
+
+    def delta_prefill_chunked(self, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int, max_len: int,
+                              g_ptr: int, beta_ptr: int, x_ptr: int, o_ptr: int, workspace: DeviceArray,
+                              n_tokens: int) -> None:
+        """The chunked delta rule on post-conv x (two launches, both programmatic dependents that wait in
+        the kernel before touching memory): intra-chunk prep of every chunk, then the state pass + output.
+        ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
         if self.precision == "bf16":
-            ws_qk, ws_vn, ws_hb = views[4:]
-            m.kernel("gdn_chunk_prep").launch(
-                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
-                [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
-                 ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
-                 ("ptr", ws_qk)], pdl=True)
-            cols = self.state_cols_for(S)
-            hm, hsmem = (self.narrow_module, self.narrow_smem) if cols != H_COLS else (m, self.chunk_smem[1])
-            assert hm is not None
-            hm.kernel("gdn_chunk_h").launch(
-                d, (-(-self.dv // cols), self.nv, S), (CHUNK_THREADS, 1, 1), hsmem,
-                [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
-                 ("ptr", ws_u), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb), ("i32", S),
-                 ("i32", self.nk), ("i32", self.nv)], pdl=True)
-            m.kernel("gdn_chunk_o").launch(
-                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), chunk_out_smem(self.dk, self.dv),
-                [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
-                 ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
-            return
+            raise ValueError("the bf16 build fuses the causal conv into its prep: run prefill_launch (u, not x)")
+        self._check_workspace(workspace, n_tokens, S)
+        if x_ptr % 16:
+            raise ValueError("the chunked prefill needs a 16-byte aligned x (cp.async)")
+        ws_w, ws_u, ws_a, ws_s = self.workspace_views(workspace.ptr, n_tokens)
+        m, d = self.chunk_module, self.device
         m.kernel("gdn_chunk_prep").launch(
             d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),

@@ -3,8 +3,9 @@ against the float64 token recurrence, outputs and final states, from non-zero in
 (nv = 2 nk), lengths around the 64-token chunk, long prompts and a packed varlen batch; the builds
 (precision "fp32": float32 SIMT, "tf32": tensor cores with the (I + A)^-1 prep and 64-column state CTAs,
 "tf32_v2": the same with 32-column state CTAs, "tf32_v1": the first tensor-core build, forward
-substitution, and "bf16": the state pass split in two on bf16 tensor cores), "tf32" against "tf32_v2" (same numerics), and the batch invariance of each (a prompt alone ==
-in a batch, whole == cut at a multiple of 64, bit for bit)."""
+substitution, and "bf16": the state pass split in two on bf16 tensor cores), "tf32" against "tf32_v2" (same
+numerics), and the batch invariance of each (a prompt alone == in a batch, whole == cut at a multiple of 64, bit for
+bit)."""
 
 from __future__ import annotations
 

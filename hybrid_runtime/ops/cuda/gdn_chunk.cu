@@ -15,7 +15,9 @@
 // TC=3 ("tf32", the default tensor-core build) is TC=2's prep and numerics with a state pass of 64 value
 // columns per CTA (grid (ceil(DV/64), NV, S)): half the W / Q / K reloads, ldmatrix B fragments, 3 barriers
 // per chunk (gdn_chunk_state, TC == 3, below).
-// Same workspace and launch arguments in all builds; the state grid's x (ceil(DV/32), TC=3: ceil(DV/64)) and
+// TC=4 ("bf16") keeps TC=2's prep (w, Aqk stored bf16, plus bf16 raw q / k rows) and replaces gdn_chunk_state by
+// gdn_chunk_h + gdn_chunk_o (bf16 tensor cores; see "Build 4" below: its own workspace layout and arguments).
+// Same workspace and launch arguments in builds 0-3; the state grid's x (ceil(DV/32), TC=3: ceil(DV/64)) and
 // the shared-memory sizes differ (PREP_SMEM, STATE_SMEM; TC=1 and TC=2 share STATE_SMEM, TC=2 and TC=3
 // PREP_SMEM).
 // Inputs: x float32 [N, C] post-conv channels (q | k | v, C = 2*NK*DK + NV*DV), g / beta float32 [N, NV],
@@ -136,6 +138,50 @@ __device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane
                : "r"(smem_u32(q))
                : "memory");
 }
+#if TC == 4
+#ifndef KW
+#define KW 4
+#endif
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(u16 v) {
+#if DT == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#else
+  return __uint_as_float(((u32)v) << 16);
+#endif
+}
+// Build 4's prep computes the causal conv + SiLU itself (gdn.cu's gdn_conv_prefill, the same expression order, so
+// the same x bits): rows i < n of one channel ch of chunk rows p0 .. p0 + 63 of a sequence (positions relative to
+// its start) into dst[i * st]; rows >= n zero. The first KW - 1 inputs before position 0 come from the window.
+__device__ __forceinline__ void conv_rows(const T* __restrict__ u, long long u_stride,
+                                          const float* __restrict__ conv_w, const float* __restrict__ win, int C,
+                                          int ch, int start, int p0, int n, float* dst, int st) {
+  float w[KW], xs[KW];
+#pragma unroll
+  for (int j = 0; j < KW; ++j) w[j] = conv_w[(size_t)ch * KW + j];
+#pragma unroll
+  for (int j = 0; j < KW - 1; ++j) {
+    const int p = p0 - (KW - 1) + j;
+    xs[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * u_stride + ch]) : win[(long long)(KW - 1 + p) * C + ch];
+  }
+#pragma unroll 8
+  for (int i = 0; i < CH; ++i) {
+    float y = 0.f;
+    if (i < n) {
+      xs[KW - 1] = to_f32(u[(size_t)(start + p0 + i) * u_stride + ch]);
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < KW; ++j) acc += w[j] * xs[j];
+      y = acc / (1.f + expf(-acc));
+#pragma unroll
+      for (int j = 0; j < KW - 1; ++j) xs[j] = xs[j + 1];
+    }
+    dst[i * st] = y;
+  }
+}
+#endif
 // bf16 helpers (build 4). Two floats -> one word of bf16 (lo at the lower address), round to nearest even.
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   u32 r;
@@ -171,7 +217,15 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 // are only ever tf32 A operands of gdn_chunk_state). q / k / v arrive by cp.async; q, k are normalised and
 // rounded to tf32 in shared memory once. Same grid, arguments and workspace as the other builds.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(
+#if TC == 4  // the causal conv + SiLU fused: u (projection rows of u_stride elements), weights, the slots' windows
+                                                                   const T* __restrict__ u, long long u_stride,
+                                                                   const float* __restrict__ conv_w,
+                                                                   const float* __restrict__ conv, long long conv_row,
+                                                                   const int* __restrict__ slots,
+#else
+                                                                   const float* __restrict__ x,
+#endif
                                                                    const float* __restrict__ gdec,
                                                                    const float* __restrict__ beta,
                                                                    const int* __restrict__ seq_start,
@@ -202,6 +256,14 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
   float* bt = (float*)(gd + CH);   // [CH]
   float* eg = bt + CH;             // [CH]
 
+#if TC == 4
+  // q / k rows = silu(causal conv of u) computed here, one channel per thread (rows >= n zero)
+  const float* win = conv + (long long)slots[s] * conv_row;
+  for (int e = tid; e < 2 * DK; e += NT) {
+    const int ch = e < DK ? kh * DK + e : NK * DK + kh * DK + (e - DK);
+    conv_rows(u, u_stride, conv_w, win, C, ch, start, c * CH, n, (e < DK ? qv : ks) + (e % DK), PKS);
+  }
+#else
   // raw q / k rows (rows >= n zero-filled)
   for (int e = tid; e < CH * (DK / 4); e += NT) {
     const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
@@ -210,6 +272,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
     cp16(qv + i * PKS + q4, xr, ok);
     cp16(ks + i * PKS + q4, xr + NK * DK, ok);
   }
+#endif
   cp_commit();
   if (warp == 0) {  // G = cumsum(g) in float64 (warp scan; lane owns rows 2 lane, 2 lane + 1), beta, e^G
     const int i0 = 2 * lane;
@@ -322,12 +385,25 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
   }
   __syncthreads();  // q reads done (qv free for v), A complete
 
+#if TC == 4
+  // v rows into qv (stride PVS; rows >= n and columns DV .. DVP-1 zero): the conv by the threads that the inverse's
+  // level 0 below leaves idle (tid >= CH), before its barrier
+  if (tid >= CH)
+    for (int e = tid - CH; e < DVP; e += NT - CH) {
+      if (e < DV) {
+        conv_rows(u, u_stride, conv_w, win, C, 2 * NK * DK + h * DV + e, start, c * CH, n, qv + e, PVS);
+      } else {
+        for (int i = 0; i < CH; ++i) qv[i * PVS + e] = 0.f;
+      }
+    }
+#else
   // raw v rows into qv (stride PVS; rows >= n and columns DV .. DVP-1 zero), landing during the inverse
   for (int e = tid; e < CH * (DVP / 4); e += NT) {
     const int i = e / (DVP / 4), q4 = (e % (DVP / 4)) * 4;
     const bool ok = i < n && q4 < DV;
     cp16(qv + i * PVS + q4, ok ? x + (size_t)(t0 + i) * C + 2 * NK * DK + h * DV + q4 : x, ok);
   }
+#endif
   cp_commit();
 
   // T = (I + A)^-1, level 0: the diagonal 16 x 16 blocks, thread = (block b, column cc), forward
