@@ -22,12 +22,7 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
     per CTA (grid ``(ceil(dv/64), nv, S)``: half the W / Q / K reloads of the 32-column CTAs of
     ``"tf32_v2"``, the same numerics). The build is fixed per object; the "tf32" object runs its state pass
     on the 32-column twin for steps too small to fill the GPU (``state_cols_for``: the same bits, so batch
-    invariance holds). ``"bf16"`` (bf16 bundles in the ``cuda`` backend) keeps the tf32 prep (w, Aqk and the raw
-    q / k rows stored in bf16) and splits the state pass in two, as flash-linear-attention does:
-    ``gdn_chunk_h`` carries the state alone on bf16 tensor cores (grid ``(ceil(dv/32), nv, S)``, or 16 columns per
-    CTA for steps too small to fill the GPU, the same bits) and stores every chunk's starting state and V in bf16;
-    ``gdn_chunk_o`` then forms o for all chunks in parallel (grid ``(ceil(max_len/64), nv, S)``). ~2.3e-3 relative
-    to float64; needs dv % 32 == 0 (else ``"tf32"``).
+    invariance holds).
   - ``"scan"`` (``gdn_prefill`` in ``gdn.cu``): token by token, state in registers, one CTA per 32
     columns of a value head of a sequence. Used when no workspace is given.
 
@@ -81,7 +76,6 @@ PREFILL_MODES = ("chunked", "scan")
 PRECISIONS = ("fp32", "tf32", "tf32_v2", "tf32_v1", "bf16")
 TC_BUILD = {"fp32": 0, "tf32": 3, "tf32_v2": 2, "tf32_v1": 1, "bf16": 4}
 H_COLS = 32  # value columns per gdn_chunk_h CTA (HB in gdn_chunk.cu)
-H_COLS_NARROW = 16  # its twin (-DHB=16) for steps whose 32-column grid leaves SMs idle (state_cols_for)
 
 
 FUSED_MAX_DK = 128  # gdn_decode_norm (FUSED_OK in gdn.cu): one CTA of fused_threads(dv) threads per value head
@@ -118,7 +112,7 @@ def chunk_prep_smem(dk: int, precision: str = "fp32", dv: int | None = None) -> 
     return 4 * (2 * CHUNK * dkp + CHUNK * CHUNK + 2 * CHUNK + 4 * CHUNK)
 
 
-def chunk_state_smem(dk: int, precision: str = "fp32", cols: int = H_COLS) -> int:
+def chunk_state_smem(dk: int, precision: str = "fp32") -> int:
     """Dynamic shared memory of gdn_chunk_state (STATE_SMEM). fp32: S ``[dk][32]``, W, Q, K ``[64][dk]``, Aqk
     ``[64][64]``, U, V, sk*V ``[64][32]``, scales ``[2][64][4]``: 157,696 bytes at dk = 128. tf32 (rows padded
     for conflict-free mma fragments): S ``[dk][40]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``,
@@ -126,10 +120,9 @@ def chunk_state_smem(dk: int, precision: str = "fp32", cols: int = H_COLS) -> in
     ``[64][dk+4]``, W, Q ``[64][dk+4]``, K ``[64][dk+8]``, Aqk ``[64][68]``, U ``[64][72]``, V^T, (sk*V)^T
     ``[64][68]``, scales: 208,896 bytes at dk = 128 (dk = 192 does not fit 227 KB: that shape runs tf32_v2).
     bf16 (gdn_chunk_h, H_SMEM): W, K ``[2][64][dk+8]`` bf16, U ``[2][64][40]`` float32, scales ``[2][64][4]``, S
-    ``[dk][40]`` and sk*V ``[64][40]`` bf16: 107,520 bytes at dk = 128 (two CTAs per SM); ``cols`` = 16 (the
-    16-column twin, -DHB=16): rows of 24, 96,768 bytes."""
+    ``[dk][40]`` and sk*V ``[64][40]`` bf16: 107,520 bytes at dk = 128 (two CTAs per SM)."""
     if precision == "bf16":
-        hb = cols + 8
+        hb = H_COLS + 8
         return 2 * (4 * CHUNK * (dk + 8) + 4 * CHUNK * hb + 4 * CHUNK * 4 + dk * hb + CHUNK * hb)
     if precision == "tf32":
         bw = CHUNK_COLS_WIDE
@@ -206,8 +199,8 @@ class CudaGdn:
         self.chunk_module = None
         if dk % 4 == 0 and max(self.chunk_smem) <= optin:
             self.chunk_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                           f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}",
-                                                           f"-DKW={self.K}"), device.arch)
+                                                           f"-DDV={dv}", f"-DTC={TC_BUILD[precision]}"),
+                                            device.arch)
             names = ("gdn_chunk_prep", "gdn_chunk_h" if precision == "bf16" else "gdn_chunk_state")
             for name, nbytes in zip(names, self.chunk_smem):
                 self.chunk_module.kernel(name).set_max_dynamic_smem(device, nbytes)
@@ -217,13 +210,6 @@ class CudaGdn:
         # 64-column grid would leave SMs idle (state_cols_for): a single long prompt runs nv CTAs per 64 columns.
         self.narrow_module = None
         self.narrow_smem = chunk_state_smem(dk, "tf32_v2")
-        if self.chunk_module is not None and precision == "bf16":  # gdn_chunk_h on 16 columns: the same bits
-            self.narrow_smem = chunk_state_smem(dk, "bf16", H_COLS_NARROW)
-            self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
-                                                            f"-DDV={dv}", "-DTC=4", f"-DHB={H_COLS_NARROW}",
-                                                            f"-DKW={self.K}"),
-                                             device.arch)
-            self.narrow_module.kernel("gdn_chunk_h").set_max_dynamic_smem(device, self.narrow_smem)
         if self.chunk_module is not None and precision == "tf32" and fits("tf32_v2"):
             self.narrow_module = load_module(CHUNK_SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DDK={dk}",
                                                             f"-DDV={dv}", f"-DTC={TC_BUILD['tf32_v2']}"),
@@ -364,10 +350,8 @@ class CudaGdn:
         64; H200, 30 layers: 43.9 -> 41.6 ms of GDN. Two prompts: 256 narrow CTAs were slower than 128 wide
         ones, 8 x 4k GDN 32 -> 42 ms). The two state passes round the same operands in the same k order, so the
         choice changes no bit (``tests/gpu/test_gdn_chunk_gpu.py``) and prefill stays batch invariant."""
-        if self.precision == "bf16":  # gdn_chunk_h: 16 columns per CTA under the same rule (H200, one 8192-token
-            # prompt: 256 CTAs instead of 128), the same bits (columns are independent, k order unchanged)
-            small = self.narrow_module is not None and -(-self.dv // H_COLS) * self.nv * S <= self.narrow_below
-            return H_COLS_NARROW if small else H_COLS
+        if self.precision == "bf16":  # gdn_chunk_h: always 32 (16-column CTAs measured slower: gdn_chunk.cu HB)
+            return H_COLS
         if self.narrow_module is not None and -(-self.dv // 32) * self.nv * S <= self.narrow_below:
             return 32
         return self.chunk_cols
@@ -417,21 +401,11 @@ class CudaGdn:
         g/beta float32 ``[N, nv]``, x a float32 ``[N, C]`` work area, o ``[N, nv*dv]`` (act dtype).
 
         Conv + window update, then the delta rule: chunked (``gdn_chunk_prep`` + ``gdn_chunk_state``) when
-        the mode is ``"chunked"`` and a ``workspace`` of at least ``workspace_bytes(n_tokens, S)`` is given
-        (``n_tokens`` = N, the packed tokens of this call), else the token scan ``gdn_prefill``. The "bf16" build
-        runs its prep on u with the conv fused (x unused), then ``gdn_chunk_h``, ``gdn_chunk_o`` and the window
-        update. x, o and the workspace must be 16-byte aligned (device allocations are)."""
+        the mode is ``"chunked"`` and a ``workspace`` of at least ``workspace_bytes(n_tokens)`` is given
+        (``n_tokens`` = N, the packed tokens of this call), else the token scan ``gdn_prefill``. x, o and
+        the workspace must be 16-byte aligned (device allocations are)."""
         d = self.device
         cblocks = -(-self.C // CONV_THREADS)
-        if (mode or self.prefill_mode) == "chunked" and workspace is not None and self.precision == "bf16":
-            # the prep computes the conv itself from u and the old windows; the windows move on after it
-            self._prefill_bf16(conv, rec, starts_ptr, slots_ptr, S, max_len, u_ptr, u_stride, g_ptr, beta_ptr,
-                               conv_w, o_ptr, workspace, n_tokens)
-            self.module.kernel("gdn_conv_window").launch(
-                d, (cblocks, S, 1), (CONV_THREADS, 1, 1), 0,
-                [("ptr", u_ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
-                 ("ptr", slots_ptr), ("i32", S), ("i32", self.C), ("i64", u_stride)])
-            return
         self.module.kernel("gdn_conv_prefill").launch(
             d, (cblocks, -(-max_len // PREFILL_TOK_TILE), S), (CONV_THREADS, 1, 1), 0,
             [("ptr", u_ptr), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row), ("ptr", starts_ptr),
@@ -452,7 +426,12 @@ class CudaGdn:
              ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv),
              ("i32", self.chunk)])
 
-    def _check_workspace(self, workspace: DeviceArray, n_tokens: int, S: int) -> None:
+    def delta_prefill_chunked(self, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int, max_len: int,
+                              g_ptr: int, beta_ptr: int, x_ptr: int, o_ptr: int, workspace: DeviceArray,
+                              n_tokens: int) -> None:
+        """The chunked delta rule on post-conv x (two launches, both programmatic dependents that wait in
+        the kernel before touching memory): intra-chunk prep of every chunk, then the state pass + output.
+        ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
         if self.chunk_module is None:
             raise ValueError(f"no chunked prefill for dk={self.dk} on {self.device.limits.name}")
         if n_tokens < 1 or workspace.nbytes < self.workspace_bytes(n_tokens, S):
@@ -460,51 +439,28 @@ class CudaGdn:
                              f"for {n_tokens} tokens in {S} sequences")
         if workspace.device != self.device.ordinal:
             raise ValueError(f"workspace on device {workspace.device}, kernels on {self.device.ordinal}")
-        if workspace.ptr % 16:
-            raise ValueError("the chunked prefill needs a 16-byte aligned workspace (cp.async)")
-
-    def _prefill_bf16(self, conv: DeviceArray, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int,
-                      max_len: int, u_ptr: int, u_stride: int, g_ptr: int, beta_ptr: int, conv_w: DeviceArray,
-                      o_ptr: int, workspace: DeviceArray, n_tokens: int) -> None:
-        """The "bf16" build's three launches (programmatic dependents): ``gdn_chunk_prep`` with the causal conv +
-        SiLU fused (reads u and the slots' old windows: runs before ``gdn_conv_window``), ``gdn_chunk_h`` (the
-        state, chunk after chunk), ``gdn_chunk_o`` (o of every chunk)."""
-        self._check_workspace(workspace, n_tokens, S)
-        ws_w, ws_u, ws_a, ws_s, ws_qk, ws_vn, ws_hb = self.workspace_views(workspace.ptr, n_tokens)
+        if (workspace.ptr | x_ptr) % 16:
+            raise ValueError("the chunked prefill needs 16-byte aligned x and workspace (cp.async)")
+        views = self.workspace_views(workspace.ptr, n_tokens)
+        ws_w, ws_u, ws_a, ws_s = views[:4]
         m, d = self.chunk_module, self.device
-        assert m is not None
-        m.kernel("gdn_chunk_prep").launch(
-            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
-            [("ptr", u_ptr), ("i64", u_stride), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row),
-             ("ptr", slots_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
-             ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
-             ("ptr", ws_qk)], pdl=True)
-        cols = self.state_cols_for(S)
-        hm, hsmem = (self.narrow_module, self.narrow_smem) if cols != H_COLS else (m, self.chunk_smem[1])
-        assert hm is not None
-        hm.kernel("gdn_chunk_h").launch(
-            d, (-(-self.dv // cols), self.nv, S), (CHUNK_THREADS, 1, 1), hsmem,
-            [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
-             ("ptr", ws_u), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb), ("i32", S),
-             ("i32", self.nk), ("i32", self.nv)], pdl=True)
-        m.kernel("gdn_chunk_o").launch(
-            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), chunk_out_smem(self.dk, self.dv),
-            [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
-             ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
-
-    def delta_prefill_chunked(self, rec: DeviceArray, starts_ptr: int, slots_ptr: int, S: int, max_len: int,
-                              g_ptr: int, beta_ptr: int, x_ptr: int, o_ptr: int, workspace: DeviceArray,
-                              n_tokens: int) -> None:
-        """The chunked delta rule on post-conv x (two launches, both programmatic dependents that wait in
-        the kernel before touching memory): intra-chunk prep of every chunk, then the state pass + output.
-        ``n_tokens`` sizes the workspace regions; the packed N of this call must not exceed it."""
         if self.precision == "bf16":
-            raise ValueError("the bf16 build fuses the causal conv into its prep: run prefill_launch (u, not x)")
-        self._check_workspace(workspace, n_tokens, S)
-        if x_ptr % 16:
-            raise ValueError("the chunked prefill needs a 16-byte aligned x (cp.async)")
-        ws_w, ws_u, ws_a, ws_s = self.workspace_views(workspace.ptr, n_tokens)
-        m, d = self.chunk_module, self.device
+            ws_qk, ws_vn, ws_hb = views[4:]
+            m.kernel("gdn_chunk_prep").launch(
+                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
+                [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
+                 ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
+                 ("ptr", ws_qk)], pdl=True)
+            m.kernel("gdn_chunk_h").launch(
+                d, (-(-self.dv // H_COLS), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
+                [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
+                 ("ptr", ws_u), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb), ("i32", S),
+                 ("i32", self.nk), ("i32", self.nv)], pdl=True)
+            m.kernel("gdn_chunk_o").launch(
+                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), chunk_out_smem(self.dk, self.dv),
+                [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
+                 ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
+            return
         m.kernel("gdn_chunk_prep").launch(
             d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),

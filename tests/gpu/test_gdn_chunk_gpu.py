@@ -285,40 +285,6 @@ def test_bf16_qwen35_batch_8x4096_against_scan(dev) -> None:
     run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision="bf16")
 
 
-def test_bf16_takes_the_16_column_state_pass_when_the_grid_is_small(dev) -> None:
-    """One prompt of Qwen3.5-35B-A3B's GDN: 128 CTAs of 32 columns fit the H200's SMs, so the "bf16" object runs
-    gdn_chunk_h on 16 columns (256 CTAs); the result has the bits of the 32-column pass (batch invariance)."""
-    from hybrid_runtime.cuda.gdn import CudaGdn
-    from hybrid_runtime.cuda.state import DeviceStateCache
-    from hybrid_runtime.state_cache import StateLayout
-
-    sh = Shape(nk=16, nv=32, dk=128, dv=128, K=4)
-    layout = StateLayout(2, (sh.K - 1, sh.C), (sh.nv, sh.dk, sh.dv))
-    auto = CudaGdn(dev, layout, sh.nk, "float32", precision="bf16")
-    assert auto.narrow_module is not None and auto.state_cols_for(1) == (16 if dev.limits.sm_count >= 128 else 32)
-    assert auto.state_cols_for(dev.limits.sm_count // 128 + 1) == 32
-    wide = CudaGdn(dev, layout, sh.nk, "float32", precision="bf16")
-    wide.narrow_below = 0
-    assert wide.state_cols_for(1) == 32
-    rng = np.random.default_rng(4)
-    N = 700
-    cache = DeviceStateCache(dev, layout, layers=[0])
-    conv_np, rec_np = layout.allocate()
-    conv_np[:2] = rng.standard_normal((1, sh.K - 1, sh.C)).astype(np.float32)
-    rec_np[:2] = (0.1 * rng.standard_normal((1, sh.nv, sh.dk, sh.dv))).astype(np.float32)
-    cache.upload_layer(0, conv_np, rec_np)
-    u = dev.upload(rng.standard_normal((N, sh.C)).astype(np.float32))
-    g = dev.upload((-np.abs(rng.standard_normal((N, sh.nv))) * 0.5).astype(np.float32))
-    beta = dev.upload((1 / (1 + np.exp(-rng.standard_normal((N, sh.nv))))).astype(np.float32))
-    w = dev.upload((0.5 * rng.standard_normal((sh.C, sh.K))).astype(np.float32))
-    conv, rec = cache.conv[0], cache.recurrent[0]
-    o_auto = dev.download(auto.prefill(conv, rec, [0], [N], u, g, beta, w, mode="chunked"))
-    o_wide = dev.download(wide.prefill(conv, rec, [1], [N], u, g, beta, w, mode="chunked"))
-    _, rec_d = cache.download_layer(0)
-    assert np.isfinite(o_auto).all()
-    assert np.array_equal(o_auto, o_wide) and np.array_equal(rec_d[0], rec_d[1])
-
-
 def test_tf32_falls_back_to_fp32_off_16(dev) -> None:
     from hybrid_runtime.cuda.gdn import CudaGdn
     from hybrid_runtime.state_cache import StateLayout

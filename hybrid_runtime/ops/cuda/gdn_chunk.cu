@@ -138,50 +138,6 @@ __device__ __forceinline__ void ldsm_b2(u32* b, const float* p, int st, int lane
                : "r"(smem_u32(q))
                : "memory");
 }
-#if TC == 4
-#ifndef KW
-#define KW 4
-#endif
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(u16 v) {
-#if DT == 1
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-#else
-  return __uint_as_float(((u32)v) << 16);
-#endif
-}
-// Build 4's prep computes the causal conv + SiLU itself (gdn.cu's gdn_conv_prefill, the same expression order, so
-// the same x bits): rows i < n of one channel ch of chunk rows p0 .. p0 + 63 of a sequence (positions relative to
-// its start) into dst[i * st]; rows >= n zero. The first KW - 1 inputs before position 0 come from the window.
-__device__ __forceinline__ void conv_rows(const T* __restrict__ u, long long u_stride,
-                                          const float* __restrict__ conv_w, const float* __restrict__ win, int C,
-                                          int ch, int start, int p0, int n, float* dst, int st) {
-  float w[KW], xs[KW];
-#pragma unroll
-  for (int j = 0; j < KW; ++j) w[j] = conv_w[(size_t)ch * KW + j];
-#pragma unroll
-  for (int j = 0; j < KW - 1; ++j) {
-    const int p = p0 - (KW - 1) + j;
-    xs[j] = p >= 0 ? to_f32(u[(size_t)(start + p) * u_stride + ch]) : win[(long long)(KW - 1 + p) * C + ch];
-  }
-#pragma unroll 8
-  for (int i = 0; i < CH; ++i) {
-    float y = 0.f;
-    if (i < n) {
-      xs[KW - 1] = to_f32(u[(size_t)(start + p0 + i) * u_stride + ch]);
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < KW; ++j) acc += w[j] * xs[j];
-      y = acc / (1.f + expf(-acc));
-#pragma unroll
-      for (int j = 0; j < KW - 1; ++j) xs[j] = xs[j + 1];
-    }
-    dst[i * st] = y;
-  }
-}
-#endif
 // bf16 helpers (build 4). Two floats -> one word of bf16 (lo at the lower address), round to nearest even.
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   u32 r;
@@ -217,15 +173,7 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 // are only ever tf32 A operands of gdn_chunk_state). q / k / v arrive by cp.async; q, k are normalised and
 // rounded to tf32 in shared memory once. Same grid, arguments and workspace as the other builds.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(
-#if TC == 4  // the causal conv + SiLU fused: u (projection rows of u_stride elements), weights, the slots' windows
-                                                                   const T* __restrict__ u, long long u_stride,
-                                                                   const float* __restrict__ conv_w,
-                                                                   const float* __restrict__ conv, long long conv_row,
-                                                                   const int* __restrict__ slots,
-#else
-                                                                   const float* __restrict__ x,
-#endif
+extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* __restrict__ x,
                                                                    const float* __restrict__ gdec,
                                                                    const float* __restrict__ beta,
                                                                    const int* __restrict__ seq_start,
@@ -256,14 +204,6 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(
   float* bt = (float*)(gd + CH);   // [CH]
   float* eg = bt + CH;             // [CH]
 
-#if TC == 4
-  // q / k rows = silu(causal conv of u) computed here, one channel per thread (rows >= n zero)
-  const float* win = conv + (long long)slots[s] * conv_row;
-  for (int e = tid; e < 2 * DK; e += NT) {
-    const int ch = e < DK ? kh * DK + e : NK * DK + kh * DK + (e - DK);
-    conv_rows(u, u_stride, conv_w, win, C, ch, start, c * CH, n, (e < DK ? qv : ks) + (e % DK), PKS);
-  }
-#else
   // raw q / k rows (rows >= n zero-filled)
   for (int e = tid; e < CH * (DK / 4); e += NT) {
     const int i = e / (DK / 4), q4 = (e % (DK / 4)) * 4;
@@ -272,7 +212,6 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(
     cp16(qv + i * PKS + q4, xr, ok);
     cp16(ks + i * PKS + q4, xr + NK * DK, ok);
   }
-#endif
   cp_commit();
   if (warp == 0) {  // G = cumsum(g) in float64 (warp scan; lane owns rows 2 lane, 2 lane + 1), beta, e^G
     const int i0 = 2 * lane;
@@ -385,25 +324,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(
   }
   __syncthreads();  // q reads done (qv free for v), A complete
 
-#if TC == 4
-  // v rows into qv (stride PVS; rows >= n and columns DV .. DVP-1 zero): the conv by the threads that the inverse's
-  // level 0 below leaves idle (tid >= CH), before its barrier
-  if (tid >= CH)
-    for (int e = tid - CH; e < DVP; e += NT - CH) {
-      if (e < DV) {
-        conv_rows(u, u_stride, conv_w, win, C, 2 * NK * DK + h * DV + e, start, c * CH, n, qv + e, PVS);
-      } else {
-        for (int i = 0; i < CH; ++i) qv[i * PVS + e] = 0.f;
-      }
-    }
-#else
   // raw v rows into qv (stride PVS; rows >= n and columns DV .. DVP-1 zero), landing during the inverse
   for (int e = tid; e < CH * (DVP / 4); e += NT) {
     const int i = e / (DVP / 4), q4 = (e % (DVP / 4)) * 4;
     const bool ok = i < n && q4 < DV;
     cp16(qv + i * PVS + q4, ok ? x + (size_t)(t0 + i) * C + 2 * NK * DK + h * DV + q4 : x, ok);
   }
-#endif
   cp_commit();
 
   // T = (I + A)^-1, level 0: the diagonal 16 x 16 blocks, thread = (block b, column cc), forward
@@ -755,12 +681,8 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
 // TC=4 build (bf16 operands): W, K [2][64][HKS] bf16, U [2][64][HUS] float32, sc [2][64][4], S [DK][HSS] and
 // (sk V) [64][HSS] bf16 (gdn_chunk_h); Q [64][HKS], H [DK][HOS], Aqk [64][HAS], V [64][HOS] bf16 (gdn_chunk_o).
 // Row strides are 16 bytes mod 128 (ldmatrix rows conflict-free) and U rows 8 floats mod 32 (float2 C-layout).
-#ifndef HB
-#define HB 32          // value columns per gdn_chunk_h CTA (-DHB=16: the twin for grids under one CTA per SM)
-#endif
-#if HB != 32 && HB != 16
-#error "HB (value columns per gdn_chunk_h CTA) must be 16 or 32"
-#endif
+#define HB 32          // value columns per gdn_chunk_h CTA (16-column CTAs, 256 of them for one 8192-token prompt of
+                       // Qwen3.5-35B-A3B, were measured slower on the H200: 540 vs 296 us, each reloads all of W, K)
 #define HNT (HB / 8)   // n-tiles of the state per warp in step c
 #define HNA (HB / 16)  // n-tiles per warp in step a
 #define HKS (DK + 8)   // W, K, Q rows (bf16)
@@ -1581,7 +1503,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
 // gdn_chunk_h carries the state only: per chunk two products on bf16 tensor cores (mma.sync m16n8k16, float32
 // accumulators, float32 master state in registers)
 //   a: V = U - W S        warp w: rows 16 (w & 3) .. +15, columns (HB / 2) (w >> 2) .. (HNA n-tiles), k = DK
-//   c: S = e^{G_last} S + K^T (sk V)   warp w: state rows 16 (w + 8 m) .. +15, all HB (32 or 16) columns, k = 64
+//   c: S = e^{G_last} S + K^T (sk V)   warp w: state rows 16 (w + 8 m) .. +15, all HB = 32 columns, k = 64
 // and writes, for gdn_chunk_o, every chunk's starting state H_c (bf16) and V (bf16). gdn_chunk_o then forms
 // o = sq (Q H_c) + Aqk V for every chunk in parallel (grid (chunks, NV, S)). Operands are bf16 (W, Aqk, V, S, sk V
 // rounded to nearest even once, q / k raw rows in bf16 written by the prep); ~4e-3 relative to float64.
@@ -1731,14 +1653,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __res
       for (int kk = 0; kk < DK; kk += 16) {
         u32 a[4], bf[4];
         ldsm16_a(a, wb + 16 * mt * HKS + kk, HKS, lane);
-#if HB == 32
         ldsm16_bt(bf, ss + kk * HSS + 16 * nh, HSS, lane);
         mma_bf16(acc[0], a, bf[0], bf[1]);
         mma_bf16(acc[1], a, bf[2], bf[3]);
-#else  // both n-tiles of the 16 columns come in; warp half nh takes its own
-        ldsm16_bt(bf, ss + kk * HSS, HSS, lane);
-        mma_bf16(acc[0], a, bf[2 * nh], bf[2 * nh + 1]);
-#endif
       }
 #pragma unroll
       for (int q = 0; q < HNA; ++q)
