@@ -388,9 +388,9 @@ class CudaBackend:
         self.state_layout = StateLayout.for_model(cfg, lim.num_state_slots)
         # GDN reads u from the float32 projection and writes its core output in float32; the fused decode pair
         # writes the gated norm's o in the bundle dtype (what out_proj reads). The chunked prefill's build follows
-        # the bundle: float32 SIMT for float32, the state pass on bf16 tensor cores for bfloat16 (its operands in
-        # the bundle's own precision; 1.38x the tf32 build's speed at 8192 tokens), tf32 for float16 (bf16
-        # operands would be coarser than the bundle)
+        # the bundle: float32 SIMT for float32; for bfloat16 the state pass on bf16 tensor cores (operands in the
+        # bundle's own precision; the delta rule 1.36x the tf32 build's speed at one 8192-token prompt); tf32 for
+        # float16 (bf16 operands would be coarser than the bundle)
         gdn_precision = {"float32": "fp32", "bfloat16": "bf16"}.get(self.dtype, "tf32")
         self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32",
                               precision=gdn_precision, out_dtype=self.dtype)

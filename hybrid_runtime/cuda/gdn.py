@@ -146,9 +146,11 @@ class CudaGdn:
     calls will receive (its conv shape ``(K-1, C)`` and recurrent shape ``(nv, dk, dv)`` must agree).
 
     ``precision`` picks the chunked prefill's build: ``"fp32"`` (float32 SIMT, within float32 rounding of
-    the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: bf16 / fp16 bundles);
+    the scan: float32 bundles) or ``"tf32"`` (tensor cores, ~1e-3 relative: fp16 bundles);
     ``"tf32_v2"`` (the same numerics, 32-column state CTAs) and ``"tf32_v1"`` (SIMT forward substitution)
-    are the previous tensor-core builds, kept so that benchmarks can compare. The tf32 builds need
+    are the previous tensor-core builds, kept so that benchmarks can compare; ``"bf16"`` (the tf32 prep, then the
+    state pass split in two on bf16 tensor cores, ~2.3e-3: the backend's build for bf16 bundles) needs
+    dv % 32 == 0 (else ``"tf32"``). The tf32 builds need
     dk % 16 == 0 and their shared memory on the device; ``"tf32"`` that does not fit runs ``"tf32_v2"``
     (dk = 192), otherwise the fp32 build is used, and ``self.precision`` says which one runs (the state
     grid follows it). Decode and the scan do not depend on it.
