@@ -138,21 +138,25 @@ def test_qwen35_batch_8x4096_against_scan(dev) -> None:
     run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False)
 
 
-# ---------------------------------------------------------------------------------------------- tf32 build
+# ------------------------------------------------------------------------- tensor-core builds: tf32 and bf16
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
-def test_tf32_single_sequence_qwen35_shape(dev, T: int) -> None:
-    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [T], seed=T, precision="tf32")
+def test_tc_single_sequence_qwen35_shape(dev, T: int, precision: str) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [T], seed=T, precision=precision)
 
 
-def test_tf32_long_prompt(dev) -> None:
-    run_both(dev, Shape(nk=2, nv=4, dk=128, dv=128, K=4), [8192], seed=8192, precision="tf32")
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_tc_long_prompt(dev, precision: str) -> None:
+    """8192 tokens: 128 chunks of state carried through tf32 / bf16 operands (the float32 state must not drift)."""
+    run_both(dev, Shape(nk=2, nv=4, dk=128, dv=128, K=4), [8192], seed=8192, precision=precision)
 
 
-def test_tf32_varlen_batch(dev) -> None:
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_tc_varlen_batch(dev, precision: str) -> None:
     run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), [65, 1, 700, 64, 129, 3, 2000], seed=17,
-             precision="tf32")
+             precision=precision)
 
 
 @pytest.mark.parametrize("dims", [(2, 4, 64, 32), (1, 2, 16, 12), (2, 4, 16, 48), (1, 2, 192, 64)])
@@ -166,8 +170,9 @@ def test_tf32_other_head_dims(dev, dims: tuple[int, int, int, int], precision: s
              runs=runs)
 
 
-def test_tf32_qwen35_batch_8x4096_against_scan(dev) -> None:
-    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision="tf32")
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_tc_qwen35_batch_8x4096_against_scan(dev, precision: str) -> None:
+    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision=precision)
 
 
 @pytest.mark.parametrize("lens", [[1000], [65, 1, 700, 64, 129, 3, 2000]])
@@ -256,21 +261,6 @@ def test_tf32_takes_the_32_column_state_pass_when_the_grid_is_small(dev) -> None
 # ---------------------------------------------------------------------------------------------- bf16 build
 
 
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
-def test_bf16_single_sequence_qwen35_shape(dev, T: int) -> None:
-    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [T], seed=T, precision="bf16")
-
-
-def test_bf16_long_prompt(dev) -> None:
-    """8192 tokens: 128 chunks of state carried through bf16 operands (the float32 master state must not drift)."""
-    run_both(dev, Shape(nk=2, nv=4, dk=128, dv=128, K=4), [8192], seed=8192, precision="bf16")
-
-
-def test_bf16_varlen_batch(dev) -> None:
-    run_both(dev, Shape(nk=4, nv=8, dk=128, dv=128, K=4), [65, 1, 700, 64, 129, 3, 2000], seed=17,
-             precision="bf16")
-
-
 @pytest.mark.parametrize("dims", [(2, 4, 64, 32), (2, 4, 16, 96), (1, 2, 192, 64), (1, 2, 16, 12)])
 def test_bf16_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
     """dk = 64 / 16 (idle warps in the state update), dv = 96 (a CTA of masked columns), dk = 192 (two state tiles
@@ -279,10 +269,6 @@ def test_bf16_other_head_dims(dev, dims: tuple[int, int, int, int]) -> None:
     runs = "tf32" if dv % 32 else "bf16"
     run_both(dev, Shape(nk=nk, nv=nv, dk=dk, dv=dv, K=4), [1, 100, 64, 257], seed=dk + dv, precision="bf16",
              runs=runs)
-
-
-def test_bf16_qwen35_batch_8x4096_against_scan(dev) -> None:
-    run_both(dev, Shape(nk=16, nv=32, dk=128, dv=128, K=4), [4096] * 8, seed=4096, ref64=False, precision="bf16")
 
 
 def test_tf32_falls_back_to_fp32_off_16(dev) -> None:

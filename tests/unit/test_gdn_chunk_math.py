@@ -20,7 +20,7 @@ the error the GPU tests allow that build.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -128,37 +128,41 @@ def prep(x: np.ndarray, g: np.ndarray, beta: np.ndarray, starts: np.ndarray, nk:
     return {"w": w, "u": u, "aqk": aqk, "sc": sc}
 
 
+def chunk_stages(x: np.ndarray, ws: dict[str, np.ndarray], starts: np.ndarray, nk: int, nv: int, dk: int,
+                 dv: int) -> Iterator[tuple[int, int, int, int, dict[str, np.ndarray]]]:
+    """The state kernels' cp.async stages, per (sequence, value head) chunk after chunk: (s, h, t0, n, stage) with
+    stage W, U ``[64, dk / dv]``, Q, K (raw x rows of the key head), A ``[64, 64]``, sc ``[64, 4]``; rows >= n zero."""
+    r = nv // nk
+    for s in range(len(starts) - 1):
+        T = starts[s + 1] - starts[s]
+        for h in range(nv):
+            kh = h // r
+            for c in range(-(-T // CH)):
+                t0, n = starts[s] + CH * c, min(CH, T - CH * c)
+                st = {"W": np.zeros((CH, dk)), "U": np.zeros((CH, dv)), "Q": np.zeros((CH, dk)),
+                      "K": np.zeros((CH, dk)), "A": np.zeros((CH, CH)), "sc": np.zeros((CH, 4))}
+                st["W"][:n], st["U"][:n] = ws["w"][t0:t0 + n, h], ws["u"][t0:t0 + n, h]
+                st["A"][:n], st["sc"][:n] = ws["aqk"][t0:t0 + n, h], ws["sc"][t0:t0 + n, h]
+                st["Q"][:n] = x[t0:t0 + n, kh * dk:(kh + 1) * dk]
+                st["K"][:n] = x[t0:t0 + n, nk * dk + kh * dk:nk * dk + (kh + 1) * dk]
+                yield s, h, t0, n, st
+
+
 def state_pass(x: np.ndarray, ws: dict[str, np.ndarray], starts: np.ndarray, states: np.ndarray, nk: int,
                nv: int, dk: int, dv: int, rnd: Round = exact) -> tuple[np.ndarray, np.ndarray]:
     """gdn_chunk_state: per (sequence, value head), chunk after chunk. states ``[S, nv, dk, dv]`` (copied).
     Returns (o ``[N, nv, dv]``, final states). The CUDA splits dv into CTAs of 32 columns; columns are
     independent in every step, so the split does not show here. ``rnd`` rounds the operands of the four
     products (tf32 build); the state itself and the sums stay unrounded (float32 accumulators there)."""
-    N = x.shape[0]
-    o = np.zeros((N, nv, dv))
+    o = np.zeros((x.shape[0], nv, dv))
     out = np.array(states, np.float64)
-    r = nv // nk
-    for s in range(len(starts) - 1):
-        T = starts[s + 1] - starts[s]
-        for h in range(nv):
-            kh = h // r
-            S = out[s, h]
-            for c in range(-(-T // CH)):
-                t0, n = starts[s] + CH * c, min(CH, T - CH * c)
-                # the cp.async stages: rows >= n zero-filled
-                W, U, Q, K, A = (np.zeros((CH, dk)), np.zeros((CH, dv)), np.zeros((CH, dk)), np.zeros((CH, dk)),
-                                 np.zeros((CH, CH)))
-                sc = np.zeros((CH, 4))
-                W[:n], U[:n], A[:n], sc[:n] = ws["w"][t0:t0 + n, h], ws["u"][t0:t0 + n, h], \
-                    ws["aqk"][t0:t0 + n, h], ws["sc"][t0:t0 + n, h]
-                Q[:n] = x[t0:t0 + n, kh * dk:(kh + 1) * dk]
-                K[:n] = x[t0:t0 + n, nk * dk + kh * dk:nk * dk + (kh + 1) * dk]
-                V = U - rnd(W) @ rnd(S)  # step a
-                Vk = sc[:, 1:2] * V
-                o_c = sc[:, 0:1] * (rnd(Q) @ rnd(S)) + rnd(A) @ rnd(V)  # step b
-                o[t0:t0 + n, h] = o_c[:n]
-                S = sc[0, 2] * S + rnd(K).T @ rnd(Vk)  # step c
-            out[s, h] = S
+    for s, h, t0, n, st in chunk_stages(x, ws, starts, nk, nv, dk, dv):
+        S, sc = out[s, h], st["sc"]
+        V = st["U"] - rnd(st["W"]) @ rnd(S)  # step a
+        Vk = sc[:, 1:2] * V
+        o_c = sc[:, 0:1] * (rnd(st["Q"]) @ rnd(S)) + rnd(st["A"]) @ rnd(V)  # step b
+        o[t0:t0 + n, h] = o_c[:n]
+        out[s, h] = sc[0, 2] * S + rnd(st["K"]).T @ rnd(Vk)  # step c
     return o, out
 
 
@@ -296,30 +300,15 @@ def split_pass(x: np.ndarray, ws: dict[str, np.ndarray], starts: np.ndarray, sta
     H, V stored bf16, sk V rounded once); float32-like accumulators and the state unrounded. Per chunk:
     V = U - W bf16(S); H_c = bf16(S); S = e^{G_last} S + K^T bf16(sk V); then o = sq (Q H_c) + Aqk bf16(V).
     ``rnd`` replaces bf16 (``exact``: the split in exact arithmetic)."""
-    bf16 = globals()["bf16"] if rnd is None else rnd
-    N = x.shape[0]
-    o = np.zeros((N, nv, dv))
+    b = bf16 if rnd is None else rnd
+    o = np.zeros((x.shape[0], nv, dv))
     out = np.array(states, np.float64)
-    r = nv // nk
-    for s in range(len(starts) - 1):
-        T = starts[s + 1] - starts[s]
-        for h in range(nv):
-            kh = h // r
-            S = out[s, h]
-            for c in range(-(-T // CH)):
-                t0, n = starts[s] + CH * c, min(CH, T - CH * c)
-                W, U, Q, K, A = (np.zeros((CH, dk)), np.zeros((CH, dv)), np.zeros((CH, dk)), np.zeros((CH, dk)),
-                                 np.zeros((CH, CH)))
-                sc = np.zeros((CH, 4))
-                W[:n], U[:n], A[:n], sc[:n] = bf16(ws["w"][t0:t0 + n, h]), ws["u"][t0:t0 + n, h], \
-                    bf16(ws["aqk"][t0:t0 + n, h]), ws["sc"][t0:t0 + n, h]
-                Q[:n] = bf16(x[t0:t0 + n, kh * dk:(kh + 1) * dk])
-                K[:n] = bf16(x[t0:t0 + n, nk * dk + kh * dk:nk * dk + (kh + 1) * dk])
-                H = bf16(S)
-                V = U - W @ H  # gdn_chunk_h step a
-                o[t0:t0 + n, h] = (sc[:, 0:1] * (Q @ H) + A @ bf16(V))[:n]  # gdn_chunk_o
-                S = sc[0, 2] * S + K.T @ bf16(sc[:, 1:2] * V)  # gdn_chunk_h step c
-            out[s, h] = S
+    for s, h, t0, n, st in chunk_stages(x, ws, starts, nk, nv, dk, dv):
+        S, sc = out[s, h], st["sc"]
+        H = b(S)
+        V = st["U"] - b(st["W"]) @ H  # gdn_chunk_h step a
+        o[t0:t0 + n, h] = (sc[:, 0:1] * (b(st["Q"]) @ H) + b(st["A"]) @ b(V))[:n]  # gdn_chunk_o
+        out[s, h] = sc[0, 2] * S + b(st["K"]).T @ b(sc[:, 1:2] * V)  # gdn_chunk_h step c
     return o, out
 
 
