@@ -235,21 +235,21 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_prep(const float* 
   }
   cp_wait0();
   __syncthreads();
-#if TC == 4
-  // raw q, k rows in bf16 for gdn_chunk_h / gdn_chunk_o (one CTA of each key head's group writes them)
-  if (h % (NV / NK) == 0)
-    for (int e = tid; e < CH * (DK / 2); e += NT) {
-      const int i = e / (DK / 2), d2 = (e % (DK / 2)) * 2;
-      if (i < n) {
-        u16* qr = ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK + d2;
-        *(u32*)qr = pack_bf16(qv[i * PKS + d2], qv[i * PKS + d2 + 1]);
-        *(u32*)(qr + NK * DK) = pack_bf16(ks[i * PKS + d2], ks[i * PKS + d2 + 1]);
-      }
-    }
-#endif
   const double Glast = gd[CH - 1];  // = G_{n-1}: padding adds 0
   // l2 norms; q, k scaled and rounded to tf32 in place; the per-token scales
   for (int i = warp; i < CH; i += NT / 32) {
+#if TC == 4
+    // the raw q, k row in bf16 for gdn_chunk_h / gdn_chunk_o (one CTA of each key head's group writes it), read by
+    // the warp that scales the row in place below, before it does (__syncwarp)
+    if (h % (NV / NK) == 0 && i < n) {
+      u16* qr = ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK;
+      for (int d2 = 2 * lane; d2 < DK; d2 += 64) {
+        *(u32*)(qr + d2) = pack_bf16(qv[i * PKS + d2], qv[i * PKS + d2 + 1]);
+        *(u32*)(qr + NK * DK + d2) = pack_bf16(ks[i * PKS + d2], ks[i * PKS + d2 + 1]);
+      }
+    }
+    __syncwarp();
+#endif
     float sq = 0.f, sk = 0.f;
     for (int d = lane; d < DK; d += 32) {
       const float qx = qv[i * PKS + d], kx = ks[i * PKS + d];
