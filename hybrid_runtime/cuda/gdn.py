@@ -352,8 +352,6 @@ class CudaGdn:
         64; H200, 30 layers: 43.9 -> 41.6 ms of GDN. Two prompts: 256 narrow CTAs were slower than 128 wide
         ones, 8 x 4k GDN 32 -> 42 ms). The two state passes round the same operands in the same k order, so the
         choice changes no bit (``tests/gpu/test_gdn_chunk_gpu.py``) and prefill stays batch invariant."""
-        if self.precision == "bf16":  # gdn_chunk_h: always 32 (16-column CTAs measured slower: gdn_chunk.cu HB)
-            return H_COLS
         if self.narrow_module is not None and -(-self.dv // 32) * self.nv * S <= self.narrow_below:
             return 32
         return self.chunk_cols
@@ -446,13 +444,13 @@ class CudaGdn:
         views = self.workspace_views(workspace.ptr, n_tokens)
         ws_w, ws_u, ws_a, ws_s = views[:4]
         m, d = self.chunk_module, self.device
+        qk_rows = [("ptr", views[4])] if self.precision == "bf16" else []  # the bf16 prep also writes q / k rows
+        m.kernel("gdn_chunk_prep").launch(
+            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
+            [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),
+             ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv), *qk_rows], pdl=True)
         if self.precision == "bf16":
             ws_qk, ws_vn, ws_hb = views[4:]
-            m.kernel("gdn_chunk_prep").launch(
-                d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
-                [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w),
-                 ("ptr", ws_u), ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv),
-                 ("ptr", ws_qk)], pdl=True)
             m.kernel("gdn_chunk_h").launch(
                 d, (-(-self.dv // H_COLS), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[1],
                 [("ptr", starts_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", ws_w),
@@ -463,10 +461,6 @@ class CudaGdn:
                 [("ptr", starts_ptr), ("ptr", ws_a), ("ptr", ws_s), ("ptr", ws_qk), ("ptr", ws_vn), ("ptr", ws_hb),
                  ("ptr", o_ptr), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
             return
-        m.kernel("gdn_chunk_prep").launch(
-            d, (-(-max_len // CHUNK), self.nv, S), (CHUNK_THREADS, 1, 1), self.chunk_smem[0],
-            [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", starts_ptr), ("ptr", ws_w), ("ptr", ws_u),
-             ("ptr", ws_a), ("ptr", ws_s), ("i32", S), ("i32", self.nk), ("i32", self.nv)], pdl=True)
         cols = self.state_cols_for(S)
         sm, smem = (self.narrow_module, self.narrow_smem) if cols != self.chunk_cols else (m, self.chunk_smem[1])
         assert sm is not None

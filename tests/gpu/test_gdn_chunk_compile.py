@@ -126,8 +126,7 @@ def test_workspace_bytes_formula() -> None:
     g.precision = "bf16"
     per_token = 2 * 32 * 128 + 4 * 32 * 128 + 2 * 32 * 64 + 16 * 32 + 4 * 16 * 128 + 2 * 32 * 128
     per_chunk = 2 * 32 * 128 * 128
-    assert per_token == 45_568 and per_chunk == 2**20  # 44.5 KiB per token, 1 MiB per chunk state
-    assert g.workspace_bytes(8192, 1) == 8192 * per_token + (128 + 1) * per_chunk
+    assert g.workspace_bytes(8192, 1) == 8192 * per_token + (128 + 1) * per_chunk == 485 * 2**20  # as documented
     assert g.workspace_bytes(100, 3) == 100 * per_token + (2 + 3) * per_chunk
     views = g.workspace_views(1 << 20, 100)
     sizes = [b - a for a, b in itertools.pairwise(views)]

@@ -92,7 +92,7 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   return r;
 }
 // 16 bytes global -> shared; src_bytes = 0 writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp16(float* dst, const float* src, bool valid) {
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
@@ -678,13 +678,33 @@ extern "C" __global__ void __launch_bounds__(NT) gdn_chunk_prep(const float* __r
 #define VTS (CH + 4)  // V^T, (sk V)^T rows [BW][VTS] (B operands [n][k] by ldmatrix)
 #define STATE_FLOATS_TC3 (BW * SST + 2 * CH * WST + CH * KST + CH * AST + CH * UST + 2 * BW * VTS + 2 * CH * 4)
 #define MTC ((DK / 16 + 7) / 8)  // 16-row state tiles per warp in step c (tensor-core builds)
+#if TC
+// The tensor-core state passes' final write-back: st[m][nt][r] = S[16 (warp + 8 m) + g + 8 (r >> 1)]
+// [col0 + 8 nt + 2 t4 + (r & 1)] (step c's C layout, NTL n-tiles) into the slot's state S (columns < DV).
+template <int NTL>
+__device__ __forceinline__ void store_state(float* __restrict__ St, const float (&st)[MTC][NTL][4], int col0,
+                                            int warp, int g, int t4) {
+#pragma unroll
+  for (int m = 0; m < MTC; ++m) {
+    const int tile = warp + 8 * m;
+    if (tile < DK / 16) {
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
+          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
+        }
+    }
+  }
+}
+#endif
 // TC=4 build (bf16 operands): W, K [2][64][HKS] bf16, U [2][64][HUS] float32, sc [2][64][4], S [DK][HSS] and
 // (sk V) [64][HSS] bf16 (gdn_chunk_h); Q [64][HKS], H [DK][HOS], Aqk [64][HAS], V [64][HOS] bf16 (gdn_chunk_o).
 // Row strides are 16 bytes mod 128 (ldmatrix rows conflict-free) and U rows 8 floats mod 32 (float2 C-layout).
 #define HB 32          // value columns per gdn_chunk_h CTA (16-column CTAs, 256 of them for one 8192-token prompt of
                        // Qwen3.5-35B-A3B, were measured slower on the H200: 540 vs 296 us, each reloads all of W, K)
-#define HNT (HB / 8)   // n-tiles of the state per warp in step c
-#define HNA (HB / 16)  // n-tiles per warp in step a
+#define HNT (HB / 8)   // n-tiles of the state per warp in step c (step a: two per warp, the CTA's columns halved)
 #define HKS (DK + 8)   // W, K, Q rows (bf16)
 #define HUS (HB + 8)   // U rows (float32)
 #define HSS (HB + 8)   // S, sk V rows (bf16)
@@ -1214,19 +1234,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
   }
   asm volatile("cp.async.wait_group 0;\n" ::);  // the trailing (empty) groups
 
-#pragma unroll
-  for (int m = 0; m < MTC; ++m) {
-    const int tile = warp + 8 * m;
-    if (tile < DK / 16) {
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
-          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
-        }
-    }
-  }
+  store_state(St, st, col0, warp, g, t4);
 }
 #elif TC == 3
 // ------------------------------------------------------------------------------------------------
@@ -1483,30 +1491,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) gdn_chunk_state(const float*
   }
   cp_wait0();  // the trailing (empty) groups
 
-#pragma unroll
-  for (int m = 0; m < MTC; ++m) {
-    const int tile = warp + 8 * m;
-    if (tile < DK / 16) {
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
-          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
-        }
-    }
-  }
+  store_state(St, st, col0, warp, g, t4);
 }
 #else  // TC == 4
 // ------------------------------------------------------------------------------------------------
 // Build 4 (precision "bf16"): the state pass split in two, as in flash-linear-attention's chunked kernels.
 // gdn_chunk_h carries the state only: per chunk two products on bf16 tensor cores (mma.sync m16n8k16, float32
 // accumulators, float32 master state in registers)
-//   a: V = U - W S        warp w: rows 16 (w & 3) .. +15, columns (HB / 2) (w >> 2) .. (HNA n-tiles), k = DK
+//   a: V = U - W S        warp w: rows 16 (w & 3) .. +15, columns 16 (w >> 2) .. +15 (2 n-tiles), k = DK
 //   c: S = e^{G_last} S + K^T (sk V)   warp w: state rows 16 (w + 8 m) .. +15, all HB = 32 columns, k = 64
 // and writes, for gdn_chunk_o, every chunk's starting state H_c (bf16) and V (bf16). gdn_chunk_o then forms
 // o = sq (Q H_c) + Aqk V for every chunk in parallel (grid (chunks, NV, S)). Operands are bf16 (W, Aqk, V, S, sk V
-// rounded to nearest even once, q / k raw rows in bf16 written by the prep); ~4e-3 relative to float64.
+// rounded to nearest even once, q / k raw rows in bf16 written by the prep); ~2.3e-3 relative to float64.
 // Workspace (bytes, N = token capacity, CB = chunk capacity N / 64 + S):
 //   w bf16 [N, NV, DK] | u f32 [N, NV, DV] | aqk bf16 [N, NV, 64] | sc f32 [N, NV, 4] | qk bf16 [N, 2, NK, DK]
 //   | vn bf16 [N, NV, DV] | hb bf16 [CB, NV, DK, DV]
@@ -1541,10 +1537,6 @@ __device__ __forceinline__ void ldsm16_bt(u32* b, const u16* p, int st, int lane
   const u16* q = p + ((lane & 7) + 8 * ((lane >> 3) & 1)) * st + 8 * (lane >> 4);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(smem_u32(q)) : "memory");
-}
-__device__ __forceinline__ void cp16b(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ int h_slot(const int* seq_start, int s, int c) { return (seq_start[s] + CH * c) / CH + s; }
 
@@ -1584,18 +1576,18 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __res
       for (int e = tid; e < CH * (DK / 8); e += NT) {
         const int i = e / (DK / 8), q8 = (e % (DK / 8)) * 8;
         const bool ok = i < n;
-        cp16b(wm + (b * CH + i) * HKS + q8, ok ? ws_w + ((size_t)(t0 + i) * NV + h) * DK + q8 : ws_w, ok);
-        cp16b(km + (b * CH + i) * HKS + q8,
+        cp16(wm + (b * CH + i) * HKS + q8, ok ? ws_w + ((size_t)(t0 + i) * NV + h) * DK + q8 : ws_w, ok);
+        cp16(km + (b * CH + i) * HKS + q8,
               ok ? ws_qk + (size_t)(t0 + i) * 2 * NK * DK + NK * DK + kh * DK + q8 : ws_qk, ok);
       }
       for (int e = tid; e < CH * (HB / 4); e += NT) {
         const int i = e / (HB / 4), q4 = (e % (HB / 4)) * 4;
         const bool ok = i < n && col0 + q4 < DV;
-        cp16b(um + (b * CH + i) * HUS + q4, ok ? ws_u + ((size_t)(t0 + i) * NV + h) * DV + col0 + q4 : ws_u, ok);
+        cp16(um + (b * CH + i) * HUS + q4, ok ? ws_u + ((size_t)(t0 + i) * NV + h) * DV + col0 + q4 : ws_u, ok);
       }
       for (int i = tid; i < CH; i += NT) {
         const bool ok = i < n;
-        cp16b(scm + (b * CH + i) * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
+        cp16(scm + (b * CH + i) * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
       }
     }
     cp_commit();
@@ -1642,11 +1634,11 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __res
     const u16* kb = km + b * CH * HKS;
     const float* ub = um + b * CH * HUS;
     const float* sc = scm + b * CH * 4;
-    // ---- step a: V = U - W S (rows 16 mt .., columns (HB / 2) nh ..), V -> vn (bf16), sk V -> vk (bf16)
+    // ---- step a: V = U - W S (rows 16 mt .., columns 16 nh ..), V -> vn (bf16), sk V -> vk (bf16)
     {
-      float acc[HNA][4];
+      float acc[2][4];
 #pragma unroll
-      for (int q = 0; q < HNA; ++q)
+      for (int q = 0; q < 2; ++q)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[q][r] = 0.f;
 #pragma unroll
@@ -1658,10 +1650,10 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __res
         mma_bf16(acc[1], a, bf[2], bf[3]);
       }
 #pragma unroll
-      for (int q = 0; q < HNA; ++q)
+      for (int q = 0; q < 2; ++q)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = 16 * mt + g + 8 * hf, n2 = (HB / 2) * nh + 8 * q + 2 * t4;
+          const int i = 16 * mt + g + 8 * hf, n2 = 16 * nh + 8 * q + 2 * t4;
           const float2 uu = *(const float2*)(ub + i * HUS + n2);
           const float v0 = uu.x - acc[q][2 * hf], v1 = uu.y - acc[q][2 * hf + 1];
           const float sk = sc[i * 4 + 1];
@@ -1704,23 +1696,11 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_h(const int* __res
   }
   cp_wait0();  // the trailing (empty) group
 
-#pragma unroll
-  for (int m = 0; m < MTC; ++m) {
-    const int tile = warp + 8 * m;
-    if (tile < DK / 16) {
-#pragma unroll
-      for (int nt = 0; nt < HNT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int d = 16 * tile + g + 8 * (r >> 1), col = col0 + 8 * nt + 2 * t4 + (r & 1);
-          if (col < DV) St[(size_t)d * DV + col] = st[m][nt][r];
-        }
-    }
-  }
+  store_state(St, st, col0, warp, g, t4);
 }
 
 // Kernel 3 of build 4: grid (max chunks, NV, S), 256 threads, O_SMEM bytes. o = sq (Q H_c) + Aqk V for the 64 rows
-// of one chunk of one value head: warp w rows 16 (w & 3) .., columns (DV / 2) (w >> 1 & 1) .. (DV / 16 n-tiles).
+// of one chunk of one value head: warp w rows 16 (w & 3) .., columns (DV / 2) (w >> 2) .. (DV / 16 n-tiles).
 #define ONT (DV / 16)  // n-tiles per warp
 extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_o(const int* __restrict__ seq_start,
                                                                 const u16* __restrict__ ws_a,
@@ -1749,25 +1729,25 @@ extern "C" __global__ void __launch_bounds__(NT, 2) gdn_chunk_o(const int* __res
   for (int e = tid; e < CH * (DK / 8); e += NT) {
     const int i = e / (DK / 8), q8 = (e % (DK / 8)) * 8;
     const bool ok = i < n;
-    cp16b(qm + i * HKS + q8, ok ? ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK + q8 : ws_qk, ok);
+    cp16(qm + i * HKS + q8, ok ? ws_qk + (size_t)(t0 + i) * 2 * NK * DK + kh * DK + q8 : ws_qk, ok);
   }
   for (int e = tid; e < DK * (DV / 8); e += NT) {
     const int d = e / (DV / 8), q8 = (e % (DV / 8)) * 8;
-    cp16b(hm + d * HOS + q8, hb + (size_t)d * DV + q8, true);
+    cp16(hm + d * HOS + q8, hb + (size_t)d * DV + q8, true);
   }
   for (int e = tid; e < CH * (CH / 8); e += NT) {
     const int i = e / (CH / 8), q8 = (e % (CH / 8)) * 8;
     const bool ok = i < n;
-    cp16b(am + i * HAS + q8, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q8 : ws_a, ok);
+    cp16(am + i * HAS + q8, ok ? ws_a + ((size_t)(t0 + i) * NV + h) * CH + q8 : ws_a, ok);
   }
   for (int e = tid; e < CH * (DV / 8); e += NT) {
     const int i = e / (DV / 8), q8 = (e % (DV / 8)) * 8;
     const bool ok = i < n;
-    cp16b(vm + i * HOS + q8, ok ? ws_vn + ((size_t)(t0 + i) * NV + h) * DV + q8 : ws_vn, ok);
+    cp16(vm + i * HOS + q8, ok ? ws_vn + ((size_t)(t0 + i) * NV + h) * DV + q8 : ws_vn, ok);
   }
   for (int i = tid; i < CH; i += NT) {
     const bool ok = i < n;
-    cp16b(scm + i * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
+    cp16(scm + i * 4, ok ? ws_s + ((size_t)(t0 + i) * NV + h) * 4 : ws_s, ok);
   }
   cp_commit();
   cp_wait0();
