@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.gpu_prefill_attention --out benchmarks/results/prefill_attention_h200.md
     python3 -m benchmarks.gpu_prefill_attention --builds 4 8   # the 4-warp vs the 8-warp build, one run
+    python3 -m benchmarks.gpu_prefill_attention --builds 8 wgmma wgmma-n64   # mma.sync vs wgmma
 
 Shape: the target model's attention layers (16 query heads, 2 kv heads, head_dim 256, bfloat16); batch 1 at
 1k / 8k / 32k tokens and 8 x 4k (fresh prompts, start position 0). Ours reads K/V from the paged pool (page
@@ -12,8 +13,10 @@ with ``enable_gqa=True`` (K/V with Hkv heads) when that backend accepts it, else
 ``gpu_common.time_calls``); ours is launched on inputs already on the device (work list and tables uploaded
 once), as the backend does. TFLOP/s counts causal FLOPs: 2 matmuls x 2 x Hq x hd x (keys attended, summed
 over queries). Max abs error: ours vs SDPA's bfloat16 output. ``--builds`` times several builds of ours
-(``WARPS`` or ``WARPSxMTILES``: 4 = 64-row tiles, single-buffered K/V; 8 = 128-row tiles, double-buffered)
-on the same inputs, SDPA once per case; ``same bits`` says whether a build's output equals the first's.
+on the same inputs, SDPA once per case: ``default`` (what serving runs: ``"auto"``), the mma.sync builds
+``WARPS`` or ``WARPSxMTILES`` (4 = 64-row tiles, single-buffered K/V; 8 = 128-row tiles, double-buffered),
+``wgmma`` (Hopper warpgroup MMA) and ``wgmma-n64`` (its P V as n64 products); ``same bits`` says whether a
+build's output equals the first's.
 """
 
 from __future__ import annotations
@@ -59,6 +62,28 @@ def _sdpa_call(torch: Any, q: Any, k: Any, v: Any, group: int) -> tuple[Any, str
     return expanded, "K/V expanded to Hq"
 
 
+def build_label(v: Any) -> str:
+    """A build's name in the table: ``wgmma`` / ``wgmma n64``, or the mma.sync schedule ``wWARPS mtM sSTAGES``."""
+    if v.impl == "wgmma":
+        return "wgmma n64" if v.pv_split else "wgmma"
+    return f"w{v.warps} mt{v.m_tiles} s{v.stages}"
+
+
+def make_kernel(dev: Any, spec: str, dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> Any:
+    """A kernel for one ``--builds`` spec: ``default`` (impl ``"auto"``, what serving runs), ``WARPS`` or
+    ``WARPSxMTILES`` (mma.sync), ``wgmma``, ``wgmma-n64``."""
+    from hybrid_runtime.cuda.prefill_attention import CudaPrefillAttention
+
+    if spec == "default":
+        return CudaPrefillAttention(dev, dtype, head_dim, group, m_tiles)
+    if spec in ("wgmma", "wgmma-n64"):
+        return CudaPrefillAttention(dev, dtype, head_dim, group, impl="wgmma", pv_split=spec == "wgmma-n64")
+    w, _, mt = spec.partition("x")
+    if not w.isdigit() or (mt and not mt.isdigit()):
+        raise SystemExit(f"--builds: unknown build {spec!r} (default, 4, 8, 4x2, wgmma, wgmma-n64)")
+    return CudaPrefillAttention(dev, dtype, head_dim, group, int(mt) if mt else m_tiles, int(w), impl="mma")
+
+
 def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: int, hq: int, hkv: int, hd: int,
                page_size: int, sdpa_too: bool = True) -> list[dict]:
     """One row per kernel of ``kerns`` (builds of one dtype / head_dim / group) on the same inputs; SDPA's
@@ -66,6 +91,10 @@ def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: 
     from hybrid_runtime.cuda.prefill_attention import pack_prefill_inputs
 
     dtype = kerns[0].variant.dtype
+    rows: list[dict] = []
+    outs: list[Any] = []
+    keep: list[Any] = []
+    flops = 0
     tdt = getattr(torch, dtype)
     pps = -(-seq_len // page_size)
     pages = batch * pps
@@ -89,7 +118,6 @@ def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: 
         vpool[idx] = vt.reshape(pps, page_size, hkv, hd)
     qp = qc.transpose(1, 2).reshape(batch * seq_len, hq, hd).contiguous()  # packed [tokens, Hq, hd]
     q_lens, start = [seq_len] * batch, [0] * batch
-    rows, outs, keep = [], [], []
     for kern in kerns:
         plan = kern.plan(q_lens, start, num_q_heads=hq, num_kv_heads=hkv, page_size=page_size)
         packed = pack_prefill_inputs(plan, tables)
@@ -108,6 +136,7 @@ def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: 
         v = kern.variant
         rows.append({"batch": batch, "seq_len": seq_len, "shape": f"{hq}q/{hkv}kv/d{hd}", "dtype": dtype,
                      "page_size": page_size, "m_tiles": v.m_tiles, "warps": v.warps, "stages": v.stages,
+                     "build": build_label(v),
                      "work_items": plan.n_work, "ours_s": t_ours, "ours_tflops": flops / t_ours / 1e12,
                      "same_bits": None if not outs else bool(torch.equal(out, outs[0])), "sdpa_s": None,
                      "sdpa_tflops": None, "ratio": None, "max_abs_err": None, "sdpa_gqa": None})
@@ -134,25 +163,23 @@ def bench_case(torch: Any, dev: Any, kerns: Sequence[Any], batch: int, seq_len: 
 def compare_sdpa(seq_lens: Sequence[int] = (1024, 8192, 32768), batch_cases: Sequence[tuple[int, int]] = ((8, 4096),),
                  *, num_q_heads: int = 16, num_kv_heads: int = 2, head_dim: int = 256, dtype: str = "bfloat16",
                  page_size: int = 64, m_tiles: int | None = None, sdpa_too: bool = True,
-                 builds: Sequence[tuple[int | None, int | None]] = ((None, None),)) -> list[dict]:
+                 builds: Sequence[str] = ("default",)) -> list[dict]:
     """One row per case and build: batch 1 at each of ``seq_lens``, then each ``(batch, seq_len)`` of
-    ``batch_cases``; ``builds``: ``(warps, m_tiles)`` pairs (None: the default; ``m_tiles`` overrides a
-    pair's None). Keys: batch, seq_len, shape, dtype, page_size, m_tiles, warps, stages, work_items, ours_s,
+    ``batch_cases``; ``builds``: :func:`make_kernel` specs (``m_tiles`` overrides an mma.sync spec's
+    default). Keys: batch, seq_len, shape, dtype, page_size, m_tiles, warps, stages, build, work_items, ours_s,
     ours_tflops, same_bits (vs the case's first build; None for it), sdpa_s, sdpa_tflops, ratio (ours / SDPA
     time: < 1 is faster), max_abs_err, sdpa_gqa (how SDPA did GQA)."""
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
-    from hybrid_runtime.cuda.prefill_attention import CudaPrefillAttention
-
     torch.cuda.init()
     dev = CudaDevice(0, stream=0)  # the legacy default stream: ordered with PyTorch's work and events
     group = num_q_heads // num_kv_heads
-    kerns = [CudaPrefillAttention(dev, dtype, head_dim, group, m_tiles if mt is None else mt, w) for w, mt in builds]
+    kerns = [make_kernel(dev, b, dtype, head_dim, group, m_tiles) for b in builds]
     rows = []
     for batch, n in [(1, int(s)) for s in seq_lens] + [(int(b), int(s)) for b, s in batch_cases]:
         for r in bench_case(torch, dev, kerns, batch, n, num_q_heads, num_kv_heads, head_dim, page_size, sdpa_too):
-            log(f"B={batch} L={n} w{r['warps']} mt{r['m_tiles']}: ours {r['ours_s'] * 1e3:.3f} ms "
+            log(f"B={batch} L={n} {r['build']}: ours {r['ours_s'] * 1e3:.3f} ms "
                 f"{r['ours_tflops']:.0f} TFLOP/s | SDPA "
                 + (f"{r['sdpa_s'] * 1e3:.3f} ms {r['sdpa_tflops']:.0f} TFLOP/s | ratio {r['ratio']:.2f} | "
                    f"max abs err {r['max_abs_err']:.2e}" if r["sdpa_s"] else "—")
@@ -168,7 +195,7 @@ def table(rows: list[dict]) -> list[str]:
         sd = r["sdpa_s"] is not None
         same = "—" if r["same_bits"] is None else ("yes" if r["same_bits"] else "NO")
         lines.append(
-            f"| {r['shape']} {r['dtype']} ps{r['page_size']} | w{r['warps']} mt{r['m_tiles']} s{r['stages']} | "
+            f"| {r['shape']} {r['dtype']} ps{r['page_size']} | {r['build']} | "
             f"{r['batch']} | {r['seq_len']} | {r['work_items']} | {r['ours_s'] * 1e3:.3f} | {r['ours_tflops']:.0f} | "
             + (f"{r['sdpa_s'] * 1e3:.3f} | {r['sdpa_tflops']:.0f} | {r['ratio']:.2f} | {r['max_abs_err']:.1e} | "
                f"{same} | {r['sdpa_gqa']} |" if sd else f"— | — | — | — | {same} | — |"))
@@ -190,18 +217,12 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--m-tiles", type=int, choices=[1, 2], help="override the build's 16-row tiles per warp")
     ap.add_argument("--builds", nargs="*", default=[],
-                    help="builds to time on the same inputs: WARPS (4 or 8) or WARPSxMTILES, e.g. '4 8' "
-                         "(default: the default build only)")
+                    help="builds to time on the same inputs: default, WARPS (4 or 8), WARPSxMTILES, wgmma or "
+                         "wgmma-n64, e.g. '8 wgmma' (default: the default build only)")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.batch_cases]
-    builds: list[tuple[int | None, int | None]] = []
-    for b in args.builds or ["default"]:
-        if b == "default":
-            builds.append((None, None))
-        else:
-            w, _, mt = b.lower().partition("x")
-            builds.append((int(w), int(mt) if mt else None))
+    builds = [b.lower() for b in args.builds] or ["default"]
     rows = compare_sdpa(args.seq_lens, cases, num_q_heads=args.hq, num_kv_heads=args.hkv, head_dim=args.head_dim,
                         dtype=args.dtype, page_size=args.page_size, m_tiles=args.m_tiles, sdpa_too=not args.no_sdpa,
                         builds=builds)

@@ -20,14 +20,21 @@ first position)`` per CTA tile of ``tokens_per_tile = rows // G`` query tokens (
 the tile's rows), heaviest tiles (most keys) first; grid ``(n_work, Hkv, 1)``. :func:`pack_prefill_inputs`
 puts the work list and the page tables into one int32 array for one upload.
 
-Two schedules (:class:`PrefillVariant` ``warps``): 4 warps, 64-row tiles, single-buffered K/V (two CTAs per
-SM at hd 256), and 8 warps, 128-row tiles, double-buffered K/V (one CTA per SM, 192 KB at hd 256), the
+Two implementations (:class:`PrefillVariant` ``impl``). ``"mma"`` (``prefill_attention.cu``, mma.sync, any
+sm_80+ GPU, head dims 16..256) has two schedules (``warps``): 4 warps, 64-row tiles, single-buffered K/V (two
+CTAs per SM at hd 256), and 8 warps, 128-row tiles, double-buffered K/V (one CTA per SM, 192 KB at hd 256), the
 default for hd > 128: each K/V tile copied serves twice the rows, halving the L2 -> SM traffic per FLOP. A
 row's arithmetic is the same in both (the same key tiles in the same order), so they give the same bits.
+``"wgmma"`` (``prefill_attention_wgmma.cu``, Hopper warpgroup MMA, compute capability 9.0 only, head dims 64,
+128 and 256) runs the 8-warp schedule's tiles (128 rows, two warpgroups, double-buffered K/V) with both
+products on wgmma; its bits are its own (the tensor core's accumulation order differs from mma.sync's), and
+every plan of it gives a row the same bits. ``"auto"`` (:class:`CudaPrefillAttention`'s default) takes
+``"wgmma"`` where it runs, else ``"mma"``: one build per process and shape, so batch invariance holds.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +44,8 @@ import numpy as np
 from ..ops.dispatcher import DeviceLimits
 from .driver import CudaDevice, DeviceArray
 from .kernels import Kernel, Launch, load_module
+
+log = logging.getLogger(__name__)
 
 SOURCE = "prefill_attention.cu"
 ENTRY = "prefill_attn"
@@ -48,6 +57,12 @@ KEY_TILE = 64  # the kernel's BN
 WORK_INTS = 4  # ints per work item: (sequence, first q row, tokens, first position)
 ALIGN_INTS = 32  # the page tables start on a 128-byte line in pack_prefill_inputs' layout
 MAX_HEAD_DIM = 256
+IMPLS = ("auto", "mma", "wgmma")
+WGMMA_SOURCE = "prefill_attention_wgmma.cu"
+WGMMA_ENTRY = "prefill_attn_wgmma"
+WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: its cubins run on compute capability 9.0 only
+WGMMA_HEAD_DIMS = (64, 128, 256)  # whole 64-column (128-byte) swizzle slabs
+WGMMA_ROWS = 128  # two warpgroups of 64 rows
 
 
 class PrefillAttentionError(ValueError):
@@ -70,14 +85,26 @@ def default_warps(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """One compiled build: ``-DHD -DDT -DG -DMT -DNWARPS -DSTAGES``. ``warps`` 4: K/V single-buffered (1
-    stage); 8: double-buffered (2 stages)."""
+    """One compiled build. ``impl`` ``"mma"``: ``prefill_attention.cu`` with ``-DHD -DDT -DG -DMT -DNWARPS
+    -DSTAGES``; ``warps`` 4: K/V single-buffered (1 stage), 8: double-buffered (2 stages). ``"wgmma"``:
+    ``prefill_attention_wgmma.cu`` with ``-DHD -DDT -DG`` (8 warps = two warpgroups, 128 rows, 2 stages;
+    ``pv_split``: O += P V as hd / 64 wgmmas of n64 instead of one of n hd, ``-DPV_SPLIT``)."""
 
     dtype: str
     head_dim: int
     group: int
     m_tiles: int = 1
     warps: int = WARPS
+    impl: str = "mma"
+    pv_split: bool = False
+
+    @property
+    def source(self) -> str:
+        return WGMMA_SOURCE if self.impl == "wgmma" else SOURCE
+
+    @property
+    def entry(self) -> str:
+        return WGMMA_ENTRY if self.impl == "wgmma" else ENTRY
 
     @property
     def stages(self) -> int:
@@ -99,19 +126,35 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: Q tile [rows][hd] + ``stages`` x (one K and one V tile [64][hd]), all T."""
-        return (self.rows + 2 * KEY_TILE * self.stages) * self.head_dim * 2
+        """Dynamic shared memory: Q tile [rows][hd] + ``stages`` x (one K and one V tile [64][hd]), all T (+ 1 KB
+        for the wgmma build to align its operands to the 1024-byte swizzle atom)."""
+        return (self.rows + 2 * KEY_TILE * self.stages) * self.head_dim * 2 + (1024 if self.impl == "wgmma" else 0)
+
+    @property
+    def arch(self) -> str | None:
+        """The compile target the build needs (None: the device's own)."""
+        return WGMMA_ARCH if self.impl == "wgmma" else None
 
     @property
     def options(self) -> tuple[str, ...]:
+        if self.impl == "wgmma":
+            return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
+                    *(("-DPV_SPLIT",) if self.pv_split else ()))
         return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
                 f"-DMT={self.m_tiles}", f"-DNWARPS={self.warps}", f"-DSTAGES={self.stages}")
 
 
+def wgmma_takes(dtype: str, head_dim: int, group: int) -> bool:
+    """Whether the wgmma build exists for this shape (the device must also be compute capability 9.0)."""
+    return dtype in DT_CODES and head_dim in WGMMA_HEAD_DIMS and 1 <= group <= WGMMA_ROWS
+
+
 def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int | None = None,
-                           warps: int | None = None) -> PrefillVariant:
+                           warps: int | None = None, impl: str = "mma", pv_split: bool = False) -> PrefillVariant:
     """The build for ``(dtype, head_dim, group = Hq / Hkv)`` (``m_tiles`` / ``warps``: override the defaults,
-    :func:`default_m_tiles` / :func:`default_warps`); :class:`PrefillAttentionError` if none can run."""
+    :func:`default_m_tiles` / :func:`default_warps`, ``"mma"`` only; ``impl``: ``"mma"`` or ``"wgmma"``, already
+    resolved: :class:`CudaPrefillAttention` resolves ``"auto"`` on its device); :class:`PrefillAttentionError`
+    if none can run."""
     if dtype not in DT_CODES:
         raise PrefillAttentionError(
             f"prefill attention runs float16 / bfloat16 only (tensor cores), got {dtype}: keep the per-token "
@@ -119,6 +162,16 @@ def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int |
     if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
         raise PrefillAttentionError(
             f"head_dim {head_dim} unsupported: it must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
+    if impl == "wgmma":
+        if m_tiles not in (None, 1) or warps not in (None, WIDE_WARPS):
+            raise PrefillAttentionError(f"the wgmma build has one schedule ({WIDE_WARPS} warps, 1 m-tile), got "
+                                        f"m_tiles={m_tiles}, warps={warps}")
+        if not wgmma_takes(dtype, head_dim, group):
+            raise PrefillAttentionError(f"the wgmma build runs head_dim in {WGMMA_HEAD_DIMS} and GQA groups "
+                                        f"1..{WGMMA_ROWS}, got head_dim {head_dim}, group {group}: use impl 'mma'")
+        return PrefillVariant(dtype, head_dim, int(group), 1, WIDE_WARPS, "wgmma", bool(pv_split))
+    if impl != "mma":
+        raise PrefillAttentionError(f"impl must be 'mma' or 'wgmma' here, got {impl!r}")
     mt = default_m_tiles(head_dim) if m_tiles is None else int(m_tiles)
     if mt not in (1, 2):
         raise PrefillAttentionError(f"m_tiles must be 1 or 2, got {mt}")
@@ -183,7 +236,8 @@ class PrefillPlan:
 
 def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, dtype: str, page_size: int, limits: DeviceLimits,
-                 m_tiles: int | None = None, warps: int | None = None) -> PrefillPlan:
+                 m_tiles: int | None = None, warps: int | None = None, impl: str = "mma",
+                 pv_split: bool = False) -> PrefillPlan:
     """Pure host: the work list and launch geometry of one prefill batch (``q_lens[s]`` new tokens of sequence
     ``s`` at positions ``start_pos[s] ..``), validated against ``limits``. Raises :class:`PrefillAttentionError`
     naming what to change when the shape cannot run."""
@@ -193,7 +247,7 @@ def plan_prefill(q_lens: Sequence[int], start_pos: Sequence[int], *, num_q_heads
         raise PrefillAttentionError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if page_size < 16 or page_size % 16:
         raise PrefillAttentionError(f"page_size {page_size} unsupported: it must be a multiple of 16 (>= 16)")
-    v = choose_prefill_variant(dtype, head_dim, num_q_heads // num_kv_heads, m_tiles, warps)
+    v = choose_prefill_variant(dtype, head_dim, num_q_heads // num_kv_heads, m_tiles, warps, impl, pv_split)
     lens = [int(n) for n in q_lens]
     pos = [int(p) for p in start_pos]
     if any(n < 0 for n in lens) or any(p < 0 for p in pos):
@@ -278,25 +332,61 @@ def prefill_launch(plan: PrefillPlan, *, q: int, k: int, v: int, tables: int, ta
     args = [("ptr", q), ("ptr", k), ("ptr", v), ("ptr", tables), ("i32", table_stride), ("ptr", work),
             ("ptr", out), ("i32", plan.num_q_heads), ("i32", plan.num_kv_heads), ("i32", plan.page_size),
             ("i32", plan.n_work), ("f32", plan.scale_log2)]
-    return Launch(ENTRY, plan.grid, plan.block, plan.smem_bytes, args, pdl=True)
+    return Launch(plan.variant.entry, plan.grid, plan.block, plan.smem_bytes, args, pdl=True)
+
+
+def resolve_impl(impl: str, compute_capability: tuple[int, int], dtype: str, head_dim: int, group: int,
+                 m_tiles: int | None = None, warps: int | None = None) -> str:
+    """``impl`` (:data:`IMPLS`) resolved for a device: ``"auto"`` is ``"wgmma"`` on compute capability 9.0 for
+    the shapes it takes (:func:`wgmma_takes`) when no mma.sync schedule was asked for (``m_tiles`` /
+    ``warps``), else ``"mma"``. :class:`PrefillAttentionError` for ``"wgmma"`` off compute capability 9.0."""
+    if impl not in IMPLS:
+        raise PrefillAttentionError(f"impl must be one of {IMPLS}, got {impl!r}")
+    on_hopper = tuple(compute_capability) == (9, 0)
+    if impl == "wgmma" and not on_hopper:
+        raise PrefillAttentionError(f"impl 'wgmma' needs compute capability 9.0, not {tuple(compute_capability)}")
+    if impl == "auto":
+        auto_ok = on_hopper and wgmma_takes(dtype, head_dim, group) and m_tiles is None and warps is None
+        return "wgmma" if auto_ok else "mma"
+    return impl
 
 
 class CudaPrefillAttention:
     """The prefill-attention kernel of one ``(dtype, head_dim, group)`` on one device (``m_tiles`` / ``warps``:
-    override the default build, see :func:`choose_prefill_variant`).
+    override the default mma.sync build, see :func:`choose_prefill_variant`; ``impl``: ``"auto"`` (default),
+    ``"mma"`` or ``"wgmma"``, see :func:`resolve_impl`; ``pv_split``: the wgmma build's n64 P V products).
 
     The variant is compiled and loaded at construction and its dynamic-shared-memory opt-in is set once (all
-    the device allows), so every plan :func:`plan_prefill` accepts for ``device.limits`` can launch.
+    the device allows), so every plan :func:`plan_prefill` accepts for ``device.limits`` can launch. Under
+    ``"auto"``, a wgmma build that fails to compile or load is logged and the mma.sync build runs.
     """
 
     def __init__(self, device: CudaDevice, dtype: str, head_dim: int, group: int, m_tiles: int | None = None,
-                 warps: int | None = None) -> None:
+                 warps: int | None = None, impl: str = "auto", pv_split: bool = False) -> None:
         self.device = device
-        self.variant = choose_prefill_variant(dtype, head_dim, group, m_tiles, warps)
-        module = load_module(SOURCE, self.variant.options, device.arch)
-        self.kernel: Kernel = module.kernel(ENTRY)
-        if self.kernel.optin_bytes(device) is None:
-            self.kernel.set_max_dynamic_smem(device)
+        want = resolve_impl(impl, device.compute_capability, dtype, head_dim, group, m_tiles, warps)
+        if want == "wgmma":
+            try:
+                self._load(choose_prefill_variant(dtype, head_dim, group, impl="wgmma", pv_split=pv_split))
+                return
+            except Exception:
+                if impl != "auto":
+                    raise
+                log.exception("the wgmma prefill attention did not build; the mma.sync build runs")
+        self._load(choose_prefill_variant(dtype, head_dim, group, m_tiles, warps))
+
+    def _load(self, v: PrefillVariant) -> None:
+        module = load_module(v.source, v.options, v.arch or self.device.arch)
+        kernel: Kernel = module.kernel(v.entry)
+        if kernel.optin_bytes(self.device) is None:
+            kernel.set_max_dynamic_smem(self.device)
+        self.variant: PrefillVariant = v
+        self.kernel: Kernel = kernel
+
+    @property
+    def impl(self) -> str:
+        """The build this kernel runs: ``"mma"`` or ``"wgmma"``."""
+        return self.variant.impl
 
     @property
     def limits(self) -> DeviceLimits:
@@ -310,7 +400,8 @@ class CudaPrefillAttention:
                                         f"G = {self.variant.group}")
         return plan_prefill(q_lens, start_pos, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=self.variant.head_dim, dtype=self.variant.dtype, page_size=page_size,
-                            limits=self.limits, m_tiles=self.variant.m_tiles, warps=self.variant.warps)
+                            limits=self.limits, m_tiles=self.variant.m_tiles, warps=self.variant.warps,
+                            impl=self.variant.impl, pv_split=self.variant.pv_split)
 
     def launch(self, plan: PrefillPlan, q_ptr: int, k_pool_ptr: int, v_pool_ptr: int, tables_ptr: int,
                table_stride: int, work_ptr: int, out_ptr: int, *, pool_pages: int | None = None) -> None:

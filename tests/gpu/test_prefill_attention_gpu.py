@@ -41,11 +41,13 @@ def kernels(dev):
 
     cache: dict[tuple, CudaPrefillAttention] = {}
 
-    def get(dtype: str, hd: int, group: int, m_tiles: int | None = None,
-            warps: int | None = None) -> CudaPrefillAttention:
-        key = (dtype, hd, group, m_tiles, warps)
+    def get(dtype: str, hd: int, group: int, m_tiles: int | None = None, warps: int | None = None,
+            impl: str = "auto", pv_split: bool = False) -> CudaPrefillAttention:
+        if impl == "wgmma" and tuple(dev.compute_capability) != (9, 0):
+            pytest.skip("the wgmma build runs on compute capability 9.0 only")
+        key = (dtype, hd, group, m_tiles, warps, impl, pv_split)
         if key not in cache:
-            cache[key] = CudaPrefillAttention(dev, dtype, hd, group, m_tiles, warps)
+            cache[key] = CudaPrefillAttention(dev, dtype, hd, group, m_tiles, warps, impl=impl, pv_split=pv_split)
         return cache[key]
 
     return get
@@ -115,12 +117,13 @@ def check(torch, out, ref, q_lens, dtype: str, what: str) -> None:
         row += n
 
 
-def run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, m_tiles=None, warps=None) -> None:
+def run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, m_tiles=None, warps=None,
+             impl: str = "auto", pv_split: bool = False) -> None:
     from hybrid_runtime.cuda.driver import DeviceArray
 
     q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
     ref = reference(torch, q, k, v, tables, q_lens, start_pos)
-    kern = kernels(dtype, hd, hq // hkv, m_tiles, warps)
+    kern = kernels(dtype, hd, hq // hkv, m_tiles, warps, impl, pv_split)
     out = kern.run(DeviceArray.from_torch(q), DeviceArray.from_torch(k), DeviceArray.from_torch(v), tables,
                    q_lens, start_pos)
     res = torch.as_tensor(out, device="cuda").clone()
@@ -137,8 +140,11 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["mma", "auto"])
 @pytest.mark.parametrize("seed", range(len(CONFIGS)))
-def test_random_varlen_batches_match_reference(torch, kernels, seed: int) -> None:
+def test_random_varlen_batches_match_reference(torch, kernels, seed: int, impl: str) -> None:
+    """Both builds: the mma.sync one everywhere, and what serving runs ("auto": wgmma on compute capability
+    9.0 for hd 64 / 128 / 256, the mma.sync build for hd 80)."""
     rng = np.random.default_rng(500 + seed)
     hq, hkv, hd, dtype, ps = CONFIGS[seed]
     B = int(rng.integers(1, 6))
@@ -146,7 +152,7 @@ def test_random_varlen_batches_match_reference(torch, kernels, seed: int) -> Non
     # fresh prompts (0), chunks after cached pages, starting mid-page or on a page boundary
     start_pos = [int(rng.choice([0, int(rng.integers(1, 3 * ps)), ps, int(rng.integers(ps, 2000))]))
                  for _ in range(B)]
-    run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
+    run_case(torch, kernels, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype, impl=impl)
 
 
 def test_single_tokens_and_tiny_chunks(torch, kernels) -> None:
@@ -155,11 +161,33 @@ def test_single_tokens_and_tiny_chunks(torch, kernels) -> None:
     run_case(torch, kernels, rng, [1, 1, 3, 1, 9], [0, 17, 64, 4000, 127], 16, 2, 256, 64, "bfloat16")
 
 
-def test_long_prompt_and_chunked_continuation(torch, kernels) -> None:
+@pytest.mark.parametrize("impl", ["mma", "auto"])
+def test_long_prompt_and_chunked_continuation(torch, kernels, impl: str) -> None:
     """The target model's shape (16q / 2kv / hd 256, bf16, page 64): a 6k-token fresh prompt, a 1000-token chunk
     starting mid-page after 7001 cached tokens, and one token at position 8190, in one launch."""
     rng = np.random.default_rng(8)
-    run_case(torch, kernels, rng, [6000, 1000, 1], [0, 7001, 8190], 16, 2, 256, 64, "bfloat16")
+    run_case(torch, kernels, rng, [6000, 1000, 1], [0, 7001, 8190], 16, 2, 256, 64, "bfloat16", impl=impl)
+
+
+@pytest.mark.parametrize("cfg", [(16, 2, 256, "bfloat16", 64, False), (16, 2, 256, "float16", 16, True),
+                                 (32, 8, 128, "bfloat16", 32, False), (32, 8, 128, "float16", 64, True),
+                                 (8, 8, 64, "bfloat16", 16, False), (128, 1, 64, "float16", 64, False),
+                                 (24, 8, 128, "bfloat16", 48, False)],
+                         ids=lambda c: f"hq{c[0]}-hkv{c[1]}-hd{c[2]}-{c[3]}-ps{c[4]}-split{int(c[5])}")
+def test_wgmma_build_matches_reference(torch, kernels, cfg) -> None:
+    """The wgmma build asked for by name: every head dim it takes, both P V forms (one n-hd product or hd / 64
+    n64 products per 16 keys), G 1 / 3 / 8 / 128 (a 128-row tile of one token), chunks after cached pages."""
+    hq, hkv, hd, dtype, ps, split = cfg
+    rng = np.random.default_rng(hq * hd + ps)
+    run_case(torch, kernels, rng, [700, 129, 1, 64, 2000], [0, 77, 300, ps, 5], hq, hkv, hd, ps, dtype,
+             impl="wgmma", pv_split=split)
+
+
+def test_auto_takes_wgmma_on_hopper(dev, kernels) -> None:
+    want = "wgmma" if tuple(dev.compute_capability) == (9, 0) else "mma"
+    assert kernels("bfloat16", 256, 8).impl == want
+    assert kernels("bfloat16", 80, 3).impl == "mma"  # no whole 64-column slabs
+    assert kernels("bfloat16", 256, 8, None, 8).impl == "mma"  # an mma.sync schedule asked for
 
 
 def test_8k_prompt_hd128(torch, kernels) -> None:
@@ -195,7 +223,8 @@ def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
     """4 warps (64-row tiles, one K/V buffer) and 8 warps (128-row tiles, two buffers) do a row's arithmetic
     identically (the same key tiles in order; a tile a row does not see leaves it exactly as it was): equal
     outputs, so either build (or a per-launch choice between them) keeps a prompt's bits whatever shares its
-    step."""
+    step. On compute capability 9.0 the wgmma build gives the same bits too (measured, not a documented
+    property: the H200's wgmma accumulates a row's 16-wide k steps as its mma.sync does)."""
     from hybrid_runtime.cuda.driver import DeviceArray
 
     hq, hkv, hd, dtype, ps = cfg
@@ -204,13 +233,17 @@ def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
     q, k, v, tables = make_case(torch, rng, q_lens, start_pos, hq, hkv, hd, ps, dtype)
     args = (DeviceArray.from_torch(q), DeviceArray.from_torch(k), DeviceArray.from_torch(v), tables, q_lens,
             start_pos)
+    builds = [(1, 4, "mma"), (1, 8, "mma")]
+    if tuple(kernels(dtype, hd, hq // hkv, 1, 4).device.compute_capability) == (9, 0):
+        builds += [(None, None, "wgmma")]
     outs = []
-    for warps in (4, 8):
-        kern = kernels(dtype, hd, hq // hkv, 1, warps)
+    for mt, warps, impl in builds:
+        kern = kernels(dtype, hd, hq // hkv, mt, warps, impl)
         outs.append(torch.as_tensor(kern.run(*args), device="cuda").clone())
         kern.device.synchronize()
     assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1]), f"max diff {float((outs[0] - outs[1]).abs().max()):.3e}"
+    for (_, warps, impl), o in zip(builds[1:], outs[1:]):
+        assert torch.equal(outs[0], o), f"{impl} w{warps}: max diff {float((outs[0] - o).abs().max()):.3e}"
 
 
 def test_chunked_prefill_equals_one_shot(torch, kernels) -> None:
@@ -256,7 +289,7 @@ def test_launch_from_packed_inputs(torch, dev, kernels) -> None:
 
 
 def test_plan_matches_device_limits(dev, kernels) -> None:
-    kern = kernels("bfloat16", 256, 8)
+    kern = kernels("bfloat16", 256, 8, impl="mma")
     assert kern.kernel.optin_bytes(dev) is not None
     p = kern.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
     assert p.block == (256, 1, 1) and p.grid == (256, 2, 1)  # 8 warps, 16 tokens per 128-row tile
@@ -266,3 +299,8 @@ def test_plan_matches_device_limits(dev, kernels) -> None:
     p4 = k4.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
     assert p4.block == (128, 1, 1) and p4.smem_bytes == (64 + 128) * 256 * 2
     assert k4.kernel.problems(dev, p4.grid, p4.block, p4.smem_bytes) == []
+    if tuple(dev.compute_capability) == (9, 0):
+        kw = kernels("bfloat16", 256, 8, impl="wgmma")
+        pw = kw.plan([4096], [0], num_q_heads=16, num_kv_heads=2, page_size=64)
+        assert pw.block == (256, 1, 1) and pw.grid == p.grid and pw.smem_bytes == p.smem_bytes + 1024
+        assert kw.kernel.problems(dev, pw.grid, pw.block, pw.smem_bytes) == []

@@ -1,0 +1,423 @@
+// Causal prefill attention over the paged KV cache on Hopper warpgroup MMA (wgmma.mma_async, sm_90a only).
+//
+// The same launch contract as prefill_attention.cu (arguments, work list, grid (n_work, Hkv, 1), float32 output;
+// host side hybrid_runtime/cuda/prefill_attention.py, impl "wgmma"), which stays the build for other GPUs and
+// head dims. Compiled by NVRTC for sm_90a with
+//   -DHD=<head_dim: 64, 128 or 256>  -DDT=<1 float16 | 2 bfloat16>  -DG=<GQA group Hq / Hkv, 1..128>
+//   -DPV_SPLIT (optional): O += P V as HD / 64 wgmmas of n64 per 16 keys instead of one of n HD.
+// Self-contained (no CUDA headers).
+//
+// CTA: BM = 128 query rows (row = token * G + head_in_group, TOKB = 128 / G tokens of the work item, as the
+// mma.sync build with 8 warps) x key tiles of BN = 64; 256 threads = two warpgroups, warpgroup w owns rows
+// [64 w, 64 w + 64) (warp 4 w + i rows 16 i.., as warp i of the 8-warp mma.sync build).
+//   S = Q K^T   wgmma m64n64k16, A = Q and B = K both K-major in shared memory, HD / 16 k-steps (scale-d 0 on
+//               the first: no zeroing), float32 S in 32 registers a thread;
+//   online softmax on S in registers (the mma.sync build's row math, log2 domain, exp2 on the MUFU);
+//   O += P V    wgmma m64nHDk16 with A = P from registers (S rounded to T: the m16n8k16 A fragment layout, as
+//               mma.sync) and B = V from shared memory, MN-major (imm-trans-b 1), 4 k-steps of 16 keys;
+//               float32 O in HD / 2 registers a thread.
+// Shared memory (1024-aligned): Q [HD / 64 slabs][128 rows][128 bytes], then two stages of (K, V), each
+// [HD / 64 slabs][64 keys][128 bytes]. A slab row holds 64 columns (dims) of one row (token x head, or key); its
+// 16-byte chunks are XOR-swizzled by (row & 7) inside 1024-byte 8-row atoms: the PTX ISA's canonical 128-byte
+// swizzle layout, K-major for Q and K (descriptor SBO 1024 = one 8-row atom to the next, the k16 step s adds
+// 32 (s % 4) bytes inside slab s / 4) and MN-major for V (keys are the k dimension: the 16 keys of step kk
+// start 2048 kk bytes in, SBO 1024 = 8 keys to the next 8, LBO = one slab to the next along the dims).
+// hd 256: 64 KB of Q + 2 x 64 KB of K/V + 1 KB alignment = 193 KB, one CTA per SM.
+// Schedule (per key tile j): wait for tile j's cp.async copies, fence.proxy.async (generic-proxy writes ->
+// visible to the async proxy), barrier, copy tile j + 1 into the other stage (its previous tile's wgmmas have
+// completed in both warpgroups: each waited for them before the barrier), S wgmmas, wait, softmax, P V wgmmas,
+// wait. No explicit ping-pong: the SM's schedulers interleave the two warpgroups' softmax and MMAs as they can.
+// Semantics as prefill_attention.cu: causal over absolute positions, keys past the last query zero-filled and
+// masked, fp32 accumulation. The accumulation order inside a wgmma differs from mma.sync's: this build's bits
+// are its own (every plan of it gives a row the same bits: the key tiles in the same order).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef HD
+#error "HD (head_dim) must be defined"
+#endif
+#ifndef DT
+#define DT 2
+#endif
+#ifndef G
+#define G 1
+#endif
+#if DT == 1
+#define WG_TY "f16"
+#elif DT == 2
+#define WG_TY "bf16"
+#else
+#error "DT must be 1 (float16) or 2 (bfloat16)"
+#endif
+typedef u16 T;
+
+#define NTHREADS 256
+#define BM 128                       // query rows per CTA (two warpgroups of 64)
+#define BN 64                        // keys per tile
+#define TOKB (BM / G)                // query tokens per CTA
+#define RUSED (TOKB * G)             // rows in use
+#define CPR (HD / 8)                 // 16-byte chunks per row
+#define NSLAB (HD / 64)              // 64-column slabs (one 128-byte swizzle row each)
+#define Q_SLAB (BM * 128)            // bytes of one Q slab
+#define KV_SLAB (BN * 128)           // bytes of one K (or V) slab
+#define KV_BYTES (NSLAB * KV_SLAB)   // one K (or V) tile
+#define STAGE_BYTES (2 * KV_BYTES)   // K tile then V tile
+#define Q_BYTES (NSLAB * Q_SLAB)
+#define NKS (HD / 16)                // k16 steps of S = Q K^T
+#define NDT (HD / 8)                 // 8-wide dim tiles of O
+#define NNT (BN / 8)                 // 8-wide key tiles of S
+#define NGRP (BN / 16)               // 16-key groups of a tile (each inside one page)
+#define RSTEP (NTHREADS / CPR)       // rows between a thread's chunks in a K/V tile copy
+#ifdef PV_SPLIT
+#define PVN 64
+#else
+#define PVN HD
+#endif
+#define NPV (HD / PVN)               // P V wgmmas per 16 keys
+
+static_assert(HD == 64 || HD == 128 || HD == 256, "HD must be 64, 128 or 256");
+static_assert(G >= 1 && G <= BM, "G must be in 1..128");
+static_assert(RSTEP % 8 == 0 && BN % RSTEP == 0, "copy rows: a thread's rows share (row & 7)");
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
+  u32 r;
+#if DT == 1
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+// A copy the compiler cannot fold into constants it then keeps in registers of their own (see
+// prefill_attention.cu's opaque).
+__device__ __forceinline__ u32 opaque(u32 x) {
+  u32 y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Matrix descriptor of a 128-byte-swizzled operand at shared address `saddr` (start >> 4 in bits 0-13, LBO >> 4
+// in 16-29, SBO >> 4 in 32-45, swizzle mode 1 = 128B in 62-63, base offset 0). Adding (bytes >> 4) to a
+// descriptor moves its start (no carry: shared addresses are < 256 KB).
+__device__ __forceinline__ u64 sw128_desc(u32 saddr, u32 lbo, u32 sbo) {
+  return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+#define RF8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), "+f"(a[i + 4]), "+f"(a[i + 5]), \
+                  "+f"(a[i + 6]), "+f"(a[i + 7])
+#define RF32(a, i) RF8(a, i), RF8(a, i + 8), RF8(a, i + 16), RF8(a, i + 24)
+#define RF64(a, i) RF32(a, i), RF32(a, i + 32)
+#define RF128(a, i) RF64(a, i), RF64(a, i + 64)
+
+// S[64 x 64] = (acc ? S : 0) + Q[64 x 16] . K[64 x 16]^T; da / db: K-major descriptors of the k16 step.
+__device__ __forceinline__ void wgmma_s(float (&s)[32], u64 da, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TY "." WG_TY " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : RF32(s, 0)
+      : "l"(da), "l"(db), "r"(acc));
+}
+
+// O[64 x PVN] (accumulators o[OFF .. OFF + PVN / 2)) += P[64 x 16] (registers a) . V[16 x PVN] (MN-major, db).
+template <int OFF>
+__device__ __forceinline__ void wgmma_pv(float (&o)[HD / 2], const u32 (&a)[4], u64 db) {
+#if PVN == 64
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TY "." WG_TY " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : RF32(o, OFF)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#elif PVN == 128
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TY "." WG_TY " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : RF64(o, OFF)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_TY "." WG_TY " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : RF128(o, OFF)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#endif
+}
+
+// Register fences: the compiler must not read wgmma accumulators before the wait, nor reuse the P registers
+// while the asynchronous MMAs still read them.
+__device__ __forceinline__ void fence_s(float (&s)[32]) { asm volatile("" : RF32(s, 0)::"memory"); }
+__device__ __forceinline__ void fence_o(float (&o)[HD / 2]) {
+#if HD == 64
+  asm volatile("" : RF32(o, 0)::"memory");
+#elif HD == 128
+  asm volatile("" : RF64(o, 0)::"memory");
+#else
+  asm volatile("" : RF128(o, 0)::"memory");
+#endif
+}
+__device__ __forceinline__ void fence_p(u32 (&p)[NGRP][4]) {
+  asm volatile("" : "+r"(p[0][0]), "+r"(p[0][1]), "+r"(p[0][2]), "+r"(p[0][3]), "+r"(p[1][0]), "+r"(p[1][1]),
+               "+r"(p[1][2]), "+r"(p[1][3]), "+r"(p[2][0]), "+r"(p[2][1]), "+r"(p[2][2]), "+r"(p[2][3]),
+               "+r"(p[3][0]), "+r"(p[3][1]), "+r"(p[3][2]), "+r"(p[3][3])::"memory");
+}
+
+extern __shared__ __align__(1024) unsigned char smem[];
+
+// Page of the first key of each 16-key group of the tile at key n0 (-1: the group starts at or past kv_len).
+__device__ __forceinline__ void tile_pages(int (&pg)[NGRP], const int* __restrict__ table, int n0, int kv_len,
+                                           int page_size) {
+  int pi = n0 / page_size, off = n0 - pi * page_size;
+#pragma unroll
+  for (int gi = 0; gi < NGRP; ++gi) {
+    if (gi > 0) {
+      off += 16;
+      if (off >= page_size) off -= page_size, ++pi;
+    }
+    pg[gi] = n0 + 16 * gi < kv_len ? __ldg(table + pi) : -1;
+  }
+}
+// Pool row of the first key of each 16-key group (-1 stays -1); key n0 + r is row base[r >> 4] + (r & 15) * Hkv.
+__device__ __forceinline__ void bases_from_pages(int (&base)[NGRP], const int (&pg)[NGRP], int n0, int page_size,
+                                                 int Hkv, int kvh) {
+  int off = n0 % page_size;
+#pragma unroll
+  for (int gi = 0; gi < NGRP; ++gi) {
+    if (gi > 0) {
+      off += 16;
+      if (off >= page_size) off -= page_size;
+    }
+    base[gi] = pg[gi] < 0 ? -1 : (pg[gi] * page_size + off) * Hkv + kvh;
+  }
+}
+
+// cp.async of one BN-key tile of K or V to shared address dst (its slab 0, 1024-aligned): thread (r0, c) copies
+// chunk c of rows r0 + RSTEP i; keys past nvalid are zero-filled (masked anyway; zeros keep P V finite).
+__device__ __forceinline__ void load_kv_tile(u32 dst, const T* __restrict__ pool, const int (&base)[NGRP],
+                                             int nvalid, int Hkv, int r0, int c) {
+  const u32 d0 = dst + (c >> 3) * KV_SLAB + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+#pragma unroll
+  for (int i = 0; i < BN / RSTEP; ++i) {
+    const int ga = (RSTEP * i) >> 4;  // the group of row RSTEP i; + 1 for r0 >= 16 (RSTEP 32 only)
+    const int b = (RSTEP > 16 && (r0 & 16)) ? base[(ga + 1) & (NGRP - 1)] : base[ga];
+    const int r = r0 + RSTEP * i;
+    const bool ok = r < nvalid;
+    const T* src = ok ? pool + ((size_t)b + (r & 15) * Hkv) * HD + c * 8 : pool;
+    cp_async16(d0 + i * RSTEP * 128, src, ok ? 16 : 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) prefill_attn_wgmma(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int4* __restrict__ work, float* __restrict__ out,
+    int Hq, int Hkv, int page_size, int n_work, float scale_log2) {
+  const int item = blockIdx.x, kvh = blockIdx.y;
+  if (item >= n_work || kvh >= Hkv) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t4 = lane & 3;
+  const u32 sQ = (smem_u32(smem) + 1023u) & ~1023u, sKV = sQ + Q_BYTES;
+
+  pdl_wait_primary();  // nothing below reads or writes global memory before the previous kernel is done
+  const int4 w = work[item];
+  const int seq = w.x, qrow0 = w.y, ntok = w.z, qpos0 = w.w;
+  const int* table = tables + (size_t)seq * table_stride;
+  const int kv_len = qpos0 + ntok;
+  const int nkt = (kv_len + BN - 1) / BN;
+  const int h0 = kvh * G;
+
+  // ---- prologue: Q tile (padding rows zero-filled) and K/V tile 0, one commit group ----
+#pragma unroll 4
+  for (int i = 0; i < (BM * CPR) / NTHREADS; ++i) {
+    const int idx = tid + NTHREADS * i;
+    const int r = idx / CPR, c = idx - r * CPR;
+    const int tok = r / G, hg = r - tok * G;
+    const bool ok = r < RUSED && tok < ntok;
+    const T* src = q + ((size_t)(qrow0 + (ok ? tok : 0)) * Hq + h0 + (ok ? hg : 0)) * HD + c * 8;
+    cp_async16(sQ + (c >> 3) * Q_SLAB + r * 128 + (((c & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
+  }
+  const int cr0 = tid / CPR, cc = tid - cr0 * CPR;  // this thread's rows / chunk of a K/V tile copy
+  int pg[NGRP], base[NGRP];
+  tile_pages(pg, table, 0, kv_len, page_size);
+  bases_from_pages(base, pg, 0, page_size, Hkv, kvh);
+  load_kv_tile(sKV, kpool, base, min(BN, kv_len), Hkv, cr0, cc);
+  load_kv_tile(sKV + KV_BYTES, vpool, base, min(BN, kv_len), Hkv, cr0, cc);
+  cp_commit();
+  tile_pages(pg, table, BN, kv_len, page_size);
+
+  // Positions of this thread's rows (16 warp + g and + 8); padding rows take the last token's.
+  const int wrow0 = warp * 16;
+  int rpos[2];
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) rpos[hi] = qpos0 + min((wrow0 + g + 8 * hi) / G, ntok - 1);
+
+  float o[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+
+  // Descriptors: Q rows of this warpgroup (K-major), K and V of stage 0 (K K-major, V MN-major).
+  const u64 dq = sw128_desc(sQ + wg * 64 * 128, 16, 1024);
+  const u64 dk0 = sw128_desc(sKV, 16, 1024);
+  const u64 dv0 = sw128_desc(sKV + KV_BYTES, KV_SLAB, 1024);
+
+#pragma unroll 1
+  for (int j = 0; j < nkt; ++j) {
+    const int n0 = j * BN;
+    const u32 cur = (u32)(j & 1) * STAGE_BYTES;
+    cp_wait0();
+    fence_proxy_async();
+    __syncthreads();  // tile j (and Q) landed for every thread; both warpgroups are done with tile j - 1
+    if (j + 1 < nkt) {  // tile j + 1 into the stage tile j - 1 used
+      bases_from_pages(base, pg, n0 + BN, page_size, Hkv, kvh);
+      const u32 nxt = sKV + (STAGE_BYTES - cur);
+      const int nv = min(BN, kv_len - n0 - BN);
+      load_kv_tile(nxt, kpool, base, nv, Hkv, cr0, cc);
+      load_kv_tile(nxt + KV_BYTES, vpool, base, nv, Hkv, cr0, cc);
+      cp_commit();
+      tile_pages(pg, table, n0 + 2 * BN, kv_len, page_size);
+    }
+
+    // ---- S = Q K_j^T ----
+    float s[32];
+    const u64 dk = dk0 + (opaque(cur) >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks)
+      wgmma_s(s, dq + (((ks >> 2) * Q_SLAB + (ks & 3) * 32) >> 4), dk + (((ks >> 2) * KV_SLAB + (ks & 3) * 32) >> 4),
+              ks > 0);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_s(s);
+
+    // ---- causal mask (tiles reaching past the first query), online softmax: s becomes P ----
+    if (n0 + BN - 1 > qpos0) {
+#pragma unroll
+      for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + nt * 8 + 2 * t4 + (e & 1);
+          if (key > rpos[e >> 1]) s[4 * nt + e] = NEG_INF;
+        }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < NNT; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hi], s[4 * nt + 2 * hi + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[hi], mx * scale_log2);  // finite: tile 0 holds key 0 for every row
+      const float alpha = fast_exp2(m_run[hi] - m_new);
+      m_run[hi] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NNT; ++nt) {
+        const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hi], scale_log2, -m_new));
+        const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hi + 1], scale_log2, -m_new));
+        s[4 * nt + 2 * hi] = p0;
+        s[4 * nt + 2 * hi + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_run[hi] = l_run[hi] * alpha + sum;
+      if (!__all_sync(0xffffffffu, alpha == 1.f)) {  // some row of the warp's 8 has a new maximum
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) {
+          o[4 * dt + 2 * hi] *= alpha;
+          o[4 * dt + 2 * hi + 1] *= alpha;
+        }
+      }
+    }
+
+    // ---- O += P V_j ----
+    u32 pa[NGRP][4];  // keys 16 kk .. 16 kk + 15: S key tiles 2 kk, 2 kk + 1 as the A fragment
+#pragma unroll
+    for (int kk = 0; kk < NGRP; ++kk) {
+      pa[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    const u64 dv = dv0 + (opaque(cur) >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < NGRP; ++kk) {
+      wgmma_pv<0>(o, pa[kk], dv + ((kk * 2048) >> 4));
+#if NPV > 1
+      wgmma_pv<32>(o, pa[kk], dv + ((kk * 2048 + KV_SLAB) >> 4));
+#endif
+#if NPV > 2
+      wgmma_pv<64>(o, pa[kk], dv + ((kk * 2048 + 2 * KV_SLAB) >> 4));
+      wgmma_pv<96>(o, pa[kk], dv + ((kk * 2048 + 3 * KV_SLAB) >> 4));
+#endif
+    }
+    wgmma_commit();
+    wgmma_wait0();
+    fence_o(o);
+    fence_p(pa);
+  }
+
+  // ---- epilogue: full row sums over the quad, normalise, store float32 ----
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float l = l_run[hi];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = 1.f / l;  // > 0: every row has its key 0
+    const int r = wrow0 + g + 8 * hi;
+    const int tok = r / G, hg = r - tok * G;
+    if (r < RUSED && tok < ntok) {
+      float* dst = out + ((size_t)(qrow0 + tok) * Hq + h0 + hg) * HD + 2 * t4;
+#pragma unroll
+      for (int dt = 0; dt < NDT; ++dt)
+        *(float2*)(dst + dt * 8) = make_float2(o[4 * dt + 2 * hi] * inv, o[4 * dt + 2 * hi + 1] * inv);
+    }
+  }
+  pdl_launch_dependents();  // this CTA's results are stored: the next kernel may be scheduled
+}
