@@ -15,7 +15,8 @@ once), as the backend does. TFLOP/s counts causal FLOPs: 2 matmuls x 2 x Hq x hd
 over queries). Max abs error: ours vs SDPA's bfloat16 output. ``--builds`` times several builds of ours
 on the same inputs, SDPA once per case: ``default`` (what serving runs: ``"auto"``), the mma.sync builds
 ``WARPS`` or ``WARPSxMTILES`` (4 = 64-row tiles, single-buffered K/V; 8 = 128-row tiles, double-buffered),
-``wgmma`` (Hopper warpgroup MMA) and ``wgmma-n64`` (its P V as n64 products); ``same bits`` says whether a
+``wgmma`` (Hopper warpgroup MMA), ``wgmma-ws`` (its warp-specialised form) and ``-n64`` of either (P V as n64
+products); ``same bits`` says whether a
 build's output equals the first's.
 """
 
@@ -63,24 +64,27 @@ def _sdpa_call(torch: Any, q: Any, k: Any, v: Any, group: int) -> tuple[Any, str
 
 
 def build_label(v: Any) -> str:
-    """A build's name in the table: ``wgmma`` / ``wgmma n64``, or the mma.sync schedule ``wWARPS mtM sSTAGES``."""
-    if v.impl == "wgmma":
-        return "wgmma n64" if v.pv_split else "wgmma"
+    """A build's name in the table: ``wgmma`` / ``wgmma-ws`` (`` n64``: split P V), or the mma.sync schedule
+    ``wWARPS mtM sSTAGES``."""
+    if v.impl != "mma":
+        return v.impl.replace("_", "-") + (" n64" if v.pv_split else "")
     return f"w{v.warps} mt{v.m_tiles} s{v.stages}"
 
 
 def make_kernel(dev: Any, spec: str, dtype: str, head_dim: int, group: int, m_tiles: int | None = None) -> Any:
     """A kernel for one ``--builds`` spec: ``default`` (impl ``"auto"``, what serving runs), ``WARPS`` or
-    ``WARPSxMTILES`` (mma.sync), ``wgmma``, ``wgmma-n64``."""
+    ``WARPSxMTILES`` (mma.sync), ``wgmma``, ``wgmma-n64``, ``wgmma-ws``, ``wgmma-ws-n64``."""
     from hybrid_runtime.cuda.prefill_attention import CudaPrefillAttention
 
     if spec == "default":
         return CudaPrefillAttention(dev, dtype, head_dim, group, m_tiles)
-    if spec in ("wgmma", "wgmma-n64"):
-        return CudaPrefillAttention(dev, dtype, head_dim, group, impl="wgmma", pv_split=spec == "wgmma-n64")
+    if spec in ("wgmma", "wgmma-n64", "wgmma-ws", "wgmma-ws-n64"):
+        return CudaPrefillAttention(dev, dtype, head_dim, group, impl="wgmma_ws" if "-ws" in spec else "wgmma",
+                                    pv_split=spec.endswith("-n64"))
     w, _, mt = spec.partition("x")
     if not w.isdigit() or (mt and not mt.isdigit()):
-        raise SystemExit(f"--builds: unknown build {spec!r} (default, 4, 8, 4x2, wgmma, wgmma-n64)")
+        raise SystemExit(f"--builds: unknown build {spec!r} (default, 4, 8, 4x2, wgmma, wgmma-n64, wgmma-ws, "
+                         "wgmma-ws-n64)")
     return CudaPrefillAttention(dev, dtype, head_dim, group, int(mt) if mt else m_tiles, int(w), impl="mma")
 
 
@@ -217,8 +221,8 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--m-tiles", type=int, choices=[1, 2], help="override the build's 16-row tiles per warp")
     ap.add_argument("--builds", nargs="*", default=[],
-                    help="builds to time on the same inputs: default, WARPS (4 or 8), WARPSxMTILES, wgmma or "
-                         "wgmma-n64, e.g. '8 wgmma' (default: the default build only)")
+                    help="builds to time on the same inputs: default, WARPS (4 or 8), WARPSxMTILES, wgmma, "
+                         "wgmma-n64, wgmma-ws, wgmma-ws-n64, e.g. '8 wgmma' (default: the default build only)")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.batch_cases]

@@ -57,9 +57,13 @@ KEY_TILE = 64  # the kernel's BN
 WORK_INTS = 4  # ints per work item: (sequence, first q row, tokens, first position)
 ALIGN_INTS = 32  # the page tables start on a 128-byte line in pack_prefill_inputs' layout
 MAX_HEAD_DIM = 256
-IMPLS = ("auto", "mma", "wgmma")
+IMPLS = ("auto", "mma", "wgmma", "wgmma_ws")
+WGMMA_IMPLS = ("wgmma", "wgmma_ws")
+AUTO_IMPL = "wgmma_ws"  # what "auto" runs on compute capability 9.0 (benchmarks/results/prefill_attention_h200.md)
 WGMMA_SOURCE = "prefill_attention_wgmma.cu"
 WGMMA_ENTRY = "prefill_attn_wgmma"
+WGMMA_WS_ENTRY = "prefill_attn_wgmma_ws"  # the same source with -DWS
+PRODUCER_THREADS = 128  # the warp-specialised build's copy warpgroup
 WGMMA_ARCH = "sm_90a"  # wgmma needs the arch-specific target: its cubins run on compute capability 9.0 only
 WGMMA_HEAD_DIMS = (64, 128, 256)  # whole 64-column (128-byte) swizzle slabs
 WGMMA_ROWS = 128  # two warpgroups of 64 rows
@@ -88,7 +92,9 @@ class PrefillVariant:
     """One compiled build. ``impl`` ``"mma"``: ``prefill_attention.cu`` with ``-DHD -DDT -DG -DMT -DNWARPS
     -DSTAGES``; ``warps`` 4: K/V single-buffered (1 stage), 8: double-buffered (2 stages). ``"wgmma"``:
     ``prefill_attention_wgmma.cu`` with ``-DHD -DDT -DG`` (8 warps = two warpgroups, 128 rows, 2 stages;
-    ``pv_split``: O += P V as hd / 64 wgmmas of n64 instead of one of n hd, ``-DPV_SPLIT``)."""
+    ``pv_split``: O += P V as hd / 64 wgmmas of n64 instead of one of n hd, ``-DPV_SPLIT``). ``"wgmma_ws"``: the
+    same file with ``-DWS``, warp-specialised: the two warpgroups plus a producer warpgroup (384 threads) that
+    issues every copy into mbarrier-synchronised K and V rings."""
 
     dtype: str
     head_dim: int
@@ -100,11 +106,11 @@ class PrefillVariant:
 
     @property
     def source(self) -> str:
-        return WGMMA_SOURCE if self.impl == "wgmma" else SOURCE
+        return WGMMA_SOURCE if self.impl in WGMMA_IMPLS else SOURCE
 
     @property
     def entry(self) -> str:
-        return WGMMA_ENTRY if self.impl == "wgmma" else ENTRY
+        return {"wgmma": WGMMA_ENTRY, "wgmma_ws": WGMMA_WS_ENTRY}.get(self.impl, ENTRY)
 
     @property
     def stages(self) -> int:
@@ -113,7 +119,7 @@ class PrefillVariant:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps + (PRODUCER_THREADS if self.impl == "wgmma_ws" else 0)
 
     @property
     def rows(self) -> int:
@@ -128,18 +134,18 @@ class PrefillVariant:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q tile [rows][hd] + ``stages`` x (one K and one V tile [64][hd]), all T (+ 1 KB
         for the wgmma build to align its operands to the 1024-byte swizzle atom)."""
-        return (self.rows + 2 * KEY_TILE * self.stages) * self.head_dim * 2 + (1024 if self.impl == "wgmma" else 0)
+        return (self.rows + 2 * KEY_TILE * self.stages) * self.head_dim * 2 + (1024 if self.impl in WGMMA_IMPLS else 0)
 
     @property
     def arch(self) -> str | None:
         """The compile target the build needs (None: the device's own)."""
-        return WGMMA_ARCH if self.impl == "wgmma" else None
+        return WGMMA_ARCH if self.impl in WGMMA_IMPLS else None
 
     @property
     def options(self) -> tuple[str, ...]:
-        if self.impl == "wgmma":
+        if self.impl in WGMMA_IMPLS:
             return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
-                    *(("-DPV_SPLIT",) if self.pv_split else ()))
+                    *(("-DPV_SPLIT",) if self.pv_split else ()), *(("-DWS",) if self.impl == "wgmma_ws" else ()))
         return (f"-DHD={self.head_dim}", f"-DDT={DT_CODES[self.dtype]}", f"-DG={self.group}",
                 f"-DMT={self.m_tiles}", f"-DNWARPS={self.warps}", f"-DSTAGES={self.stages}")
 
@@ -152,7 +158,8 @@ def wgmma_takes(dtype: str, head_dim: int, group: int) -> bool:
 def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int | None = None,
                            warps: int | None = None, impl: str = "mma", pv_split: bool = False) -> PrefillVariant:
     """The build for ``(dtype, head_dim, group = Hq / Hkv)`` (``m_tiles`` / ``warps``: override the defaults,
-    :func:`default_m_tiles` / :func:`default_warps`, ``"mma"`` only; ``impl``: ``"mma"`` or ``"wgmma"``, already
+    :func:`default_m_tiles` / :func:`default_warps`, ``"mma"`` only; ``impl``: ``"mma"``, ``"wgmma"`` or
+    ``"wgmma_ws"``, already
     resolved: :class:`CudaPrefillAttention` resolves ``"auto"`` on its device); :class:`PrefillAttentionError`
     if none can run."""
     if dtype not in DT_CODES:
@@ -162,16 +169,16 @@ def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int |
     if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
         raise PrefillAttentionError(
             f"head_dim {head_dim} unsupported: it must be a multiple of 16 in 16..{MAX_HEAD_DIM}")
-    if impl == "wgmma":
+    if impl in WGMMA_IMPLS:
         if m_tiles not in (None, 1) or warps not in (None, WIDE_WARPS):
             raise PrefillAttentionError(f"the wgmma build has one schedule ({WIDE_WARPS} warps, 1 m-tile), got "
                                         f"m_tiles={m_tiles}, warps={warps}")
         if not wgmma_takes(dtype, head_dim, group):
             raise PrefillAttentionError(f"the wgmma build runs head_dim in {WGMMA_HEAD_DIMS} and GQA groups "
                                         f"1..{WGMMA_ROWS}, got head_dim {head_dim}, group {group}: use impl 'mma'")
-        return PrefillVariant(dtype, head_dim, int(group), 1, WIDE_WARPS, "wgmma", bool(pv_split))
+        return PrefillVariant(dtype, head_dim, int(group), 1, WIDE_WARPS, impl, bool(pv_split))
     if impl != "mma":
-        raise PrefillAttentionError(f"impl must be 'mma' or 'wgmma' here, got {impl!r}")
+        raise PrefillAttentionError(f"impl must be 'mma', 'wgmma' or 'wgmma_ws' here, got {impl!r}")
     mt = default_m_tiles(head_dim) if m_tiles is None else int(m_tiles)
     if mt not in (1, 2):
         raise PrefillAttentionError(f"m_tiles must be 1 or 2, got {mt}")
@@ -337,24 +344,25 @@ def prefill_launch(plan: PrefillPlan, *, q: int, k: int, v: int, tables: int, ta
 
 def resolve_impl(impl: str, compute_capability: tuple[int, int], dtype: str, head_dim: int, group: int,
                  m_tiles: int | None = None, warps: int | None = None) -> str:
-    """``impl`` (:data:`IMPLS`) resolved for a device: ``"auto"`` is ``"wgmma"`` on compute capability 9.0 for
-    the shapes it takes (:func:`wgmma_takes`) when no mma.sync schedule was asked for (``m_tiles`` /
-    ``warps``), else ``"mma"``. :class:`PrefillAttentionError` for ``"wgmma"`` off compute capability 9.0."""
+    """``impl`` (:data:`IMPLS`) resolved for a device: ``"auto"`` is :data:`AUTO_IMPL` on compute capability 9.0
+    for the shapes it takes (:func:`wgmma_takes`) when no mma.sync schedule was asked for (``m_tiles`` /
+    ``warps``), else ``"mma"``. :class:`PrefillAttentionError` for a wgmma build off compute capability 9.0."""
     if impl not in IMPLS:
         raise PrefillAttentionError(f"impl must be one of {IMPLS}, got {impl!r}")
     on_hopper = tuple(compute_capability) == (9, 0)
-    if impl == "wgmma" and not on_hopper:
-        raise PrefillAttentionError(f"impl 'wgmma' needs compute capability 9.0, not {tuple(compute_capability)}")
+    if impl in WGMMA_IMPLS and not on_hopper:
+        raise PrefillAttentionError(f"impl {impl!r} needs compute capability 9.0, not {tuple(compute_capability)}")
     if impl == "auto":
         auto_ok = on_hopper and wgmma_takes(dtype, head_dim, group) and m_tiles is None and warps is None
-        return "wgmma" if auto_ok else "mma"
+        return AUTO_IMPL if auto_ok else "mma"
     return impl
 
 
 class CudaPrefillAttention:
     """The prefill-attention kernel of one ``(dtype, head_dim, group)`` on one device (``m_tiles`` / ``warps``:
     override the default mma.sync build, see :func:`choose_prefill_variant`; ``impl``: ``"auto"`` (default),
-    ``"mma"`` or ``"wgmma"``, see :func:`resolve_impl`; ``pv_split``: the wgmma build's n64 P V products).
+    ``"mma"``, ``"wgmma"`` or ``"wgmma_ws"``, see :func:`resolve_impl`; ``pv_split``: the wgmma builds' n64 P V
+    products).
 
     The variant is compiled and loaded at construction and its dynamic-shared-memory opt-in is set once (all
     the device allows), so every plan :func:`plan_prefill` accepts for ``device.limits`` can launch. Under
@@ -365,9 +373,9 @@ class CudaPrefillAttention:
                  warps: int | None = None, impl: str = "auto", pv_split: bool = False) -> None:
         self.device = device
         want = resolve_impl(impl, device.compute_capability, dtype, head_dim, group, m_tiles, warps)
-        if want == "wgmma":
+        if want in WGMMA_IMPLS:
             try:
-                self._load(choose_prefill_variant(dtype, head_dim, group, impl="wgmma", pv_split=pv_split))
+                self._load(choose_prefill_variant(dtype, head_dim, group, impl=want, pv_split=pv_split))
                 return
             except Exception:
                 if impl != "auto":
@@ -385,7 +393,7 @@ class CudaPrefillAttention:
 
     @property
     def impl(self) -> str:
-        """The build this kernel runs: ``"mma"`` or ``"wgmma"``."""
+        """The build this kernel runs: ``"mma"``, ``"wgmma"`` or ``"wgmma_ws"``."""
         return self.variant.impl
 
     @property

@@ -66,22 +66,23 @@ def test_prefill_both_schedules_compile_without_spills(cfg) -> None:
     assert regs <= 255
 
 
-@pytest.mark.parametrize("cfg", [(dt, hd, g, split) for dt in ("float16", "bfloat16") for hd in (64, 128, 256)
-                                 for g in (1, 3, 8, 128) for split in (False, True)],
-                         ids=lambda c: f"{c[0]}-hd{c[1]}-g{c[2]}-split{int(c[3])}")
+@pytest.mark.parametrize("cfg", [(dt, hd, g, split, impl) for dt in ("float16", "bfloat16") for hd in (64, 128, 256)
+                                 for g in (1, 3, 8, 128) for split in (False, True) for impl in ("wgmma", "wgmma_ws")],
+                         ids=lambda c: f"{c[4]}-{c[0]}-hd{c[1]}-g{c[2]}-split{int(c[3])}")
 def test_wgmma_builds_compile_without_spills(cfg) -> None:
-    """The wgmma build (``prefill_attention_wgmma.cu``, sm_90a) at every head dim it takes, both P V forms: no
-    spills, <= 255 registers (256 threads, one CTA per SM; hd 256 needs ~220: O is 128 registers), and no
-    ptxas warning (a wgmma it had to serialise would say so)."""
+    """The wgmma builds (``prefill_attention_wgmma.cu``, sm_90a; ``wgmma_ws`` = ``-DWS``) at every head dim they
+    take, both P V forms: no spills (the plain build: <= 255 registers at 256 threads, hd 256 needs ~211, O is 128
+    registers; the warp-specialised one: 168 at entry, its consumers raised to 232 by setmaxnreg), and no ptxas
+    performance note (a wgmma it had to serialise, or a setmaxnreg it ignored, would print one)."""
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import compile_log, source
     from hybrid_runtime.cuda.prefill_attention import WGMMA_ARCH, choose_prefill_variant
 
-    dt, hd, g, split = cfg
-    v = choose_prefill_variant(dt, hd, g, impl="wgmma", pv_split=split)
+    dt, hd, g, split, impl = cfg
+    v = choose_prefill_variant(dt, hd, g, impl=impl, pv_split=split)
     log = compile_log(source(v.source), v.source, v.options, WGMMA_ARCH)
     check_log(log, max_spill=0)
-    assert "warning" not in log.lower(), log
+    assert "warning" not in log.lower() and "Performance Loss" not in log, log
 
 
 def test_wgmma_variant_is_refused_where_it_cannot_run() -> None:
@@ -94,11 +95,14 @@ def test_wgmma_variant_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(PrefillAttentionError, match="compute capability"):
         resolve_impl("wgmma", (8, 0), "bfloat16", 256, 8)
     assert resolve_impl("auto", (8, 0), "bfloat16", 256, 8) == "mma"
-    assert resolve_impl("auto", (9, 0), "bfloat16", 256, 8) == "wgmma"
+    assert resolve_impl("auto", (9, 0), "bfloat16", 256, 8) == "wgmma_ws"
     assert resolve_impl("auto", (9, 0), "bfloat16", 192, 8) == "mma"
     assert resolve_impl("auto", (9, 0), "bfloat16", 256, 8, warps=8) == "mma"
     v = choose_prefill_variant("bfloat16", 256, 8, impl="wgmma")
     assert (v.threads, v.rows, v.tokens_per_tile, v.stages) == (256, 128, 16, 2)
+    ws = choose_prefill_variant("bfloat16", 256, 8, impl="wgmma_ws")
+    assert (ws.threads, ws.rows, ws.smem_bytes, ws.entry) == (384, 128, v.smem_bytes, "prefill_attn_wgmma_ws")
+    assert "-DWS" in ws.options and "-DWS" not in v.options
     assert v.smem_bytes == (128 + 2 * 2 * 64) * 256 * 2 + 1024  # 193 KB: Q, two K/V stages, 1 KB alignment
 
 

@@ -43,7 +43,7 @@ def kernels(dev):
 
     def get(dtype: str, hd: int, group: int, m_tiles: int | None = None, warps: int | None = None,
             impl: str = "auto", pv_split: bool = False) -> CudaPrefillAttention:
-        if impl == "wgmma" and tuple(dev.compute_capability) != (9, 0):
+        if impl.startswith("wgmma") and tuple(dev.compute_capability) != (9, 0):
             pytest.skip("the wgmma build runs on compute capability 9.0 only")
         key = (dtype, hd, group, m_tiles, warps, impl, pv_split)
         if key not in cache:
@@ -174,17 +174,19 @@ def test_long_prompt_and_chunked_continuation(torch, kernels, impl: str) -> None
                                  (8, 8, 64, "bfloat16", 16, False), (128, 1, 64, "float16", 64, False),
                                  (24, 8, 128, "bfloat16", 48, False)],
                          ids=lambda c: f"hq{c[0]}-hkv{c[1]}-hd{c[2]}-{c[3]}-ps{c[4]}-split{int(c[5])}")
-def test_wgmma_build_matches_reference(torch, kernels, cfg) -> None:
-    """The wgmma build asked for by name: every head dim it takes, both P V forms (one n-hd product or hd / 64
-    n64 products per 16 keys), G 1 / 3 / 8 / 128 (a 128-row tile of one token), chunks after cached pages."""
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_ws"])
+def test_wgmma_build_matches_reference(torch, kernels, cfg, impl: str) -> None:
+    """The wgmma builds asked for by name (plain and warp-specialised): every head dim they take, both P V forms
+    (one n-hd product or hd / 64 n64 products per 16 keys), G 1 / 3 / 8 / 128 (a 128-row tile of one token),
+    chunks after cached pages."""
     hq, hkv, hd, dtype, ps, split = cfg
     rng = np.random.default_rng(hq * hd + ps)
     run_case(torch, kernels, rng, [700, 129, 1, 64, 2000], [0, 77, 300, ps, 5], hq, hkv, hd, ps, dtype,
-             impl="wgmma", pv_split=split)
+             impl=impl, pv_split=split)
 
 
 def test_auto_takes_wgmma_on_hopper(dev, kernels) -> None:
-    want = "wgmma" if tuple(dev.compute_capability) == (9, 0) else "mma"
+    want = "wgmma_ws" if tuple(dev.compute_capability) == (9, 0) else "mma"
     assert kernels("bfloat16", 256, 8).impl == want
     assert kernels("bfloat16", 80, 3).impl == "mma"  # no whole 64-column slabs
     assert kernels("bfloat16", 256, 8, None, 8).impl == "mma"  # an mma.sync schedule asked for
@@ -223,7 +225,7 @@ def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
     """4 warps (64-row tiles, one K/V buffer) and 8 warps (128-row tiles, two buffers) do a row's arithmetic
     identically (the same key tiles in order; a tile a row does not see leaves it exactly as it was): equal
     outputs, so either build (or a per-launch choice between them) keeps a prompt's bits whatever shares its
-    step. On compute capability 9.0 the wgmma build gives the same bits too (measured, not a documented
+    step. On compute capability 9.0 the wgmma builds give the same bits too (measured, not a documented
     property: the H200's wgmma accumulates a row's 16-wide k steps as its mma.sync does)."""
     from hybrid_runtime.cuda.driver import DeviceArray
 
@@ -235,7 +237,7 @@ def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
             start_pos)
     builds = [(1, 4, "mma"), (1, 8, "mma")]
     if tuple(kernels(dtype, hd, hq // hkv, 1, 4).device.compute_capability) == (9, 0):
-        builds += [(None, None, "wgmma")]
+        builds += [(None, None, "wgmma"), (None, None, "wgmma_ws")]
     outs = []
     for mt, warps, impl in builds:
         kern = kernels(dtype, hd, hq // hkv, mt, warps, impl)

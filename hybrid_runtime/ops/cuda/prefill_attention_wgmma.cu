@@ -254,6 +254,107 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const T* __restrict__ pool
   }
 }
 
+// Causal mask (when `mask`: the tile reaches past the first query) and the online softmax of one key tile for the
+// thread's rows g, g + 8 (the 4 lanes of a quad hold a row's 64 keys): s becomes P (unnormalised, log2 domain),
+// m_run / l_run move on, alpha[hi] is the factor O must be rescaled by (exactly 1 when the row max is unchanged).
+__device__ __forceinline__ void tile_softmax(float (&s)[32], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
+                                             bool mask, int n0, const int (&rpos)[2], int t4, float scale_log2) {
+  if (mask) {
+#pragma unroll
+    for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + nt * 8 + 2 * t4 + (e & 1);
+        if (key > rpos[e >> 1]) s[4 * nt + e] = NEG_INF;
+      }
+  }
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < NNT; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hi], s[4 * nt + 2 * hi + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[hi], mx * scale_log2);  // finite: tile 0 holds key 0 for every row
+    alpha[hi] = fast_exp2(m_run[hi] - m_new);
+    m_run[hi] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NNT; ++nt) {
+      const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hi], scale_log2, -m_new));
+      const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hi + 1], scale_log2, -m_new));
+      s[4 * nt + 2 * hi] = p0;
+      s[4 * nt + 2 * hi + 1] = p1;
+      sum += p0 + p1;
+    }
+    l_run[hi] = l_run[hi] * alpha[hi] + sum;
+  }
+}
+// O *= alpha per row; skipped for the warp's 8 rows g (or g + 8) when none has a new maximum (alpha exactly 1).
+__device__ __forceinline__ void rescale_o(float (&o)[HD / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi)
+    if (!__all_sync(0xffffffffu, alpha[hi] == 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < NDT; ++dt) {
+        o[4 * dt + 2 * hi] *= alpha[hi];
+        o[4 * dt + 2 * hi + 1] *= alpha[hi];
+      }
+    }
+}
+// P (keys 16 kk .. 16 kk + 15 = S key tiles 2 kk, 2 kk + 1) rounded to T as the A fragments of the P V wgmmas.
+__device__ __forceinline__ void pack_p(u32 (&pa)[NGRP][4], const float (&s)[32]) {
+#pragma unroll
+  for (int kk = 0; kk < NGRP; ++kk) {
+    pa[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+// O += P V of one key tile (V MN-major at descriptor dv): NGRP k16 steps, NPV products each.
+__device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const u32 (&pa)[NGRP][4], u64 dv) {
+#pragma unroll
+  for (int kk = 0; kk < NGRP; ++kk) {
+    wgmma_pv<0>(o, pa[kk], dv + ((kk * 2048) >> 4));
+#if NPV > 1
+    wgmma_pv<32>(o, pa[kk], dv + ((kk * 2048 + KV_SLAB) >> 4));
+#endif
+#if NPV > 2
+    wgmma_pv<64>(o, pa[kk], dv + ((kk * 2048 + 2 * KV_SLAB) >> 4));
+    wgmma_pv<96>(o, pa[kk], dv + ((kk * 2048 + 3 * KV_SLAB) >> 4));
+#endif
+  }
+}
+// S = Q K^T of one key tile: HD / 16 k16 steps (the first with scale-d 0).
+__device__ __forceinline__ void issue_s(float (&s)[32], u64 dq, u64 dk) {
+#pragma unroll
+  for (int ks = 0; ks < NKS; ++ks)
+    wgmma_s(s, dq + (((ks >> 2) * Q_SLAB + (ks & 3) * 32) >> 4), dk + (((ks >> 2) * KV_SLAB + (ks & 3) * 32) >> 4),
+            ks > 0);
+}
+
+// Normalise by the full row sums (over the quad) and store the thread's rows as float32.
+__device__ __forceinline__ void store_rows(float* __restrict__ out, const float (&o)[HD / 2], const float (&l_run)[2],
+                                           int wrow0, int g, int t4, int ntok, int qrow0, int Hq, int h0) {
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float l = l_run[hi];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = 1.f / l;  // > 0: every row has its key 0
+    const int r = wrow0 + g + 8 * hi;
+    const int tok = r / G, hg = r - tok * G;
+    if (r < RUSED && tok < ntok) {
+      float* dst = out + ((size_t)(qrow0 + tok) * Hq + h0 + hg) * HD + 2 * t4;
+#pragma unroll
+      for (int dt = 0; dt < NDT; ++dt)
+        *(float2*)(dst + dt * 8) = make_float2(o[4 * dt + 2 * hi] * inv, o[4 * dt + 2 * hi + 1] * inv);
+    }
+  }
+}
+
+#ifndef WS
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) prefill_attn_wgmma(
     const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
     const int* __restrict__ tables, int table_stride, const int4* __restrict__ work, float* __restrict__ out,
@@ -328,96 +429,220 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) prefill_attn_wgmma(
     float s[32];
     const u64 dk = dk0 + (opaque(cur) >> 4);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < NKS; ++ks)
-      wgmma_s(s, dq + (((ks >> 2) * Q_SLAB + (ks & 3) * 32) >> 4), dk + (((ks >> 2) * KV_SLAB + (ks & 3) * 32) >> 4),
-              ks > 0);
+    issue_s(s, dq, dk);
     wgmma_commit();
     wgmma_wait0();
     fence_s(s);
 
-    // ---- causal mask (tiles reaching past the first query), online softmax: s becomes P ----
-    if (n0 + BN - 1 > qpos0) {
-#pragma unroll
-      for (int nt = 0; nt < NNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n0 + nt * 8 + 2 * t4 + (e & 1);
-          if (key > rpos[e >> 1]) s[4 * nt + e] = NEG_INF;
-        }
-    }
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      float mx = NEG_INF;
-#pragma unroll
-      for (int nt = 0; nt < NNT; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hi], s[4 * nt + 2 * hi + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[hi], mx * scale_log2);  // finite: tile 0 holds key 0 for every row
-      const float alpha = fast_exp2(m_run[hi] - m_new);
-      m_run[hi] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NNT; ++nt) {
-        const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hi], scale_log2, -m_new));
-        const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hi + 1], scale_log2, -m_new));
-        s[4 * nt + 2 * hi] = p0;
-        s[4 * nt + 2 * hi + 1] = p1;
-        sum += p0 + p1;
-      }
-      l_run[hi] = l_run[hi] * alpha + sum;
-      if (!__all_sync(0xffffffffu, alpha == 1.f)) {  // some row of the warp's 8 has a new maximum
-#pragma unroll
-        for (int dt = 0; dt < NDT; ++dt) {
-          o[4 * dt + 2 * hi] *= alpha;
-          o[4 * dt + 2 * hi + 1] *= alpha;
-        }
-      }
-    }
+    // ---- causal mask (tiles reaching past the first query), online softmax: s becomes P; O rescaled ----
+    float alpha[2];
+    tile_softmax(s, m_run, l_run, alpha, n0 + BN - 1 > qpos0, n0, rpos, t4, scale_log2);
+    rescale_o(o, alpha);
 
     // ---- O += P V_j ----
-    u32 pa[NGRP][4];  // keys 16 kk .. 16 kk + 15: S key tiles 2 kk, 2 kk + 1 as the A fragment
-#pragma unroll
-    for (int kk = 0; kk < NGRP; ++kk) {
-      pa[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    u32 pa[NGRP][4];
+    pack_p(pa, s);
     const u64 dv = dv0 + (opaque(cur) >> 4);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < NGRP; ++kk) {
-      wgmma_pv<0>(o, pa[kk], dv + ((kk * 2048) >> 4));
-#if NPV > 1
-      wgmma_pv<32>(o, pa[kk], dv + ((kk * 2048 + KV_SLAB) >> 4));
-#endif
-#if NPV > 2
-      wgmma_pv<64>(o, pa[kk], dv + ((kk * 2048 + 2 * KV_SLAB) >> 4));
-      wgmma_pv<96>(o, pa[kk], dv + ((kk * 2048 + 3 * KV_SLAB) >> 4));
-#endif
-    }
+    issue_pv(o, pa, dv);
     wgmma_commit();
     wgmma_wait0();
     fence_o(o);
     fence_p(pa);
   }
 
-  // ---- epilogue: full row sums over the quad, normalise, store float32 ----
-#pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    float l = l_run[hi];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = 1.f / l;  // > 0: every row has its key 0
-    const int r = wrow0 + g + 8 * hi;
-    const int tok = r / G, hg = r - tok * G;
-    if (r < RUSED && tok < ntok) {
-      float* dst = out + ((size_t)(qrow0 + tok) * Hq + h0 + hg) * HD + 2 * t4;
-#pragma unroll
-      for (int dt = 0; dt < NDT; ++dt)
-        *(float2*)(dst + dt * 8) = make_float2(o[4 * dt + 2 * hi] * inv, o[4 * dt + 2 * hi + 1] * inv);
-    }
-  }
+  store_rows(out, o, l_run, wrow0, g, t4, ntok, qrow0, Hq, h0);
   pdl_launch_dependents();  // this CTA's results are stored: the next kernel may be scheduled
 }
+#endif  // !WS
+
+#ifdef WS
+// ---------------------------------------------------------------------------------------------------------------
+// -DWS: the warp-specialised build (entry prefill_attn_wgmma_ws): 384 threads = two consumer warpgroups (warps 0-7,
+// the rows as above, wgmma and softmax only; setmaxnreg 232) + one producer warpgroup (warps 8-11: every cp.async
+// copy; setmaxnreg 40), synchronised by mbarriers instead of a CTA barrier per key tile, with
+//   * K and V in separate two-stage rings: full_k[s] / full_v[s] (128 arrivals: the producer's threads, each after
+//     cp.async.wait_group + fence.proxy.async on its own copies) and empty_k[s] / empty_v[s] (256 arrivals: every
+//     consumer thread once the wgmmas reading the stage have completed). Tile j uses stage j & 1 in round j >> 1;
+//     consumers wait for parity round & 1, the producer for (round & 1) ^ 1 (round 0 passes at once);
+//     K_j's stage is freed once S_j is done, V_j's once P V_j is: the producer refills K while the softmax runs;
+//   * ping-pong between the consumer warpgroups (named barriers 1 and 2, 256 threads: one warpgroup's bar.sync,
+//     the other's bar.arrive) around the issue of S = Q K^T: the warpgroups take turns, so one's softmax tends to
+//     run under the other's MMAs. Warpgroup 1 arrives once first (warpgroup 0 starts); warpgroup 0 takes the
+//     last arrival at the end.
+// (Deferring P V_{j-1} under the softmax of tile j, FlashAttention-3's intra-warpgroup overlap, made ptxas 13
+// serialise the wgmmas: "non wgmma instructions reading accumulator registers".)
+// The math per row is the non-WS build's: the same products in the same order, the same softmax.
+#define WS_THREADS (NTHREADS + 128)
+#define PT 128  // producer threads
+#define WS_HANG_CYCLES (1ll << 34)
+#define PR (PT / CPR)  // rows per pass of the producer's copies (thread = (row r0 < PR, chunk c))
+static_assert(PT % CPR == 0 && 16 % PR == 0, "producer copy layout");
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {  // release at CTA scope
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ u32 mbar_try_wait(u32 bar, u32 parity) {  // acquire at CTA scope
+  u32 ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok;
+}
+// The consumers' wait. No hang guard here: a trap (or clock64) in the consumer path makes ptxas drop the
+// setmaxnreg budget (the hd-256 build then spills ~460 bytes and serialises its wgmmas).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+// The producer's wait: traps past WS_HANG_CYCLES (seconds), so a broken handshake is a launch error, not a hang
+// (the trap ends the whole grid, consumers included).
+__device__ __forceinline__ void mbar_wait_guarded(u32 bar, u32 parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long t0 = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - t0 > WS_HANG_CYCLES) __trap();
+  }
+}
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+__device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+
+// The producer warpgroup's copy of one BN-key tile of K or V (rows r0 + PR i, chunk c; keys past nvalid zero-filled).
+__device__ __forceinline__ void prod_load_tile(u32 dst, const T* __restrict__ pool, const int (&base)[NGRP],
+                                               int nvalid, int Hkv, int r0, int c) {
+  const u32 d0 = dst + (c >> 3) * KV_SLAB + (c & 7) * 16;
+#pragma unroll 8
+  for (int i = 0; i < BN / PR; ++i) {
+    const int r = r0 + PR * i;  // its 16-key group is (PR i) >> 4: r0 < PR and PR divides 16
+    const bool ok = r < nvalid;
+    const T* src = ok ? pool + ((size_t)base[(PR * i) >> 4] + (r & 15) * Hkv) * HD + c * 8 : pool;
+    cp_async16((d0 + r * 128) ^ ((r & 7) << 4), src, ok ? 16 : 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) prefill_attn_wgmma_ws(
+    const T* __restrict__ q, const T* __restrict__ kpool, const T* __restrict__ vpool,
+    const int* __restrict__ tables, int table_stride, const int4* __restrict__ work, float* __restrict__ out,
+    int Hq, int Hkv, int page_size, int n_work, float scale_log2) {
+  __shared__ __align__(8) u64 bars[8];  // full_k[2], full_v[2], empty_k[2], empty_v[2]
+  const int item = blockIdx.x, kvh = blockIdx.y;
+  if (item >= n_work || kvh >= Hkv) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 sQ = (smem_u32(smem) + 1023u) & ~1023u, sK = sQ + Q_BYTES, sV = sK + 2 * KV_BYTES;
+  const u32 full_k = smem_u32(bars), full_v = full_k + 16, empty_k = full_k + 32, empty_v = full_k + 48;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full_k + 8 * s, PT);
+      mbar_init(full_v + 8 * s, PT);
+      mbar_init(empty_k + 8 * s, NTHREADS);
+      mbar_init(empty_v + 8 * s, NTHREADS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the only CTA-wide barrier
+
+  pdl_wait_primary();  // nothing below reads or writes global memory before the previous kernel is done
+  const int4 w = work[item];
+  const int seq = w.x, qrow0 = w.y, ntok = w.z, qpos0 = w.w;
+  const int kv_len = qpos0 + ntok;
+  const int nkt = (kv_len + BN - 1) / BN;
+  const int h0 = kvh * G;
+
+  if (warp >= NTHREADS / 32) {
+    // ------------------------------------------------------------------ producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const int* table = tables + (size_t)seq * table_stride;
+    const int ptid = tid - NTHREADS, r0 = ptid / CPR, c = ptid - r0 * CPR;
+#pragma unroll 4
+    for (int i = 0; i < BM / PR; ++i) {  // Q rows r0 + PR i (padding rows zero-filled): with K_0 (full_k[0])
+      const int r = r0 + PR * i;
+      const int tok = r / G, hg = r - tok * G;
+      const bool ok = r < RUSED && tok < ntok;
+      const T* src = q + ((size_t)(qrow0 + (ok ? tok : 0)) * Hq + h0 + (ok ? hg : 0)) * HD + c * 8;
+      cp_async16(sQ + (c >> 3) * Q_SLAB + r * 128 + (((c & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
+    }
+    int pg[NGRP], base[NGRP];
+    tile_pages(pg, table, 0, kv_len, page_size);
+#pragma unroll 1
+    for (int j = 0; j < nkt; ++j) {
+      const int n0 = j * BN, nv = min(BN, kv_len - n0);
+      const u32 st = (u32)(j & 1), par = ((u32)(j >> 1) & 1u) ^ 1u;
+      bases_from_pages(base, pg, n0, page_size, Hkv, kvh);
+      if (j + 1 < nkt) tile_pages(pg, table, n0 + BN, kv_len, page_size);  // the next tile's pages, early
+      mbar_wait_guarded(empty_k + 8 * st, par);  // K_{j-2} read by both warpgroups
+      prod_load_tile(sK + st * KV_BYTES, kpool, base, nv, Hkv, r0, c);
+      cp_commit();
+      if (j > 0) {  // V_{j-1} (the group before K_j) landed
+        cp_wait1();
+        fence_proxy_async();
+        mbar_arrive(full_v + 8 * ((j - 1) & 1));
+      }
+      mbar_wait_guarded(empty_v + 8 * st, par);  // V_{j-2} read by both warpgroups
+      prod_load_tile(sV + st * KV_BYTES, vpool, base, nv, Hkv, r0, c);
+      cp_commit();
+      cp_wait1();  // K_j (and Q with K_0) landed
+      fence_proxy_async();
+      mbar_arrive(full_k + 8 * st);
+    }
+    cp_wait0();
+    fence_proxy_async();
+    mbar_arrive(full_v + 8 * ((nkt - 1) & 1));
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumer warpgroups
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
+  const int wrow0 = warp * 16;
+  int rpos[2];
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) rpos[hi] = qpos0 + min((wrow0 + g + 8 * hi) / G, ntok - 1);
+  float o[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+  const u64 dq = sw128_desc(sQ + wg * 64 * 128, 16, 1024);
+  const u64 dk0 = sw128_desc(sK, 16, 1024);
+  const u64 dv0 = sw128_desc(sV, KV_SLAB, 1024);
+  u32 pa[NGRP][4];
+  float s[32];
+  if (wg == 1) pp_arrive(1);  // warpgroup 0 issues first
+
+#pragma unroll 1
+  for (int j = 0; j < nkt; ++j) {
+    const u32 st = (u32)(j & 1), par = (u32)(j >> 1) & 1u;
+    mbar_wait(full_k + 8 * st, par);  // K_j (and Q) in shared memory
+    pp_sync(1 + wg);  // this warpgroup's turn to issue
+    wgmma_fence();
+    issue_s(s, dq, dk0 + (opaque(st * KV_BYTES) >> 4));
+    wgmma_commit();
+    pp_arrive(2 - wg);  // the other warpgroup's turn
+    wgmma_wait0();
+    fence_s(s);
+    mbar_arrive(empty_k + 8 * st);  // K_j read
+    float alpha[2];
+    tile_softmax(s, m_run, l_run, alpha, j * BN + BN - 1 > qpos0, j * BN, rpos, t4, scale_log2);
+    rescale_o(o, alpha);
+    pack_p(pa, s);
+    mbar_wait(full_v + 8 * st, par);  // V_j
+    wgmma_fence();
+    issue_pv(o, pa, dv0 + (opaque(st * KV_BYTES) >> 4));
+    wgmma_commit();
+    wgmma_wait0();
+    fence_o(o);
+    fence_p(pa);
+    mbar_arrive(empty_v + 8 * st);  // V_j read
+  }
+  if (wg == 0) pp_sync(1);  // warpgroup 1's last arrival
+  store_rows(out, o, l_run, wrow0, g, t4, ntok, qrow0, Hq, h0);
+  pdl_launch_dependents();
+}
+#endif  // WS
