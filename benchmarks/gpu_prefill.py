@@ -246,7 +246,7 @@ def main() -> None:
 
     lens = [int(x) for x in a.lens.split(",") if x]
     nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
-    max_seq = max([*lens, bl, 64]) + 64
+    max_seq = max([*lens, bl, a.interleave, 64]) + 64  # the interleaving case's long prompt fits too
     be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb))
     be.moe_slots_lowp = not a.f32_slots
     cfg = be.cfg
@@ -292,8 +292,8 @@ def main() -> None:
     inter = None
     if a.interleave:
         be.capture_graphs(runner._forward, buckets=[b for b in be.buckets if b <= 8])
-        interleave_case(be, runner, min(a.interleave, max_seq - 64))  # warm-up
-        inter = interleave_case(be, runner, min(a.interleave, max_seq - 64))
+        interleave_case(be, runner, a.interleave)  # warm-up
+        inter = interleave_case(be, runner, a.interleave)
         log(f"interleave: {inter}")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
