@@ -27,9 +27,12 @@ default for hd > 128: each K/V tile copied serves twice the rows, halving the L2
 row's arithmetic is the same in both (the same key tiles in the same order), so they give the same bits.
 ``"wgmma"`` (``prefill_attention_wgmma.cu``, Hopper warpgroup MMA, compute capability 9.0 only, head dims 64,
 128 and 256) runs the 8-warp schedule's tiles (128 rows, two warpgroups, double-buffered K/V) with both
-products on wgmma; its bits are its own (the tensor core's accumulation order differs from mma.sync's), and
-every plan of it gives a row the same bits. ``"auto"`` (:class:`CudaPrefillAttention`'s default) takes
-``"wgmma"`` where it runs, else ``"mma"``: one build per process and shape, so batch invariance holds.
+products on wgmma; ``"wgmma_ws"`` (the same file with ``-DWS``) is its warp-specialised form: a producer
+warpgroup fills mbarrier-synchronised K and V rings and the two consumer warpgroups take turns issuing their
+MMAs. Every plan of a build gives a row the same bits; on the H200 the wgmma builds also gave the mma.sync
+build's bits in every case measured (GPU-tested; not a documented property of the hardware). ``"auto"``
+(:class:`CudaPrefillAttention`'s default) takes :data:`AUTO_IMPL` (``"wgmma_ws"``) where it runs, else
+``"mma"``: one build per process and shape, so batch invariance holds.
 """
 
 from __future__ import annotations
@@ -159,9 +162,8 @@ def choose_prefill_variant(dtype: str, head_dim: int, group: int, m_tiles: int |
                            warps: int | None = None, impl: str = "mma", pv_split: bool = False) -> PrefillVariant:
     """The build for ``(dtype, head_dim, group = Hq / Hkv)`` (``m_tiles`` / ``warps``: override the defaults,
     :func:`default_m_tiles` / :func:`default_warps`, ``"mma"`` only; ``impl``: ``"mma"``, ``"wgmma"`` or
-    ``"wgmma_ws"``, already
-    resolved: :class:`CudaPrefillAttention` resolves ``"auto"`` on its device); :class:`PrefillAttentionError`
-    if none can run."""
+    ``"wgmma_ws"``, already resolved: :class:`CudaPrefillAttention` resolves ``"auto"`` on its device);
+    :class:`PrefillAttentionError` if none can run."""
     if dtype not in DT_CODES:
         raise PrefillAttentionError(
             f"prefill attention runs float16 / bfloat16 only (tensor cores), got {dtype}: keep the per-token "

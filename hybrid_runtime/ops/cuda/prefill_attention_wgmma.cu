@@ -1,10 +1,12 @@
 // Causal prefill attention over the paged KV cache on Hopper warpgroup MMA (wgmma.mma_async, sm_90a only).
 //
 // The same launch contract as prefill_attention.cu (arguments, work list, grid (n_work, Hkv, 1), float32 output;
-// host side hybrid_runtime/cuda/prefill_attention.py, impl "wgmma"), which stays the build for other GPUs and
-// head dims. Compiled by NVRTC for sm_90a with
+// host side hybrid_runtime/cuda/prefill_attention.py, impls "wgmma" and "wgmma_ws"); prefill_attention.cu stays
+// the build for other GPUs and head dims. Compiled by NVRTC for sm_90a with
 //   -DHD=<head_dim: 64, 128 or 256>  -DDT=<1 float16 | 2 bfloat16>  -DG=<GQA group Hq / Hkv, 1..128>
-//   -DPV_SPLIT (optional): O += P V as HD / 64 wgmmas of n64 per 16 keys instead of one of n HD.
+//   -DPV_SPLIT (optional): O += P V as HD / 64 wgmmas of n64 per 16 keys instead of one of n HD;
+//   -DWS (optional): the warp-specialised build instead (entry prefill_attn_wgmma_ws, 384 threads; at the end of
+//   this file; what the backend runs on compute capability 9.0).
 // Self-contained (no CUDA headers).
 //
 // CTA: BM = 128 query rows (row = token * G + head_in_group, TOKB = 128 / G tokens of the work item, as the
@@ -28,8 +30,8 @@
 // completed in both warpgroups: each waited for them before the barrier), S wgmmas, wait, softmax, P V wgmmas,
 // wait. No explicit ping-pong: the SM's schedulers interleave the two warpgroups' softmax and MMAs as they can.
 // Semantics as prefill_attention.cu: causal over absolute positions, keys past the last query zero-filled and
-// masked, fp32 accumulation. The accumulation order inside a wgmma differs from mma.sync's: this build's bits
-// are its own (every plan of it gives a row the same bits: the key tiles in the same order).
+// masked, fp32 accumulation. Every plan gives a row the same bits (the key tiles in the same order); on the H200
+// they also equalled the mma.sync build's in every case measured (GPU-tested, not a documented property).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -464,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) prefill_attn_wgmma(
 //   * K and V in separate two-stage rings: full_k[s] / full_v[s] (128 arrivals: the producer's threads, each after
 //     cp.async.wait_group + fence.proxy.async on its own copies) and empty_k[s] / empty_v[s] (256 arrivals: every
 //     consumer thread once the wgmmas reading the stage have completed). Tile j uses stage j & 1 in round j >> 1;
-//     consumers wait for parity round & 1, the producer for (round & 1) ^ 1 (round 0 passes at once);
+//     consumers wait for parity round & 1, the producer for (round & 1) ^ 1 (round 0 passes at once). Shared
+//     memory: Q, then K stages 0 and 1, then V stages 0 and 1 (the same bytes as the plain build);
 //     K_j's stage is freed once S_j is done, V_j's once P V_j is: the producer refills K while the softmax runs;
 //   * ping-pong between the consumer warpgroups (named barriers 1 and 2, 256 threads: one warpgroup's bar.sync,
 //     the other's bar.arrive) around the issue of S = Q K^T: the warpgroups take turns, so one's softmax tends to
