@@ -185,7 +185,7 @@ def test_wgmma_build_matches_reference(torch, kernels, cfg, impl: str) -> None:
              impl=impl, pv_split=split)
 
 
-def test_auto_takes_wgmma_on_hopper(dev, kernels) -> None:
+def test_auto_takes_the_warp_specialised_wgmma_build_on_hopper(dev, kernels) -> None:
     want = "wgmma_ws" if tuple(dev.compute_capability) == (9, 0) else "mma"
     assert kernels("bfloat16", 256, 8).impl == want
     assert kernels("bfloat16", 80, 3).impl == "mma"  # no whole 64-column slabs
