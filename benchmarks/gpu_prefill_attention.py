@@ -16,8 +16,7 @@ over queries). Max abs error: ours vs SDPA's bfloat16 output. ``--builds`` times
 on the same inputs, SDPA once per case: ``default`` (what serving runs: ``"auto"``), the mma.sync builds
 ``WARPS`` or ``WARPSxMTILES`` (4 = 64-row tiles, single-buffered K/V; 8 = 128-row tiles, double-buffered),
 ``wgmma`` (Hopper warpgroup MMA), ``wgmma-ws`` (its warp-specialised form) and ``-n64`` of either (P V as n64
-products); ``same bits`` says whether a
-build's output equals the first's.
+products); ``same bits`` says whether a build's output equals the first's.
 """
 
 from __future__ import annotations
@@ -176,6 +175,7 @@ def compare_sdpa(seq_lens: Sequence[int] = (1024, 8192, 32768), batch_cases: Seq
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
+
     torch.cuda.init()
     dev = CudaDevice(0, stream=0)  # the legacy default stream: ordered with PyTorch's work and events
     group = num_q_heads // num_kv_heads
