@@ -4,8 +4,8 @@
 // per variant with
 //   -DHD=<head_dim, multiple of 16, <= 256>  -DDT=<1 float16 | 2 bfloat16>  -DG=<GQA group Hq / Hkv, 1..BM>
 //   -DMT=<16-row m-tiles per warp: 1 or 2>   -DNWARPS=<warps per CTA: 4 or 8>   -DSTAGES=<K/V buffers: 1 or 2>
-// Self-contained: no CUDA headers, so it compiles the same with any NVRTC (on a CPU too). float32 is not
-// supported (tensor cores only): the host refuses it.
+// No CUDA headers (only prefill_attention.cuh, helpers shared with the wgmma kernel), so it compiles the same
+// with any NVRTC (on a CPU too). float32 is not supported (tensor cores only): the host refuses it.
 //
 // Semantics (varlen; several sequences in one launch):
 //   q   [n_tokens, Hq, HD] T, packed: sequence s owns rows [cu[s], cu[s+1]); its token i is at absolute
@@ -84,40 +84,11 @@ static_assert(NWARPS == 4 || NWARPS == 8, "NWARPS must be 4 or 8");
 static_assert(STAGES == 1 || STAGES == 2, "STAGES must be 1 or 2");
 static_assert(NGRP == 4, "tile_bases assumes 4 groups of 16 keys");
 
-#define NEG_INF (__int_as_float(0xff800000))
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait_primary() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
+#include "prefill_attention.cuh"
 
 // XOR swizzle of 16-byte chunks inside aligned groups of 8, so the 8 row addresses of an ldmatrix hit 8
 // different bank groups. A trailing group of fewer than 8 chunks (HD = 80, 208, ...) is left as is.
 __device__ __forceinline__ int swz(int row, int c) { return c < (CPR & ~7) ? (c ^ (row & 7)) : c; }
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -126,15 +97,6 @@ __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
 __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
-  u32 r;
-#if DT == 1
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
 }
 // D (16x8 f32) += A (16x16, row) . B (16x8, col). Fragments (g = lane >> 2, t4 = lane & 3):
 //   a0 (row g, k 2t4..+1) a1 (row g+8, k 2t4..) a2 (row g, k 2t4+8..) a3 (row g+8, k 2t4+8..)
@@ -154,16 +116,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 }
 
 extern __shared__ __align__(128) unsigned char smem[];
-
-// A copy the compiler cannot hoist out of the key loop. Addresses are built from such copies (made once per
-// tile) plus compile-time offsets, so they fold into [reg + imm] operands. Without it, every loop-invariant
-// address of the unrolled steps (144 ldmatrix addresses at HD 256) was hoisted into a register of its own
-// and the kernel spilled.
-__device__ __forceinline__ u32 opaque(u32 x) {
-  u32 y;
-  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
 
 // ldmatrix addresses of one lane: the lane reads 16-byte chunk 2 * step + lo of a row with (row & 7) ==
 // (lane & 7) (every ldmatrix row here: tile rows start at multiples of 8). x[k] = row + ((2k + lo) ^ (lane &
@@ -186,36 +138,6 @@ __device__ __forceinline__ u32 ldsm_addr(const LdsmBase& b, int step, int extra)
   return b.plain + c * 16 + extra;                                         // trailing group: not swizzled
 }
 
-// Page of the first key of each 16-key group of the tile at key n0 (-1: the group starts at or past kv_len).
-// One division per tile: the groups are 16 keys apart and page_size >= 16, so each step crosses at most one
-// page boundary.
-__device__ __forceinline__ void tile_pages(int (&pg)[NGRP], const int* __restrict__ table, int n0, int kv_len,
-                                           int page_size) {
-  int pi = n0 / page_size, off = n0 - pi * page_size;
-#pragma unroll
-  for (int gi = 0; gi < NGRP; ++gi) {
-    if (gi > 0) {
-      off += 16;
-      if (off >= page_size) off -= page_size, ++pi;
-    }
-    pg[gi] = n0 + 16 * gi < kv_len ? __ldg(table + pi) : -1;
-  }
-}
-// Pool row of the first key of each 16-key group of the tile at key n0, from its pages (-1 stays -1). A group
-// never crosses a page (n0 % 16 == 0, page_size % 16 == 0), so key n0 + r is pool row base[r >> 4] + (r & 15)
-// * Hkv. 32-bit: the host checks that the pool has fewer than 2^31 rows.
-__device__ __forceinline__ void bases_from_pages(int (&base)[NGRP], const int (&pg)[NGRP], int n0, int page_size,
-                                                 int Hkv, int kvh) {
-  int off = n0 % page_size;
-#pragma unroll
-  for (int gi = 0; gi < NGRP; ++gi) {
-    if (gi > 0) {
-      off += 16;
-      if (off >= page_size) off -= page_size;
-    }
-    base[gi] = pg[gi] < 0 ? -1 : (pg[gi] * page_size + off) * Hkv + kvh;
-  }
-}
 __device__ __forceinline__ void tile_bases(int (&base)[NGRP], const int* __restrict__ table, int n0, int kv_len,
                                            int page_size, int Hkv, int kvh) {
   int pg[NGRP];

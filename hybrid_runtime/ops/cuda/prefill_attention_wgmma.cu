@@ -1,5 +1,4 @@
-// Causal prefill attention over the paged KV cache on Hopper warpgroup MMA (wgmma.mma_async, sm_90a only).
-//
+// Causal prefill attention over the paged KV cache on Hopper warpgroup MMA (wgmma.mma_async, sm_90a only).//
 // The same launch contract as prefill_attention.cu (arguments, work list, grid (n_work, Hkv, 1), float32 output;
 // host side hybrid_runtime/cuda/prefill_attention.py, impls "wgmma" and "wgmma_ws"); prefill_attention.cu stays
 // the build for other GPUs and head dims. Compiled by NVRTC for sm_90a with
@@ -7,7 +6,8 @@
 //   -DPV_SPLIT (optional): O += P V as HD / 64 wgmmas of n64 per 16 keys instead of one of n HD;
 //   -DWS (optional): the warp-specialised build instead (entry prefill_attn_wgmma_ws, 384 threads; at the end of
 //   this file; what the backend runs on compute capability 9.0).
-// Self-contained (no CUDA headers).
+// No CUDA headers; prefill_attention.cuh holds the helpers it shares with prefill_attention.cu (PDL, cp.async,
+// page tables, packing, exp2).
 //
 // CTA: BM = 128 query rows (row = token * G + head_in_group, TOKB = 128 / G tokens of the work item, as the
 // mma.sync build with 8 warps) x key tiles of BN = 64; 256 threads = two warpgroups, warpgroup w owns rows
@@ -83,45 +83,9 @@ static_assert(HD == 64 || HD == 128 || HD == 256, "HD must be 64, 128 or 256");
 static_assert(G >= 1 && G <= BM, "G must be in 1..128");
 static_assert(RSTEP % 8 == 0 && BN % RSTEP == 0, "copy rows: a thread's rows share (row & 7)");
 
-#define NEG_INF (__int_as_float(0xff800000))
+#include "prefill_attention.cuh"
 
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
-__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
-  u32 r;
-#if DT == 1
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
-}
-// A copy the compiler cannot fold into constants it then keeps in registers of their own (see
-// prefill_attention.cu's opaque).
-__device__ __forceinline__ u32 opaque(u32 x) {
-  u32 y;
-  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
 
 // Matrix descriptor of a 128-byte-swizzled operand at shared address `saddr` (start >> 4 in bits 0-13, LBO >> 4
 // in 16-29, SBO >> 4 in 32-45, swizzle mode 1 = 128B in 62-63, base offset 0). Adding (bytes >> 4) to a
@@ -213,32 +177,6 @@ __device__ __forceinline__ void fence_p(u32 (&p)[NGRP][4]) {
 
 extern __shared__ __align__(1024) unsigned char smem[];
 
-// Page of the first key of each 16-key group of the tile at key n0 (-1: the group starts at or past kv_len).
-__device__ __forceinline__ void tile_pages(int (&pg)[NGRP], const int* __restrict__ table, int n0, int kv_len,
-                                           int page_size) {
-  int pi = n0 / page_size, off = n0 - pi * page_size;
-#pragma unroll
-  for (int gi = 0; gi < NGRP; ++gi) {
-    if (gi > 0) {
-      off += 16;
-      if (off >= page_size) off -= page_size, ++pi;
-    }
-    pg[gi] = n0 + 16 * gi < kv_len ? __ldg(table + pi) : -1;
-  }
-}
-// Pool row of the first key of each 16-key group (-1 stays -1); key n0 + r is row base[r >> 4] + (r & 15) * Hkv.
-__device__ __forceinline__ void bases_from_pages(int (&base)[NGRP], const int (&pg)[NGRP], int n0, int page_size,
-                                                 int Hkv, int kvh) {
-  int off = n0 % page_size;
-#pragma unroll
-  for (int gi = 0; gi < NGRP; ++gi) {
-    if (gi > 0) {
-      off += 16;
-      if (off >= page_size) off -= page_size;
-    }
-    base[gi] = pg[gi] < 0 ? -1 : (pg[gi] * page_size + off) * Hkv + kvh;
-  }
-}
 
 // cp.async of one BN-key tile of K or V to shared address dst (its slab 0, 1024-aligned): thread (r0, c) copies
 // chunk c of rows r0 + RSTEP i; keys past nvalid are zero-filled (masked anyway; zeros keep P V finite).
