@@ -111,3 +111,57 @@ def test_prefill_float32_is_refused_before_compiling() -> None:
 
     with pytest.raises(PrefillAttentionError, match="float32"):
         choose_prefill_variant("float32", 128, 8)
+
+
+class _FakeKernel:
+    def __init__(self, entry: str) -> None:
+        self.entry = entry
+
+    def optin_bytes(self, device: object) -> int | None:
+        return None
+
+    def set_max_dynamic_smem(self, device: object, nbytes: int | None = None) -> int:
+        return nbytes or 0
+
+
+class _FakeModule:
+    def __init__(self, source: str, options: tuple[str, ...], arch: str) -> None:
+        self.source, self.options, self.arch = source, options, arch
+
+    def kernel(self, name: str) -> _FakeKernel:
+        return _FakeKernel(name)
+
+
+class _FakeDevice:
+    def __init__(self, cc: tuple[int, int]) -> None:
+        self.compute_capability, self.arch = cc, f"sm_{cc[0]}{cc[1]}"
+
+
+def test_construction_picks_the_build_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaPrefillAttention (no GPU: the module loader is faked): "auto" loads the warp-specialised wgmma build for
+    sm_90a on compute capability 9.0 and the mma.sync build elsewhere; when the wgmma module fails to build under
+    "auto" the mma.sync build runs (logged), while an explicit impl lets the error through."""
+    import hybrid_runtime.cuda.prefill_attention as pa
+
+    loads: list[_FakeModule] = []
+    broken: set[str] = set()
+
+    def fake_load(src: str, options: tuple[str, ...], arch: str) -> _FakeModule:
+        if src in broken:
+            raise RuntimeError(f"{src}: compile error")
+        loads.append(_FakeModule(src, tuple(options), arch))
+        return loads[-1]
+
+    monkeypatch.setattr(pa, "load_module", fake_load)
+    k = pa.CudaPrefillAttention(_FakeDevice((9, 0)), "bfloat16", 256, 8)  # type: ignore[arg-type]
+    assert (k.impl, k.kernel.entry, loads[-1].arch) == ("wgmma_ws", "prefill_attn_wgmma_ws", "sm_90a")
+    assert "-DWS" in loads[-1].options
+    k = pa.CudaPrefillAttention(_FakeDevice((8, 0)), "bfloat16", 256, 8)  # type: ignore[arg-type]
+    assert (k.impl, k.kernel.entry, loads[-1].arch) == ("mma", "prefill_attn", "sm_80")
+    broken.add(pa.WGMMA_SOURCE)
+    k = pa.CudaPrefillAttention(_FakeDevice((9, 0)), "bfloat16", 256, 8)  # type: ignore[arg-type]
+    assert (k.impl, loads[-1].source, loads[-1].arch) == ("mma", pa.SOURCE, "sm_90")
+    with pytest.raises(RuntimeError, match="compile error"):
+        pa.CudaPrefillAttention(_FakeDevice((9, 0)), "bfloat16", 256, 8, impl="wgmma_ws")  # type: ignore[arg-type]
+    with pytest.raises(pa.PrefillAttentionError, match="compute capability"):
+        pa.CudaPrefillAttention(_FakeDevice((8, 0)), "bfloat16", 256, 8, impl="wgmma")  # type: ignore[arg-type]
