@@ -143,8 +143,8 @@ CONFIGS = [
 @pytest.mark.parametrize("impl", ["mma", "auto"])
 @pytest.mark.parametrize("seed", range(len(CONFIGS)))
 def test_random_varlen_batches_match_reference(torch, kernels, seed: int, impl: str) -> None:
-    """Both builds: the mma.sync one everywhere, and what serving runs ("auto": wgmma on compute capability
-    9.0 for hd 64 / 128 / 256, the mma.sync build for hd 80)."""
+    """Both builds: the mma.sync one everywhere, and what serving runs ("auto": the warp-specialised wgmma build
+    on compute capability 9.0 for hd 64 / 128 / 256, the mma.sync build for hd 80 and off Hopper)."""
     rng = np.random.default_rng(500 + seed)
     hq, hkv, hd, dtype, ps = CONFIGS[seed]
     B = int(rng.integers(1, 6))
@@ -225,8 +225,8 @@ def test_schedules_give_the_same_bits(torch, kernels, cfg) -> None:
     """4 warps (64-row tiles, one K/V buffer) and 8 warps (128-row tiles, two buffers) do a row's arithmetic
     identically (the same key tiles in order; a tile a row does not see leaves it exactly as it was): equal
     outputs, so either build (or a per-launch choice between them) keeps a prompt's bits whatever shares its
-    step. On compute capability 9.0 the wgmma builds give the same bits too (measured, not a documented
-    property: the H200's wgmma accumulates a row's 16-wide k steps as its mma.sync does)."""
+    step. On compute capability 9.0 the two wgmma builds give the same bits too: measured on the H200, not a
+    documented property of the hardware, so this test is what says it still holds."""
     from hybrid_runtime.cuda.driver import DeviceArray
 
     hq, hkv, hd, dtype, ps = cfg
