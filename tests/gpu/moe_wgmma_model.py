@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -430,18 +431,30 @@ def ws_protocol_sim(kts: list[int], stages: int, lag: int, producers: int = 2, c
                 empty[(g - 1) % S].arrive((g - 1) // S)
             yield True
 
+    def land(pt: int, group: tuple[int, tuple[int, int]]) -> None:
+        stage, tile = group
+        content[stage][pt] = tile
+
     gens: dict[tuple[str, int], Iterator[bool]] = {("p", i): producer(i) for i in range(producers)}
     gens |= {("c", i): consumer(i) for i in range(consumers)}
+    return run_interleaved(gens, groups, land, rng)
+
+
+def run_interleaved(gens: dict, groups: dict, land: Callable[[Any, Any], None], rng: np.random.Generator) -> int:
+    """Runs thread generators (``next`` yields True when the thread moved, False while it is blocked) in a random
+    interleaving with the landing of cp.async groups: each step either advances one live thread or lands the
+    oldest pending group of one copying thread (``groups[key]``, a FIFO; ``land(key, group)`` records it). Asserts
+    no deadlock (no thread can move and no group is pending, 10 000 times running) and that every group landed.
+    Returns the steps taken."""
     steps, stuck = 0, 0
     while gens:
         steps += 1
         keys = sorted(gens)
-        lands = [pt for pt in range(producers) if groups[pt]]
+        lands = [k for k in groups if groups[k]]
         pick = int(rng.integers(len(keys) + len(lands)))
-        if pick >= len(keys):  # the oldest pending group of one producer thread lands
-            pt = lands[pick - len(keys)]
-            stage, tile = groups[pt].pop(0)
-            content[stage][pt] = tile
+        if pick >= len(keys):  # the oldest pending group of one copying thread lands
+            k = lands[pick - len(keys)]
+            land(k, groups[k].pop(0))
             stuck = 0
             continue
         who = keys[pick]

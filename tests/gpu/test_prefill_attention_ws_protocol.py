@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from moe_wgmma_model import _MBarrier
+from moe_wgmma_model import _MBarrier, run_interleaved
 
 from hybrid_runtime.cuda.kernels import source
 
@@ -120,30 +120,13 @@ def ws_attention_sim(nkt: int, seed: int, producers: int = 2, per_wg: int = 2, s
             while not turn[0].done(gen):
                 yield False
 
+    def land(p: int, group: tuple[str, int, int]) -> None:
+        ring, st, j = group
+        content[(ring, st)][p] = j
+
     gens: dict[tuple[str, int, int], Iterator[bool]] = {("p", p, 0): producer(p) for p in range(producers)}
     gens |= {("c", wg, t): consumer(wg, t) for wg in range(2) for t in range(per_wg)}
-    steps, stuck = 0, 0
-    while gens:
-        steps += 1
-        keys = sorted(gens)
-        lands = [p for p in range(producers) if groups[p]]
-        pick = int(rng.integers(len(keys) + len(lands)))
-        if pick >= len(keys):  # the oldest pending group of one producer thread lands
-            p = lands[pick - len(keys)]
-            ring, st, j = groups[p].pop(0)
-            content[(ring, st)][p] = j
-            stuck = 0
-            continue
-        who = keys[pick]
-        try:
-            moved = next(gens[who])
-        except StopIteration:
-            del gens[who]
-            stuck = 0
-            continue
-        stuck = 0 if moved else stuck + 1
-        assert stuck < 10_000 or any(groups.values()), ("deadlock", steps)
-    assert not any(groups.values())
+    steps = run_interleaved(gens, groups, land, rng)
     assert issue_order == [0, 1] * nkt, issue_order
     assert all(b.arrived == 0 for b in turn), "a named barrier left with pending arrivals"
     return steps

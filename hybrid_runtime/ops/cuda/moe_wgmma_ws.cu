@@ -32,7 +32,8 @@
 //   hang) - it never fires in a correct run.
 // Each output element comes from one pair's row alone with a fixed k order (k tiles ascending, 4 k16 steps each):
 // batch invariance holds; no atomics.
-// Compiled by NVRTC for sm_90a with -DDT=<1 float16 | 2 bfloat16>. Self-contained. Host: cuda/moe_prefill.py.
+// Compiled by NVRTC for sm_90a with -DDT=<1 float16 | 2 bfloat16>. No CUDA headers (mbarrier.cuh: the mbarrier
+// helpers). Host: cuda/moe_prefill.py.
 // Shapes: H % 256 == 0, I % 128 == 0, H and I % 64 == 0, ldh % 8 == 0 (the host checks).
 
 typedef unsigned short u16;
@@ -78,7 +79,6 @@ typedef u16 T;
 #define WS_LBO 16          // K direction: unused by K-major 128B-swizzle layouts
 #define WS_SWIZZLE_128B 1  // descriptor bits 62-63
 #define WS_PROD_ROWS 16    // rows a producer pass covers: 128 threads = 16 rows x 8 chunks
-#define WS_HANG_CYCLES (1ll << 34)
 #define WS_EPI_ROWB 272            // staged epilogue row: 128 bf16 / fp16 columns + 16 bytes of pad
 #define WS_EPI_COPIES (WS_BM * 16 / WS_CONSUMERS)  // 16-byte copies per consumer thread and pass (staged)
 #ifndef WS_STAGED_EPI
@@ -119,29 +119,7 @@ __device__ __forceinline__ void cp_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {  // release at CTA scope
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ u32 mbar_try_wait(u32 bar, u32 parity) {  // acquire at CTA scope
-  u32 ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok;
-}
-// Until the phase of parity `parity` of the barrier at `bar` has completed; traps past WS_HANG_CYCLES.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const long long t0 = clock64();
-  while (!mbar_try_wait(bar, parity)) {
-    if (clock64() - t0 > WS_HANG_CYCLES) __trap();
-  }
-}
+#include "mbarrier.cuh"
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) {  // lo -> low 16 bits
   u32 r;
@@ -270,7 +248,7 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt, ++g) {
         const u32 stage = g % WS_STAGES, round = g / WS_STAGES;
-        mbar_wait(empty0 + 8 * stage, (round & 1u) ^ 1u);  // the MMAs of round - 1 on this stage completed
+        mbar_wait_guarded(empty0 + 8 * stage, (round & 1u) ^ 1u);  // the MMAs of round - 1 on this stage completed
         const u32 sA = sbase + stage * WS_STAGE_BYTES, sB = sA + WS_A_BYTES;
         const int k0 = kt * WS_BK;
 #pragma unroll
@@ -330,7 +308,7 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt, ++g) {
       const u32 stage = g % WS_STAGES;
-      mbar_wait(full0 + 8 * stage, (g / WS_STAGES) & 1u);  // the stage's copies landed (every producer thread)
+      mbar_wait_guarded(full0 + 8 * stage, (g / WS_STAGES) & 1u);  // the stage's copies landed (every producer thread)
       __syncwarp();  // converged for the .aligned wgmma instructions
       const u32 sA = sbase + stage * WS_STAGE_BYTES;
       const u64 da = ws_desc(sA + wg * (64 * WS_ROWB)), db = ws_desc(sA + WS_A_BYTES);

@@ -418,40 +418,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) prefill_attn_wgmma(
 // The math per row is the non-WS build's: the same products in the same order, the same softmax.
 #define WS_THREADS (NTHREADS + 128)
 #define PT 128  // producer threads
-#define WS_HANG_CYCLES (1ll << 34)
 #define PR (PT / CPR)  // rows per pass of the producer's copies (thread = (row r0 < PR, chunk c))
 static_assert(PT % CPR == 0 && 16 % PR == 0, "producer copy layout");
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {  // release at CTA scope
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ u32 mbar_try_wait(u32 bar, u32 parity) {  // acquire at CTA scope
-  u32 ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok;
-}
-// The consumers' wait. No hang guard here: a trap (or clock64) in the consumer path makes ptxas drop the
-// setmaxnreg budget (the hd-256 build then spills ~460 bytes and serialises its wgmmas).
+#include "mbarrier.cuh"
+
+// The consumers' wait. No hang guard here (mbarrier.cuh's mbar_wait_guarded): a trap (or clock64) in the consumer
+// path makes ptxas drop the setmaxnreg budget (the hd-256 build then spills ~460 bytes and serialises its wgmmas).
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
 }
-// The producer's wait: traps past WS_HANG_CYCLES (seconds), so a broken handshake is a launch error, not a hang
-// (the trap ends the whole grid, consumers included).
-__device__ __forceinline__ void mbar_wait_guarded(u32 bar, u32 parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const long long t0 = clock64();
-  while (!mbar_try_wait(bar, parity)) {
-    if (clock64() - t0 > WS_HANG_CYCLES) __trap();
-  }
-}
+// The producer's waits are mbarrier.cuh's mbar_wait_guarded (a trap ends the whole grid, consumers included).
 __device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
