@@ -22,6 +22,14 @@ def nvrtc_or_skip() -> None:
         pytest.skip(f"NVRTC unavailable: {e}")
 
 
+def nvdisasm_path() -> str | None:
+    """nvdisasm (SASS of a cubin), where one is (benchmarks.sass_loops: $NVDISASM, PATH, the nvidia-cuda-nvdisasm
+    dev dependency, /usr/local/cuda); None when there is none."""
+    from benchmarks.sass_loops import nvdisasm_path as find
+
+    return find()
+
+
 def ptx(src: str, name: str, opts: tuple[str, ...]) -> str:
     """PTX of the CUDA source ``src`` (file name ``name``) for compute_90, from NVRTC directly (the package
     caches only cubins)."""

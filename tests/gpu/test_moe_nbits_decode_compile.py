@@ -21,7 +21,7 @@ from gpu_bits import host_bits, to_f32
 from moe_decode_model import coverage, routing
 from moe_nbits_decode_model import pchunk, reg_fragments, wt_tiles
 from nbits_decode_model import dequantize_op, random_packed
-from test_cuda_compile import check_log, nvrtc_or_skip
+from test_cuda_compile import check_log, nvdisasm_path, nvrtc_or_skip
 
 from hybrid_runtime.cuda import moe_decode
 from hybrid_runtime.cuda.moe_nbits_decode import (
@@ -397,9 +397,9 @@ def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> Non
     import subprocess
 
     nvrtc_or_skip()
-    tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
+    tool = shutil.which("cuobjdump") or nvdisasm_path()
     if tool is None:
-        pytest.skip("neither cuobjdump nor nvdisasm on PATH")
+        pytest.skip("neither cuobjdump nor nvdisasm (the nvidia-cuda-nvdisasm dev dependency) found")
     from hybrid_runtime.cuda.kernels import compile_cubin, source
 
     for bits in (4, 8):

@@ -7,9 +7,7 @@ past the step's tokens or past E_pad; the shape rules; and which decode steps of
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from moe_router_model import phase1, phase2_copy
-from test_cuda_compile import check_log, nvrtc_or_skip
+from test_cuda_compile import check_log, nvdisasm_path, nvrtc_or_skip
 
 from hybrid_runtime.cuda import moe_router as mr
 from hybrid_runtime.cuda.driver import DeviceArray
@@ -50,24 +48,14 @@ def test_source_refuses_unknown_knobs() -> None:
         compile_cubin(source(mr.SOURCE), mr.SOURCE, ("-DDT=0",), "sm_90")
 
 
-def _nvdisasm() -> str | None:
-    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-    if found:
-        return found
-    for root in ("/usr/local/cuda/bin",):
-        if (Path(root) / "nvdisasm").exists():
-            return str(Path(root) / "nvdisasm")
-    return None
-
-
 @pytest.mark.parametrize("dtype,rows", [("bfloat16", 8), ("float16", 16)])
 def test_weight_loads_are_issued_before_griddepcontrol_wait(dtype: str, rows: int, tmp_path: Path) -> None:
     """The point of PDL here: the weight read overlaps the previous kernel's tail. ptxas hoists ACQBULK
     (griddepcontrol.wait) above non-coherent (.nc) loads; the kernel uses plain ld.global, which it keeps first."""
     nvrtc_or_skip()
-    tool = _nvdisasm()
+    tool = nvdisasm_path()
     if tool is None:
-        pytest.skip("nvdisasm not found (set NVDISASM, or pip install nvidia-cuda-nvdisasm and put it on PATH)")
+        pytest.skip("nvdisasm not found (set NVDISASM, or install the nvidia-cuda-nvdisasm dev dependency)")
     from hybrid_runtime.cuda.kernels import compile_cubin, source
 
     cubin = tmp_path / "moe_router.cubin"
