@@ -53,8 +53,10 @@ def knocked_out(be: Any, cls: str | None) -> Iterator[None]:
         if be.dense is not None:
             patch(be.dense, "launch", skip)
         patch(be.blas, "gemm", skip)
-    elif cls == "experts" and be.moe_mma_decode is not None:
-        patch(be.moe_mma_decode, "launch", skip)
+    elif cls == "experts":
+        for m in {id(m): m for m in (be.moe_mma_decode, be.moe_mma_decode_one, be.moe_mma_decode_many)
+                  if m is not None}.values():  # every build a step size takes (1-row steps: dn_pre)
+            patch(m, "launch", skip)
     elif cls == "router" and be.moe_router is not None:
         patch(be.moe_router, "launch", skip)
     elif cls == "gdn" and be.gdn_k is not None:
