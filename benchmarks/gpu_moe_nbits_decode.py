@@ -13,8 +13,10 @@ L2. Times: CUDA events around back-to-back calls queued behind a spin kernel (PD
 median of 3 means of ``--calls`` calls; routing not timed. bf16 runs the backend's build per step size ("dnpre" for
 1 token, "default" up to 16, "many" past that, as ``CudaBackend``), the packed kernels every build of their
 ``KNOB_SETS`` (``--knobs``): the T tile in shared memory ("default", "fine", "many") and the A fragments dequantised
-in registers ("reg", "reg_fine", "reg_many"; all builds give the same bits). Every module is compiled first, in
-parallel worker processes (``kernels.warm_cache``).
+in registers ("reg", "reg_fine", "reg_many", "reg_g1", ...; all builds give the same bits). ``--scales``: f16
+(float16-valued float32 scales, as GPTQ checkpoints store them: the int4 reg builds then take the FFMA
+dequantisation, ``moe_nbits_decode.short_scales``) and / or f32 (random float32 scales: the FADD + FMUL path).
+Every module is compiled first, in parallel worker processes (``kernels.warm_cache``).
 """
 
 # ruff: noqa: B023 - every closure below is timed (called) inside the loop iteration that defines it
@@ -50,6 +52,8 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=128, help="block size of the packed experts")
     ap.add_argument("--asym", action="store_true", help="with zero-points (default: symmetric, none stored)")
     ap.add_argument("--knobs", default="", help="comma-separated moe_nbits_decode KNOB_SETS names (default: all)")
+    ap.add_argument("--scales", default="f16", help="comma-separated: f16 (float16-valued scales, GPTQ's; int4 reg "
+                    "builds take the FFMA dequantisation) and / or f32 (random float32 scales)")
     ap.add_argument("--calls", type=int, default=48, help="calls per timed run (a multiple of ROUTINGS is fair)")
     args = ap.parse_args()
     import numpy as np
@@ -61,7 +65,7 @@ def main() -> int:
     from hybrid_runtime.cuda.moe_decode import DT_CODES, MoEDecode
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS as BF16_KNOBS
     from hybrid_runtime.cuda.moe_decode import SOURCE as BF16_SOURCE
-    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode, NBitsExperts, smem_bytes
+    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode, NBitsExperts, smem_bytes, uses_fma
     from hybrid_runtime.cuda.moe_nbits_decode import SOURCE as NB_SOURCE
     from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
 
@@ -77,8 +81,13 @@ def main() -> int:
     names = [x for x in args.knobs.split(",") if x] or list(KNOB_SETS)
     if bad := [x for x in names if x not in KNOB_SETS]:
         ap.error(f"--knobs {bad}: not in {list(KNOB_SETS)}")
+    scale_kinds = [x for x in args.scales.split(",") if x]
+    if not scale_kinds or set(scale_kinds) - {"f16", "f32"}:
+        ap.error(f"--scales {args.scales!r}: f16 and / or f32")
     t0 = time.perf_counter()
-    warm_cache([(NB_SOURCE, KNOB_SETS[x].options("bfloat16", b), dev.arch) for x in names for b in bits_list]
+    fma_opts = {(x, b, f) for x in names for b in bits_list
+                for f in (False, b == 4 and bool(KNOB_SETS[x].reg) and "f16" in scale_kinds)}
+    warm_cache([(NB_SOURCE, KNOB_SETS[x].options("bfloat16", b, f), dev.arch) for x, b, f in sorted(fma_opts)]
                + [(BF16_SOURCE, (f"-DDT={DT_CODES['bfloat16']}", *BF16_KNOBS[bf16_build(n)].options), dev.arch)
                   for n in tokens])
     log(f"modules compiled in {time.perf_counter() - t0:.1f} s")
@@ -95,21 +104,29 @@ def main() -> int:
 
     bf16 = [(rand((E + 1, 2 * INTER, H), "bfloat16", 100 + s, 1 / 45), rand((E + 1, H, INTER), "bfloat16", 200 + s,
                                                                                 1 / 22)) for s in range(STACKS)]
-    packed: dict[int, list[tuple[NBitsExperts, NBitsExperts]]] = {}
+    packed: dict[tuple[int, str], list[tuple[NBitsExperts, NBitsExperts]]] = {}
     for bits in bits_list:
-        stacks = []
-        for s in range(STACKS):
-            ops = []
-            for R, Kd, seed in ((2 * INTER, H, 300), (H, INTER, 400)):
-                rows, nb = (E + 1) * R, Kd // args.group
-                codes = rand((rows * Kd * bits // 16,), "bfloat16", seed + 10 * s + bits, 1.0)  # random bytes
-                scales = rand((rows * nb,), "float32", seed + 10 * s + bits + 1, 0.005, 0.01)
-                zw = (nb + 1) // 2 if bits == 4 else nb
-                zp = rand((-(-rows * zw // 2),), "bfloat16", seed + 10 * s + bits + 2, 1.0) if args.asym else None
-                ops.append(NBitsExperts(codes.ptr, scales.ptr, zp.ptr if zp is not None else 0, E + 1, R, Kd, bits,
-                                        args.group))
-            stacks.append((ops[0], ops[1]))
-        packed[bits] = stacks
+        for sk in scale_kinds:
+            stacks = []
+            for s in range(STACKS):
+                ops = []
+                for R, Kd, seed in ((2 * INTER, H, 300), (H, INTER, 400)):
+                    rows, nb = (E + 1) * R, Kd // args.group
+                    codes = rand((rows * Kd * bits // 16,), "bfloat16", seed + 10 * s + bits, 1.0)  # random bytes
+                    if sk == "f16":  # float16-valued (GPTQ's): short scales
+                        g = torch.Generator(device="cuda").manual_seed(seed + 10 * s + bits + 1)
+                        st = (torch.rand(rows * nb, device="cuda", generator=g) * 0.01 + 0.005).half().float()
+                        keep.append(st)
+                        sptr = st.data_ptr()
+                    else:
+                        sptr = rand((rows * nb,), "float32", seed + 10 * s + bits + 1, 0.005, 0.01).ptr
+                    zw = (nb + 1) // 2 if bits == 4 else nb
+                    zp = rand((-(-rows * zw // 2),), "bfloat16", seed + 10 * s + bits + 2, 1.0) if args.asym \
+                        else None
+                    ops.append(NBitsExperts(codes.ptr, sptr, zp.ptr if zp is not None else 0, E + 1, R, Kd, bits,
+                                            args.group, short=sk == "f16"))
+                stacks.append((ops[0], ops[1]))
+            packed[(bits, sk)] = stacks
     n_max = max(tokens)
     P_max = n_max * (K + 1)
     act = dev.empty((P_max, INTER), "bfloat16")
@@ -147,17 +164,19 @@ def main() -> int:
             dec.launch(n, h.ptr, H, gu.ptr, dn.ptr, H, INTER, kk, ny, e_all, bufs)
 
         cases.append((f"bf16 moe_decode {bname}", BF16_EXPERT_BYTES, "", bf16_step))
-        for bits in bits_list:
-            gu0, dn0 = packed[bits][0]
+        for bits, sk in packed:
+            gu0, dn0 = packed[(bits, sk)][0]
             ebytes = gu0.expert_bytes() + dn0.expert_bytes()
             for name, dec in nb_decs.items():
                 gcap = max(1, min(dec.knobs.gmax, -(-n // 8)))
-                note = (f"smem {smem_bytes('gate_up', gcap, bits, gu0.n_blocks, dec.knobs) // 1024}/"
-                        f"{smem_bytes('down', gcap, bits, dn0.n_blocks, dec.knobs) // 1024} KB")
+                fma = uses_fma(gu0, dec.knobs)
+                note = (f"{sk} scales{', FFMA' if fma else ''}; smem "
+                        f"{smem_bytes('gate_up', gcap, bits, gu0.n_blocks, dec.knobs, fma) // 1024}/"
+                        f"{smem_bytes('down', gcap, bits, dn0.n_blocks, dec.knobs, fma) // 1024} KB")
 
-                def nb_step(i: int, dec: MoENBitsDecode = dec, bits: int = bits) -> None:
+                def nb_step(i: int, dec: MoENBitsDecode = dec, key: tuple[int, str] = (bits, sk)) -> None:
                     _, bufs = routes[i % ROUTINGS]
-                    gu, dn = packed[bits][i % STACKS]
+                    gu, dn = packed[key][i % STACKS]
                     dec.launch(n, h.ptr, H, gu, dn, H, INTER, kk, ny, e_all, bufs)
 
                 cases.append((f"int{bits} moe_nbits_decode {name}", ebytes, note, nb_step))
@@ -175,7 +194,8 @@ def main() -> int:
              f"{datetime.date.today().isoformat()})", "",
              f"Qwen3.5-35B-A3B routed experts: H {H}, {E} experts of I {INTER}, top-{K}; the shared expert folded in "
              f"as expert {E} for n <= {FOLD_MAX_TOKENS}; packed experts of group size {args.group}, {zp}, "
-             f"float32 scales; {STACKS} copies of every weight set, {ROUTINGS} random routings per n (no L2 reuse); "
+             f"float32 scales ({' and '.join(scale_kinds)}-valued: note); {STACKS} copies of every weight set, "
+             f"{ROUTINGS} random routings per n (no L2 reuse); "
              f"`python3 -m benchmarks.gpu_moe_nbits_decode`. Copy bandwidth in this run: "
              f"**{copy_bw / 1e12:.2f} TB/s**. Floor = distinct experts x bytes per expert (packed codes + scales "
              f"(+ zero-points), or bf16) / copy bandwidth; routing not timed.", "",

@@ -62,6 +62,7 @@ from .moe_decode import MoEDecode
 from .moe_nbits_decode import BACKEND_BUILDS as MOE_NBITS_BUILDS
 from .moe_nbits_decode import KNOB_SETS as MOE_NBITS_KNOB_SETS
 from .moe_nbits_decode import MoENBitsDecode
+from .moe_nbits_decode import backend_build as moe_nbits_build
 from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
@@ -306,7 +307,7 @@ class CudaBackend:
         self.moe_mma_decode: MoEDecode | None = None
         self.moe_mma_decode_one: MoEDecode | None = None  # the dn_pre build, for 1-row steps
         self.moe_mma_decode_many: MoEDecode | None = None  # KNOB_SETS["many"], for steps of > 16 rows
-        # the packed-expert decode MoE (packed_experts): MOE_NBITS_BUILDS[0] up to 16 rows, [1] past that (same bits)
+        # the packed-expert decode MoE (packed_experts): the build MOE_NBITS_BUILDS names for a step's rows (same bits)
         self.moe_nbits: dict[str, MoENBitsDecode] = {}
         if moe_decode == "mma_decode" and self.moe_prefill is not None:
             self.moe_mma_decode = MoEDecode(self.dev, self.dtype)
@@ -346,10 +347,13 @@ class CudaBackend:
         self.w = weights
         self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
         if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
-            for build in MOE_NBITS_BUILDS:
-                self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
-                for bits in sorted({pk.gate_up.bits for pk in self.w.packed_moe.values()}):  # type: ignore
-                    self.moe_nbits[build].module(bits)
+            for pk in self.w.packed_moe.values():
+                for _, build in MOE_NBITS_BUILDS[pk.gate_up.bits]:  # type: ignore[attr-defined]
+                    if build not in self.moe_nbits:
+                        self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
+                    dec = self.moe_nbits[build]
+                    dec.module_for(pk.gate_up)  # type: ignore[arg-type]  # each (bits, fma) build its operands take
+                    dec.module_for(pk.down)  # type: ignore[arg-type]
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None
@@ -1119,7 +1123,7 @@ class CudaBackend:
                 self._moe_route(n, router, k, fold)
             pk = getattr(self.w, "packed_moe", {}).get(layer)  # (host fakes of the weights have none)
             if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
-                build = MOE_NBITS_BUILDS[1] if n > FOLD_MAX_TOKENS else MOE_NBITS_BUILDS[0]
+                build = moe_nbits_build(pk.gate_up.bits, n, MOE_NBITS_BUILDS)  # type: ignore[attr-defined]
                 if build not in self.moe_nbits:
                     self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
                 self.moe_nbits_calls += 1

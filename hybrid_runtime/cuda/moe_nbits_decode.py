@@ -21,6 +21,11 @@ dequantise-at-load weights, bit for bit), and run moe_decode's mma loop on it un
 dequantise each lane's own codes straight into its mma A fragments (the same slots and T values ldmatrix reads from
 that tile; no tile, one barrier per k tile). Every act / y element therefore has moe_decode's bits on the dequantised
 weights for the same ``bk`` and ``warps``, whichever ``reg``, and moe_decode's batch invariance carries over.
+
+int4 operands whose scales are all "short" (:func:`short_scales`: at most 12 significant bits, as the float16 /
+bfloat16 scales of GPTQ checkpoints are) run the ``reg`` builds compiled with ``-DMN_FMA=1``: each weight one FFMA
+on the code placed in a float's mantissa by a byte permute, instead of shift, mask, FADD and FMUL - the same float32
+value ``(q - z) * s`` (the kernel's header proves it), so the same bits; any other scale keeps the FADD + FMUL path.
 """
 
 from __future__ import annotations
@@ -80,11 +85,17 @@ class NBitsKnobs:
         del d["reg"], d["early"]
         return DecodeKnobs(**d)
 
-    def options(self, dtype: str, bits: int) -> tuple[str, ...]:
+    def options(self, dtype: str, bits: int, fma: bool = False) -> tuple[str, ...]:
+        """NVRTC options of this build for ``dtype`` / ``bits``; ``fma``: the FFMA dequantisation (:func:`uses_fma`:
+        int4 ``reg`` builds on short scales only; ValueError otherwise)."""
+        if fma and not (self.reg and bits == 4):
+            raise ValueError(f"moe_nbits_decode: the FFMA dequantisation is an int4 reg build's (bits {bits}, reg "
+                             f"{self.reg})")
         return (f"-DDT={DT_CODES[dtype]}", f"-DMN_BITS={bits}", f"-DMD_GU_COLS={self.gu_cols}",
                 f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}", f"-DMD_DN_STAGES={self.dn_stages}",
                 f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}") + (
-                    ("-DMN_REG=1",) if self.reg else ()) + (("-DMN_EARLY=1",) if self.early else ())
+                    ("-DMN_REG=1",) if self.reg else ()) + (("-DMN_EARLY=1",) if self.early else ()) + (
+                    ("-DMN_FMA=1",) if fma else ())
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -109,11 +120,28 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "reg_late": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1),  # "reg" without early (what early alone is worth)
     "reg_fine": NBitsKnobs(gu_cols=8, gu_stages=10, dn_rows=32, dn_stages=5, reg=1, early=1),
     "reg_many": NBitsKnobs(gu_cols=32, gu_stages=4, reg=1, early=1),  # "many" in registers (many tokens)
+    # one group of 8 pairs per pass (gmax 1): the k-tile loop compiles for one group, no predicated-off MMAs / ldmatrix
+    # for the three a step of <= 8 pairs per expert leaves unused (the kernels are issue-bound: stop 37's notes), and
+    # each thread's B-row copy (one 16-byte chunk a k tile) is worked out once per pass; an expert with more pairs
+    # takes more passes. g1_deep: every gate_up k tile of H = 2048 in flight at once; g2: two groups a pass
+    "reg_g1": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=1),
+    "reg_g1_deep": NBitsKnobs(gu_stages=16, dn_stages=5, reg=1, gmax=1),
+    "reg_g2": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=2),
 }
-# The builds CudaBackend(packed_experts=True) runs: (steps of <= 16 rows, steps of more). All builds give the same
-# bits, so this is a speed choice only. Measured on the H200 (benchmarks/results/gpu_moe_nbits_decode_h200.md, stop
-# 33): int4 reg_late 31.2 / 137.4 us at 1 / 8 tokens (default 32.6 / 145.3), reg_many 427.6 us at 64 (many 480.2).
-BACKEND_BUILDS: tuple[str, str] = ("reg_late", "reg_many")
+# The builds CudaBackend(packed_experts=True) runs, per bit width: (up to this many rows, build) in order, a step of n
+# rows taking the first entry with n <= rows. All builds give the same bits, so this is a speed choice only.
+# Measured on the H200 (benchmarks/results/gpu_moe_nbits_decode_h200.md, stop 39; float16-valued scales, int4 with the
+# FFMA dequantisation): 1 token int4 reg_g1_deep 23.5 us (reg_g1 25.8, reg_late 27.3), int8 reg_late 29.2 (reg_g1
+# 30.4, reg_g1_deep 33.8); 2-64 tokens reg_g1 the fastest of every build for both (8 tokens int4 89.9 / int8 94.9 us,
+# reg_many 109.8 / 117.8; 64 tokens 310.4 / 316.2, reg_many 369.1 / 390.4).
+BACKEND_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "reg_g1_deep"), (1 << 30, "reg_g1")),
+                                                          8: ((1, "reg_late"), (1 << 30, "reg_g1"))}
+
+
+def backend_build(bits: int, n: int, builds: dict[int, tuple[tuple[int, str], ...]] | None = None) -> str:
+    """The build of ``builds`` (default :data:`BACKEND_BUILDS`) a step of ``n`` rows over ``bits``-bit experts runs."""
+    table = (BACKEND_BUILDS if builds is None else builds)[bits]
+    return next(b for rows, b in table if n <= rows)
 
 
 @dataclass(frozen=True)
@@ -130,16 +158,18 @@ class NBitsExperts:
     bits: int
     block_size: int
     perm: int = 0
+    short: bool = False  # every scale short (:func:`short_scales`): int4 reg builds take the FFMA dequantisation
 
     @classmethod
-    def from_packed(cls, p: Any) -> NBitsExperts:
+    def from_packed(cls, p: Any, short: bool = False) -> NBitsExperts:
         """The operand of a stacked packed weight the loader keeps on the device (``cuda.quant.PackedLinear`` with
-        ``experts`` > 0). ValueError for act order, a row offset or unstacked weights."""
+        ``experts`` > 0); ``short``: :func:`short_scales` of its host scales. ValueError for act order, a row offset
+        or unstacked weights."""
         if p.experts < 1 or p.row0 != 0:
             raise ValueError(f"moe_nbits_decode: a stacked weight of whole experts is needed (experts {p.experts}, "
                              f"row0 {p.row0})")
         return cls(p.B.ptr, p.scales.ptr, p.zp.ptr if p.zp is not None else 0, p.experts, p.N, p.K, p.bits,
-                   p.block_size, p.perm.ptr if p.perm is not None else 0)
+                   p.block_size, p.perm.ptr if p.perm is not None else 0, short)
 
     @property
     def n_blocks(self) -> int:
@@ -152,19 +182,38 @@ class NBitsExperts:
         return self.rows * self.K * self.bits // 8 + 4 * self.rows * nb + zb
 
 
+def short_scales(scales: np.ndarray) -> bool:
+    """Whether every float32 scale is 0 or a finite value of at most 12 significant bits with ``|s| >= 2^-100``
+    (float16 and bfloat16 values are): then ``fma(2^23 + q 2^p, s 2^-p, -(2^(23-p) + z) s)`` (p = 12, 16: the
+    kernel's MN_FMA) is exactly the float32 ``(q - z) * s`` for every int4 code q and zero-point z, since s 2^-p and
+    (2^(23-p) + z) s (at most 12 + 12 significant bits) are exact in float32. An empty array is short."""
+    s = np.ascontiguousarray(scales, np.float32).reshape(-1)
+    if not s.size:
+        return True
+    u = s.view(np.uint32)
+    a = np.abs(s)
+    return bool(np.all(np.isfinite(s)) and np.all((u & 0xFFF) == 0) and np.all((a == 0) | (a >= 2.0 ** -100)))
+
+
+def uses_fma(w: NBitsExperts, knobs: NBitsKnobs) -> bool:
+    """Whether ``knobs``' build runs ``w`` with the FFMA dequantisation (-DMN_FMA=1): int4, short scales, reg 1."""
+    return bool(w.short and w.bits == 4 and knobs.reg)
+
+
 def stage_bytes(kind: str, gcap: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
     """One ring stage: the CTA's weight rows packed (bk * bits / 8 bytes each) and 8 * gcap B rows of bk T."""
     return knobs.rows(kind) * knobs.bk * bits // 8 + GROUP * gcap * knobs.bk * 2
 
 
-def smem_bytes(kind: str, gcap: int, bits: int, n_blocks: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
+def smem_bytes(kind: str, gcap: int, bits: int, n_blocks: int, knobs: NBitsKnobs = DEFAULT_KNOBS,
+               fma: bool = False) -> int:
     """Dynamic shared memory of one CTA: the dequantised T tile (rows x bk x 2; ``reg`` 0 builds only), the (scale,
-    zero) table (rows x n_blocks x 8) and the ring - or the warps' partial sums that reuse it after the last k tile,
-    if larger."""
+    zero) table (rows x n_blocks x 8, or x 16 for the FFMA dequantisation: ``fma``) and the ring - or the warps'
+    partial sums that reuse it after the last k tile, if larger."""
     rows = knobs.rows(kind)
     ring = knobs.stages(kind) * stage_bytes(kind, gcap, bits, knobs)
     red = knobs.warps * (rows // 16) * gcap * 32 * 16
-    return (0 if knobs.reg else rows * knobs.bk * 2) + rows * n_blocks * 8 + max(ring, red)
+    return (0 if knobs.reg else rows * knobs.bk * 2) + rows * n_blocks * (16 if fma else 8) + max(ring, red)
 
 
 def grid(kind: str, n: int, kk: int, e_all: int, hidden: int, inter: int,
@@ -226,7 +275,8 @@ def shape_problems(dtype: str, hidden: int, inter: int, gu: NBitsExperts, dn: NB
         if w.scales % 4 or not w.scales:
             out.append(f"{where}: scales must be a 4-byte aligned (non-null) pointer")
         if w.bits in BITS and bs >= 16 and w.K % bs == 0 and not out:
-            need = smem_bytes(name, knobs.gmax if gcap is None else gcap, w.bits, w.K // bs, knobs)
+            need = smem_bytes(name, knobs.gmax if gcap is None else gcap, w.bits, w.K // bs, knobs,
+                              uses_fma(w, knobs))
             if need > SMEM_LIMIT:
                 out.append(f"{where}: {need} bytes of shared memory per CTA > {SMEM_LIMIT} (a larger block size)")
     return out
@@ -247,21 +297,26 @@ class MoENBitsDecode:
         if dtype not in DT_CODES:
             raise ValueError(f"the packed-expert decode MoE runs bfloat16 / float16, not {dtype!r}")
         self.device, self.dtype, self.knobs = device, dtype, knobs
-        self.modules: dict[int, Module] = {}
+        self.modules: dict[tuple[int, bool], Module] = {}
 
-    def module(self, bits: int) -> Module:
-        """The build for ``bits``, compiled, loaded and opted in to all the dynamic shared memory the device allows
-        on first use (a launch's own size varies with the block count; the opt-in is only a cap). Callers that
-        capture CUDA graphs call it before capturing (``CudaBackend`` does at load)."""
-        if bits not in self.modules:
-            m = load_module(SOURCE, self.knobs.options(self.dtype, bits), self.device.arch)
+    def module(self, bits: int, fma: bool = False) -> Module:
+        """The build for ``bits`` (``fma``: with the FFMA dequantisation, :func:`uses_fma`), compiled, loaded and
+        opted in to all the dynamic shared memory the device allows on first use (a launch's own size varies with
+        the block count; the opt-in is only a cap). Callers that capture CUDA graphs call it before capturing
+        (``CudaBackend`` does at load, for every (bits, fma) its operands take)."""
+        if (bits, fma) not in self.modules:
+            m = load_module(SOURCE, self.knobs.options(self.dtype, bits, fma), self.device.arch)
             for name in ("moe_nb_gate_up", "moe_nb_down"):
                 m.kernel(name).set_max_dynamic_smem(self.device)
-            self.modules[bits] = m
-        return self.modules[bits]
+            self.modules[(bits, fma)] = m
+        return self.modules[(bits, fma)]
 
-    def _kernel(self, bits: int, kind: str) -> Any:
-        return self.module(bits).kernel("moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down")
+    def module_for(self, w: NBitsExperts) -> Module:
+        """The module that runs operand ``w`` (its bits; the FFMA build where :func:`uses_fma`)."""
+        return self.module(w.bits, uses_fma(w, self.knobs))
+
+    def _kernel(self, w: NBitsExperts, kind: str) -> Any:
+        return self.module_for(w).kernel("moe_nb_gate_up" if kind == "gate_up" else "moe_nb_down")
 
     def launch(self, n: int, h: int, ldh: int, gu: NBitsExperts, dn: NBitsExperts, hidden: int, inter: int,
                kk: int, ny: int, e_all: int, bufs: MoEBuffers, parts: str = "both") -> None:
@@ -275,16 +330,16 @@ class MoENBitsDecode:
         kn = self.knobs
         gcap = groups_per_pass(n, kn.gmax)
         if parts in ("both", "gate_up"):
-            smem = smem_bytes("gate_up", gcap, gu.bits, gu.n_blocks, kn)
-            self._kernel(gu.bits, "gate_up").launch(
+            smem = smem_bytes("gate_up", gcap, gu.bits, gu.n_blocks, kn, uses_fma(gu, kn))
+            self._kernel(gu, "gate_up").launch(
                 self.device, grid("gate_up", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
                 [("ptr", h), ("i64", ldh), ("ptr", gu.B), ("ptr", gu.scales), ("ptr", gu.zp),
                  ("i32", gu.block_size), ("i32", bs_shift(gu.block_size)), ("i32", hidden), ("i32", inter),
                  ("i32", kk), ("i32", e_all), ("i32", gcap), ("ptr", bufs.expert_off), ("ptr", bufs.pair_list),
                  ("ptr", bufs.active), ("ptr", bufs.act)], pdl=True)
         if parts in ("both", "down"):
-            smem = smem_bytes("down", gcap, dn.bits, dn.n_blocks, kn)
-            self._kernel(dn.bits, "down").launch(
+            smem = smem_bytes("down", gcap, dn.bits, dn.n_blocks, kn, uses_fma(dn, kn))
+            self._kernel(dn, "down").launch(
                 self.device, grid("down", n, kk, e_all, hidden, inter, kn), (kn.threads, 1, 1), smem,
                 [("ptr", bufs.act), ("ptr", dn.B), ("ptr", dn.scales), ("ptr", dn.zp), ("i32", dn.block_size),
                  ("i32", bs_shift(dn.block_size)), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter),

@@ -392,7 +392,7 @@ def test_warm_cache_compiles_into_the_disk_cache(tmp_path, monkeypatch: pytest.M
 @pytest.mark.parametrize("name", sorted(n for n, k in KNOB_SETS.items() if k.reg))
 def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> None:
     """Where cuobjdump or nvdisasm is installed: the reg builds' SASS has no local-memory load or store (LDL / STL:
-    a spill, or a fragment array indexed at run time), bf16 int4 and int8."""
+    a spill, or a fragment array indexed at run time), bf16 int4 (FADD + FMUL and FFMA) and int8."""
     import shutil
     import subprocess
 
@@ -402,11 +402,132 @@ def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> Non
         pytest.skip("neither cuobjdump nor nvdisasm (the nvidia-cuda-nvdisasm dev dependency) found")
     from hybrid_runtime.cuda.kernels import compile_cubin, source
 
-    for bits in (4, 8):
-        path = tmp_path / f"{name}{bits}.cubin"
-        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, KNOB_SETS[name].options("bfloat16", bits), "sm_90"))
+    for bits, fma in ((4, False), (4, True), (8, False)):
+        path = tmp_path / f"{name}{bits}{fma}.cubin"
+        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, KNOB_SETS[name].options("bfloat16", bits, fma),
+                                       "sm_90"))
         args = [tool, "-sass", str(path)] if tool.endswith("cuobjdump") else [tool, str(path)]
         sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         assert "moe_nb_gate_up" in sass and "moe_nb_down" in sass, sass[:2000]
         local = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", ln)]
-        assert not local, (name, bits, local[:8])
+        assert not local, (name, bits, fma, local[:8])
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode) on uint32 arrays: byte i of the result is byte sel[4i:4i+3] of {b, a} (a: bytes
+    0-3, b: 4-7; selector bit 3 of each nibble, the sign-replicating mode, is not used by the kernel)."""
+    src = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        assert nib < 8, "sign-replicating selector"
+        out |= src[nib].astype(np.uint32) << np.uint32(8 * i)
+    return out
+
+
+def test_ffma_byte_permutes_place_each_lanes_codes() -> None:
+    """MN_FMA's a_frag: for lane k pair t (0..3), prmt(w.x, w.y, sel_u / sel_v) then the masks 0xF0000 / 0xF000 give
+    the codes of k 2t, 2t + 1, 2t + 8, 2t + 9 of the step's 16 codes (8 bytes, low nibble first) at bits 16-19 /
+    12-15 - the very codes the FADD + FMUL path shifts out; int8's PRMT with 0x4B000000 gives 2^23 + the code."""
+    rng = np.random.default_rng(0)
+    wx, wy = (rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    codes = np.stack([(np.where(i < 8, wx, wy) >> np.uint32(4 * (i % 8))) & 15 for i in range(16)])  # code i of k
+    for t in range(4):
+        sel_u, sel_v = (t << 4) | ((4 + t) << 8), ((4 + t) << 4) | (t << 8)  # as the kernel computes them
+        u, v = _prmt(wx, wy, sel_u), _prmt(wx, wy, sel_v)
+        got = [(v >> 16) & 15, (u >> 12) & 15, (u >> 16) & 15, (v >> 12) & 15]  # d0..d3: k 2t, 2t+1, 2t+8, 2t+9
+        for g, k in zip(got, (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9), strict=True):
+            assert np.array_equal(g, codes[k]), (t, k)
+        # int8 (2 lanes per word pair): bytes 2 (t % 2) and 2 (t % 2) + 1 of a word under 0x4B000000
+        mag = np.full_like(wx, 0x4B000000)
+        for sel, byte in (((2 * (t & 1)) | 0x7540, 2 * (t & 1)), ((2 * (t & 1) + 1) | 0x7540, 2 * (t & 1) + 1)):
+            assert np.array_equal(_prmt(wx, mag, sel), np.uint32(0x4B000000) | ((wx >> np.uint32(8 * byte)) & 0xFF))
+
+
+def _ffma_f32(q: int, z: int, s: np.float32, p: int) -> np.float32:
+    """The kernel's MN_FMA value: fma(f32(2^23 + q 2^p), f32(s 2^-p), f32(-(2^(23-p) + z) s)) with the constants
+    rounded to float32 as the kernel computes them (tbl_store) and the fma exact, then rounded once (Fractions)."""
+    from fractions import Fraction
+
+    x = np.float32(2.0**23 + q * 2.0**p)
+    sp = np.float32(s) * np.float32(2.0**-p)
+    c = np.float32(-(np.float32(2.0 ** (23 - p)) + np.float32(z))) * np.float32(s)
+    exact = Fraction(float(x)) * Fraction(float(sp)) + Fraction(float(c))
+    return np.float32(_round_f32(exact))
+
+
+def _round_f32(v: object) -> float:
+    """A Fraction rounded to the nearest float32 (ties to even), through float64 only where that is exact."""
+    from fractions import Fraction
+
+    assert isinstance(v, Fraction)
+    d = float(v)  # nearest float64; exact when the value has <= 53 significant bits (the cases here: <= 48)
+    assert Fraction(d) == v, "value not exact in float64: extend the rounding"
+    return float(np.float32(d))
+
+
+def test_ffma_dequantisation_is_the_fadd_fmul_value_for_short_scales() -> None:
+    """For every int4 code q and zero-point z and p = 12 / 16: the kernel's FFMA value == float32((q - z) * s) (the
+    FADD + FMUL path, one rounding) for short scales (float16 values incl. subnormal / extreme ones, bfloat16 values,
+    negative, zero); short_scales accepts exactly those and refuses random float32 scales (and inf / NaN / tiny
+    ones), for which the FFMA value does differ somewhere (what the predicate guards)."""
+    from hybrid_runtime.cuda.moe_nbits_decode import short_scales
+
+    rng = np.random.default_rng(1)
+    f16 = np.concatenate([rng.uniform(1e-4, 0.05, 40), [6.1035e-05, 5.96e-08, 3.0e-06, 65504.0, 0.0]]
+                         ).astype(np.float16).astype(np.float32)
+    bf16 = (rng.uniform(1e-3, 1.0, 20).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    short = np.concatenate([f16, -f16[:5], bf16])
+    assert short_scales(short) and short_scales(np.zeros(0, np.float32))
+    for s in short:
+        for q in range(16):
+            for z in range(16):
+                want = np.float32(np.float32(q - z) * s)
+                for p in (12, 16):
+                    got = _ffma_f32(q, z, s, p)
+                    assert got == want, (float(s), q, z, p, float(got), float(want))
+    long_ = rng.uniform(0.005, 0.015, 64).astype(np.float32)
+    assert not short_scales(long_)
+    assert not short_scales(np.array([0.01, np.inf], np.float32)) and not short_scales(np.array([np.nan], np.float32))
+    assert not short_scales(np.array([2.0**-110], np.float32))  # s 2^-16 would be subnormal
+    differ = sum(_ffma_f32(q, z, s, 12) != np.float32(np.float32(q - z) * s) for s in long_[:16] for q in range(16)
+                 for z in range(16))
+    assert differ > 0, "float32 scales would be exact too: the predicate is needlessly strict"
+
+
+def test_ffma_builds_compile_and_cut_the_k_tile_loop() -> None:
+    """The int4 reg builds with -DMN_FMA=1 (short scales) compile for sm_90 without spills within 3 CTAs' registers,
+    a larger (scale, zero) table in shared memory; options refuse FMA for int8 / reg 0 builds; where nvdisasm is
+    installed (a dev dependency), reg_g1's gate_up k-tile loop (the innermost loop with MMAs) dequantises with one
+    FFMA per weight (32 per lane per k tile: 2 m-tiles x 2 k16 steps x 8; no FADD / FMUL) and is shorter than the
+    FADD + FMUL build's."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    with pytest.raises(ValueError, match="int4 reg build"):
+        KNOB_SETS["reg"].options("bfloat16", 8, fma=True)
+    with pytest.raises(ValueError, match="int4 reg build"):
+        KNOB_SETS["default"].options("bfloat16", 4, fma=True)
+    assert KNOB_SETS["reg_g1"].options("bfloat16", 4, fma=True)[-1] == "-DMN_FMA=1"
+    assert smem_bytes("gate_up", 1, 4, 16, KNOB_SETS["reg_g1"], fma=True) == \
+        smem_bytes("gate_up", 1, 4, 16, KNOB_SETS["reg_g1"]) + 32 * 16 * 8
+    for name in sorted(n for n, k in KNOB_SETS.items() if k.reg):
+        kn = KNOB_SETS[name]
+        for dtype in ("bfloat16", "float16"):
+            log = compile_log(source(SOURCE), SOURCE, kn.options(dtype, 4, fma=True), "sm_90")
+            check_log(log)
+            for kernel, (regs, _) in _per_kernel(log).items():
+                assert 3 * regs * kn.threads <= SM_REGS, (name, dtype, kernel, regs)
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm (the nvidia-cuda-nvdisasm dev dependency)")
+    from benchmarks.sass_loops import disassemble, kernels, loops
+
+    defines = [d[2:] for d in KNOB_SETS["reg_g1"].options("bfloat16", 4)]
+    inner = {}
+    for fma in (False, True):
+        ins = kernels(disassemble(SOURCE, defines + (["MN_FMA=1"] if fma else []), "sm_90"))["moe_nb_gate_up"]
+        inner[fma] = min((lp for lp in loops(ins) if lp.mix["HMMA"]), key=lambda lp: lp.size)
+    f, plain = inner[True].mix, inner[False].mix
+    assert f["FFMA"] == 32 and f["FADD"] == 0 and f["FMUL"] == 0 and f["PRMT"] == 16, f
+    assert plain["FADD"] == 32 and plain["FMUL"] == 32, plain
+    assert sum(f.values()) < sum(plain.values()), (sum(f.values()), sum(plain.values()))

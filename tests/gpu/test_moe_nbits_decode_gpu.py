@@ -125,10 +125,11 @@ class Rig:
         self.ops: dict = {}
         self._t: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def variant(self, group: int, asym: bool, seed: int) -> None:
+    def variant(self, group: int, asym: bool, seed: int, short: bool = True) -> None:
         """New scales (and zero-points when ``asym``) of block size ``group``; the experts dequantised on the device
-        (nbits.cu, the load path) into the bf16 / fp16 stacks moe_decode reads."""
-        from hybrid_runtime.cuda.moe_nbits_decode import NBitsExperts
+        (nbits.cu, the load path) into the bf16 / fp16 stacks moe_decode reads. ``short``: float16-valued scales
+        (GPTQ's; the int4 reg builds take the FFMA dequantisation), else random float32 ones (FADD + FMUL)."""
+        from hybrid_runtime.cuda.moe_nbits_decode import NBitsExperts, short_scales
         from hybrid_runtime.cuda.quant import PackedLinear
 
         rng = np.random.default_rng(seed)
@@ -140,7 +141,10 @@ class Rig:
             nb = K // bs
             rows = self.e_all * R
             scale = 0.01 if self.bits == 4 else 0.0006
-            scales = (rng.uniform(0.5, 1.5, (rows, nb)) * scale).astype(np.float16).astype(np.float32)
+            scales = (rng.uniform(0.5, 1.5, (rows, nb)) * scale).astype(np.float32)
+            if short:
+                scales = scales.astype(np.float16).astype(np.float32)
+            assert short_scales(scales) == short
             zp = None
             if asym:
                 zw = (nb + 1) // 2 if self.bits == 4 else nb
@@ -151,7 +155,7 @@ class Rig:
             p = PackedLinear(self.dB[kind], d_s, d_z, None, K, R, self.bits, bs, K, self.e_all)
             self.deq.launch(p, self.wt[kind].ptr, K, R * K)
             self.ops[kind] = (NBitsExperts(self.dB[kind].ptr, d_s.ptr, d_z.ptr if d_z is not None else 0, self.e_all,
-                                           R, K, self.bits, bs), d_s, d_z)
+                                           R, K, self.bits, bs, short=short), d_s, d_z)
         self.dev.synchronize()
 
     @property
@@ -347,12 +351,16 @@ def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None
 
 def test_every_knob_set_gives_the_default_bits(dev) -> None:
     """Every build of KNOB_SETS (they split K alike) == the default build bit for bit, and == its moe_decode twin,
-    on the small shape (int4 and int8) and the 35B shape (int4, 1 and 16 tokens)."""
-    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS
+    on the small shape (int4 with float16-valued scales: the reg builds' FFMA dequantisation, and with float32 ones:
+    FADD + FMUL; int8) and the 35B shape (int4, 1 and 16 tokens)."""
+    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, uses_fma
 
-    for shape, bits, steps in (("small", 4, STEPS), ("small", 8, STEPS), ("a35b", 4, [STEPS[1], STEPS[-1]])):
+    fma_runs = 0
+    for shape, bits, steps, short in (("small", 4, STEPS, True), ("small", 4, STEPS, False), ("small", 8, STEPS, True),
+                                      ("a35b", 4, [STEPS[1], STEPS[-1]], True)):
         r = rig(dev, "bfloat16", shape, bits)
-        r.variant(64, True, seed=3)
+        r.variant(64, True, seed=3, short=short)
+        fma_runs += sum(uses_fma(r.gu, kn) and uses_fma(r.dn, kn) for kn in KNOB_SETS.values())
         rng = np.random.default_rng(5)
         for n, case, fold in steps:
             hb = host_bits(rng.standard_normal((n, r.H)).astype(np.float32), "bfloat16")
@@ -360,10 +368,11 @@ def test_every_knob_set_gives_the_default_bits(dev) -> None:
             base = r.run(*kernels(dev, "bfloat16"), n, hb, lg, fold)
             for name in KNOB_SETS:
                 got = r.run(*kernels(dev, "bfloat16", name), n, hb, lg, fold)
-                label = f"{name} {shape} int{bits} n={n} {case}"
+                label = f"{name} {shape} int{bits} {'short' if short else 'float32'} scales n={n} {case}"
                 check_step(r, got, n, hb, lg, fold, label, case, False, {})
                 assert got["y"].tobytes() == base["y"].tobytes() and got["act"].tobytes() == base["act"].tobytes(), \
                     label
+    assert fma_runs > 0, "no build ran the FFMA dequantisation"
 
 
 def test_launch_refuses_what_it_does_not_run(dev) -> None:
@@ -383,12 +392,13 @@ def test_launch_refuses_what_it_does_not_run(dev) -> None:
             moe.launch(1, 256, 2048, bad_gu, bad_dn, 2048, 512, 9, 9, 257, b)
 
 
-@pytest.mark.parametrize("bits,sym,builds", [(4, False, ("default", "many")), (4, False, ("reg", "reg_many")),
+@pytest.mark.parametrize("bits,sym,builds", [(4, False, ("default", "many")), (4, False, ("reg_late", "reg_g1")),
                                              (8, True, ("reg", "reg_many"))])
 def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int,
                                                                   sym: bool, builds: tuple[str, str]) -> None:
-    """``CudaBackend(packed_experts=True)`` (its ``MOE_NBITS_BUILDS`` set to ``builds``: the shipped pair and the
-    dequantise-in-registers one) on a bf16 GPTQ bundle whose MoE layers stack (tests/gptq_cases.py
+    """``CudaBackend(packed_experts=True)`` (its ``MOE_NBITS_BUILDS`` set to run ``builds[0]`` for 1-row steps and
+    ``builds[1]`` for the others; the float16 scales of the tests' GPTQ packer are short, so the int4 reg builds run
+    the FFMA dequantisation) on a bf16 GPTQ bundle whose MoE layers stack (tests/gptq_cases.py
     PACKED_EXPERTS: H 128, experts and folded shared expert of I 64) against the same bundle dequantised at load:
     fewer weight bytes; prefill (the layer's experts dequantised into the scratch stack, then the same grouped
     GEMMs) and decode (the packed twin of moe_decode: the same bits) give the same logits BIT FOR BIT, teacher-forced
@@ -402,14 +412,16 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
     from hybrid_runtime.runner import ModelRunner
     from tests import gptq_cases as gc
 
-    monkeypatch.setattr(backend_mod, "MOE_NBITS_BUILDS", builds)  # as if BACKEND_BUILDS were ``builds``
-    monkeypatch.setattr(moe_nbits_decode, "BACKEND_BUILDS", builds)  # (weights.packed_layer_experts reads it)
+    table = {b: ((1, builds[0]), (1 << 30, builds[1])) for b in (4, 8)}  # builds[0] for 1-row steps, [1] the rest
+    monkeypatch.setattr(backend_mod, "MOE_NBITS_BUILDS", table)
+    monkeypatch.setattr(moe_nbits_decode, "BACKEND_BUILDS", table)  # (weights.packed_layer_experts reads it)
     b = gc.packed_experts_bundle(tmp_path, bits=bits, sym=sym)
     m = Manifest.load(b)
     packed = CudaBackend(b, m, device="cuda", packed_experts=True)
     plain = CudaBackend(b, m, device="cuda")
     assert packed.w.packed_moe and not plain.w.packed_moe
     assert set(packed.moe_nbits) == set(builds)
+    assert all(pk.gate_up.short and pk.down.short for pk in packed.w.packed_moe.values())  # GPTQ's float16 scales
     assert packed.w.nbytes < plain.w.nbytes
     rng = np.random.default_rng(bits)
     lens, slots, decode_steps = [37, 20, 5], [3, 0, 2], 12

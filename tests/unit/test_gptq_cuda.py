@@ -479,9 +479,9 @@ def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypa
     """``packed_experts``: every MoE layer whose experts stack as one packed operand keeps them only packed (the
     stored bytes: routed experts' gate | up rows, then the folded shared expert as expert E); its MoEWeights stacks
     are the one scratch pair, which ``dequantise_experts(layer)`` fills with exactly the plain load's stacks; the
-    folded shared expert's own copy is the plain stack's expert E; router and every other array as without the
-    option; fewer bytes. A layer that cannot stack (act order: another case) is loaded as before."""
-    from hybrid_runtime.cuda.moe_nbits_decode import as_host_experts, fuse_rows, stack_experts
+    folded shared expert's own copy is the plain stack's expert E; the operands flagged short (float16 scales:
+    the int4 FFMA dequantisation); router and every other array as without the option; fewer bytes. A layer that cannot stack (act order: another case) is loaded as before."""
+    from hybrid_runtime.cuda.moe_nbits_decode import as_host_experts, fuse_rows, short_scales, stack_experts
     from hybrid_runtime.program import moe_layers
 
     bq = gc.packed_experts_bundle(tmp_path)
@@ -515,6 +515,7 @@ def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypa
             assert np.array_equal(d1.read(src.scales.ptr, src.scales.shape, "float32").reshape(want.scales.shape),
                                   want.scales)
             assert (src.zp is None) == (want.zp is None)
+            assert op.short and short_scales(want.scales)  # GPTQ's float16 scales: the int4 FFMA dequantisation
         w1.dequantise_experts(layer)
         assert np.array_equal(rd(d1, m1.gate_up), rd(d0, m0.gate_up)), layer
         assert np.array_equal(rd(d1, m1.down), rd(d0, m0.down)), layer

@@ -112,6 +112,23 @@ typedef u16 T;
 #if MN_EARLY && !MN_REG
 #error "MN_EARLY needs MN_REG 1"
 #endif
+// MN_FMA 1 (int4 MN_REG builds; the host picks it only for experts whose every scale has at most 12 significant bits
+// and |s| >= 2^-100 or s == 0: float16 / bfloat16-valued scales, as GPTQ checkpoints store them): each weight is one
+// FFMA instead of FADD + FMUL, with the same bits. A code q at mantissa bit p of the float 2^23 + q 2^p (the
+// exponent trick, p = 12 or 16: the nibble's own position after one byte permute, no shift) times s 2^-p is
+// (2^(23-p) + q) s, and c_p = -(2^(23-p) + z) s is exact in float32 (at most 12 + 12 significant bits), so
+// fma(2^23 + q 2^p, s 2^-p, c_p) = (q - z) s exactly, rounded once: the very float32 of (q - z) * s. The table then
+// holds float4 (s 2^-16, c_16, s 2^-12, c_12) per (block, row).
+#ifndef MN_FMA
+#define MN_FMA 0
+#endif
+#if MN_FMA != 0 && MN_FMA != 1
+#error "MN_FMA must be 0 or 1"
+#endif
+#if MN_FMA && (!MN_REG || MN_BITS != 4)
+#error "MN_FMA needs MN_REG 1 and MN_BITS 4"
+#endif
+#define MN_SZB (MN_FMA ? 16 : 8)  // bytes of one (scale, zero) table entry
 #define MN_TBR 4  // table entries per thread whose loads MN_REG builds issue together (registers), the rest one by one
 
 #define MD_THREADS (MD_WARPS * 32)
@@ -150,6 +167,16 @@ __device__ __forceinline__ u32 pack2(float hi, float lo) {
 #else
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
 #endif
+  return d;
+}
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+  float d;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+  return d;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
 __device__ __forceinline__ float u2f(u32 u) {
@@ -240,8 +267,6 @@ __device__ __forceinline__ uint4 dequant8(u32 w0, u32 w1, float s, float zf) {
   return make_uint4(pack2(v[1], v[0]), pack2(v[3], v[2]), pack2(v[5], v[4]), pack2(v[7], v[6]));
 }
 
-// One code -> (q - z) * s in float32 (zf = 2^23 + z), as dequant8.
-__device__ __forceinline__ float deq1(u32 q, float s, float zf) { return (u2f(0x4B000000u | q) - zf) * s; }
 
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
@@ -287,8 +312,12 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   constexpr int WT_BYTES = MN_REG ? 0 : RM * MD_ROWB;
   const u32 sbase = smem_u32(mn_smem);
   const u32 sWT = sbase;
+#if MN_FMA
+  float4* s_sz = reinterpret_cast<float4*>(mn_smem + WT_BYTES);
+#else
   float2* s_sz = reinterpret_cast<float2*>(mn_smem + WT_BYTES);
-  const u32 ring_off = (u32)(WT_BYTES + RM * nb * 8);
+#endif
+  const u32 ring_off = (u32)(WT_BYTES + RM * nb * MN_SZB);
   const u32 sRing = sbase + ring_off;
   const u32 stage_bytes = (u32)(RM * MN_PROWB + cap * MD_ROWB);
   const int KT = (K + MD_BK - 1) / MD_BK;
@@ -346,35 +375,66 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   (void)sWT;
   const int fg = lane >> 2, ft = lane & 3;  // the lane's fragment row (g) and k pair (t)
   // The lane's A fragment of m-tile mt at k16 step ks of the packed stage sP, block blk (module header, MN_REG 1).
+  // mag: the exponent bits of 2^23 in a register whose value the compiler cannot fold (K > 0: the sign bit of K is
+  // 0), so that each LOP3 takes its mask as the immediate and this register (two constants otherwise, one of them
+  // re-materialised by an IMAD.MOV before each LOP3 under register pressure), and int8's PRMT its bytes 0x00 / 0x4B.
+  const u32 mag = 0x4B000000u | ((u32)K >> 31);
+#if MN_FMA
+  // byte t of w.x (codes 2t, 2t + 1) and byte t of w.y (codes 2t + 8, 2t + 9) permuted to bytes 1 / 2 (u) and 2 / 1
+  // (v): code 2t at bits 16-19 of v, 2t + 1 at 12-15 of u, 2t + 8 at 16-19 of u, 2t + 9 at 12-15 of v
+  const u32 sel_u = ((u32)ft << 4) | ((u32)(4 + ft) << 8), sel_v = ((u32)(4 + ft) << 4) | ((u32)ft << 8);
+  auto a_frag = [&](u32(&a)[4], const unsigned char* sP, int mt, int ks, int blk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + fg + 8 * h;
+      const float4 sz = s_sz[blk * RM + row];  // (s 2^-16, c_16, s 2^-12, c_12)
+      const uint2 w = *reinterpret_cast<const uint2*>(sP + row * MN_PROWB + (mn_pchunk(row, ks >> 1) << 4) +
+                                                      ((ks & 1) << 3));
+      const u32 u = prmt(w.x, w.y, sel_u), v = prmt(w.x, w.y, sel_v);
+      const float d0 = fma_rn(u2f((v & 0x000F0000u) | mag), sz.x, sz.y);
+      const float d1 = fma_rn(u2f((u & 0x0000F000u) | mag), sz.z, sz.w);
+      const float d2 = fma_rn(u2f((u & 0x000F0000u) | mag), sz.x, sz.y);
+      const float d3 = fma_rn(u2f((v & 0x0000F000u) | mag), sz.z, sz.w);
+      a[h] = pack2(d1, d0);      // a0 (row g) / a1 (row g + 8): k 2t, 2t + 1
+      a[2 + h] = pack2(d3, d2);  // a2 / a3: k 2t + 8, 2t + 9
+    }
+  };
+#else
+#if MN_BITS == 8
+  // PRMT selectors: byte 2 (t % 2) (sel_lo) or 2 (t % 2) + 1 (sel_hi) of a word into byte 0, mag's 0x00 0x00 0x4B
+  // above it: 2^23 + the code's float bits in one instruction
+  const u32 sel_lo = (u32)(2 * (ft & 1)) | 0x7540u, sel_hi = (u32)(2 * (ft & 1) + 1) | 0x7540u;
+#endif
   auto a_frag = [&](u32(&a)[4], const unsigned char* sP, int mt, int ks, int blk) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = mt * 16 + fg + 8 * h;
       const float2 sz = s_sz[blk * RM + row];
-      u32 q0, q1, q2, q3;  // codes k 2t, 2t + 1, 2t + 8, 2t + 9 of the step
+      u32 q0, q1, q2, q3;  // 2^23 + the codes of k 2t, 2t + 1, 2t + 8, 2t + 9 of the step, as float32 bits
 #if MN_BITS == 4
       // the step's 8 bytes: 16-byte chunk ks / 2, half ks % 2
       const uint2 w = *reinterpret_cast<const uint2*>(sP + row * MN_PROWB + (mn_pchunk(row, ks >> 1) << 4) +
                                                       ((ks & 1) << 3));
       const int sh = 8 * ft;  // byte t (codes 2t, 2t + 1) of w.x; byte t + 4 (codes 2t + 8, 2t + 9) = byte t of w.y
-      q0 = (w.x >> sh) & 15u;
-      q1 = (w.x >> (sh + 4)) & 15u;
-      q2 = (w.y >> sh) & 15u;
-      q3 = (w.y >> (sh + 4)) & 15u;
+      q0 = ((w.x >> sh) & 15u) | mag;
+      q1 = ((w.x >> (sh + 4)) & 15u) | mag;
+      q2 = ((w.y >> sh) & 15u) | mag;
+      q3 = ((w.y >> (sh + 4)) & 15u) | mag;
 #else
       // the step's 16 bytes: chunk ks; bytes 2t, 2t + 1 in word t / 2, bytes 2t + 8, 2t + 9 in word 2 + t / 2
       const unsigned char* p = sP + row * MN_PROWB + (mn_pchunk(row, ks) << 4) + 4 * (ft >> 1);
       const u32 w0 = *reinterpret_cast<const u32*>(p), w1 = *reinterpret_cast<const u32*>(p + 8);
-      const int sh = 16 * (ft & 1);
-      q0 = (w0 >> sh) & 255u;
-      q1 = (w0 >> (sh + 8)) & 255u;
-      q2 = (w1 >> sh) & 255u;
-      q3 = (w1 >> (sh + 8)) & 255u;
+      q0 = prmt(w0, mag, sel_lo);
+      q1 = prmt(w0, mag, sel_hi);
+      q2 = prmt(w1, mag, sel_lo);
+      q3 = prmt(w1, mag, sel_hi);
 #endif
-      a[h] = pack2(deq1(q1, sz.x, sz.y), deq1(q0, sz.x, sz.y));      // a0 (row g) / a1 (row g + 8): k 2t, 2t + 1
-      a[2 + h] = pack2(deq1(q3, sz.x, sz.y), deq1(q2, sz.x, sz.y));  // a2 / a3: k 2t + 8, 2t + 9
+      // (2^23 + q) - (2^23 + z) = q - z exactly, times s: one float32 rounding (as dequant8)
+      a[h] = pack2((u2f(q1) - sz.y) * sz.x, (u2f(q0) - sz.y) * sz.x);      // a0 (row g) / a1 (row g + 8): k 2t, 2t + 1
+      a[2 + h] = pack2((u2f(q3) - sz.y) * sz.x, (u2f(q2) - sz.y) * sz.x);  // a2 / a3: k 2t + 8, 2t + 9
     }
   };
+#endif
 #endif
 #if MN_REG
   // The (scale, 2^23 + zero) table entry i = row * nb + b of the CTA's rows (its value; stored at s_sz[b * RM + row]).
@@ -392,7 +452,12 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   };
   auto tbl_store = [&](int i, float s, u32 z) {
     const int row = i / nb, b = i - row * nb;
+#if MN_FMA
+    // s 2^-16 and s 2^-12 exact (|s| >= 2^-100 or 0); c_p = -(2^(23-p) + z) s exact (<= 12 significant bits in s)
+    s_sz[b * RM + row] = make_float4(s * 0x1p-16f, -(128.f + (float)z) * s, s * 0x1p-12f, -(2048.f + (float)z) * s);
+#else
     s_sz[b * RM + row] = make_float2(s, 8388608.f + (float)z);
+#endif
   };
 #if MN_EARLY
   // The first pass's prologue weight copies go out now (their addresses need e alone), uncommitted: committed with
@@ -425,7 +490,33 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
     }
     __syncthreads();
 
-    // k tile kt's B rows (the pass's pairs; zero rows up to 8 ng) into ring slot `slot` (no commit)
+    // k tile kt's B rows (the pass's pairs; zero rows up to 8 ng) into ring slot `slot` (no commit). Builds whose
+    // B rows are at most 2 chunks a thread (8 MD_GMAX MD_CPR <= 2 MD_THREADS: gmax 1) work out each chunk's source,
+    // size and place once per pass (a thread's chunks are the same (row, chunk) in every k tile); the others per tile.
+    constexpr int NBC = (8 * MD_GMAX * MD_CPR + MD_THREADS - 1) / MD_THREADS;  // B chunks per thread per stage (max)
+#if 8 * MD_GMAX * MD_CPR <= 2 * MD_THREADS
+    const T* bsrc[NBC];
+    u32 bdst[NBC];
+    int bsz[NBC], bch[NBC];
+#pragma unroll
+    for (int i = 0; i < NBC; ++i) {
+      const int c = tid + i * MD_THREADS, row = c / MD_CPR, ch = c % MD_CPR;
+      const bool ok = c < 8 * ng * MD_CPR;
+      const long long src = ok ? s_src[row] : -1ll;  // zero rows: src-size 0 fills 16 zero bytes, reads nothing
+      bsrc[i] = X + (src < 0 ? 0ll : src) + ch * 8;
+      bsz[i] = src < 0 ? 0 : 16;
+      bdst[i] = (u32)(RM * MN_PROWB) + soff(row, ch);
+      bch[i] = ok ? ch : MD_CPR;  // MD_CPR: never copied
+    }
+    auto load_b = [&](int slot, int kt) {
+      const u32 sS = sRing + slot * stage_bytes;
+      const int nch = kt == KT - 1 ? tail_ch : MD_CPR;
+#pragma unroll
+      for (int i = 0; i < NBC; ++i)
+        if (bch[i] < nch) cp_async16(sS + bdst[i], bsrc[i] + kt * MD_BK, bsz[i]);
+    };
+#else
+    (void)NBC;
     auto load_b = [&](int slot, int kt) {
       const u32 sB = sRing + slot * stage_bytes + RM * MN_PROWB;
       const int k0 = kt * MD_BK;
@@ -438,6 +529,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
         }
       }
     };
+#endif
 
     float acc[MT][MD_GMAX][4];
 #pragma unroll
