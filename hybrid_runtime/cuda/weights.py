@@ -266,6 +266,91 @@ class DeviceWeights:
             self._moe[layer] = self._stack_moe(layer, None, fill=fill, seed=seed + 1000 * (layer + 1), hidden=H)
         return self
 
+    @classmethod
+    def random_packed(cls, device: CudaDevice, cfg: ModelConfig, dtype: str, rope_len: int, fill: Callable[..., None],
+                      bits: int = 4, block_size: int = 128, seed: int = 0,
+                      progress: Callable[[str], None] | None = None) -> DeviceWeights:
+        """As :meth:`random`, in the layout a symmetric GPTQ bundle loads into with ``packed_linears`` and
+        ``packed_experts``: the dense projections (``*_proj``: GDN in_proj / out_proj, attention qkv_proj / o_proj)
+        kept only packed (:attr:`packed_only`), each MoE layer's routed experts (and the folded shared expert as
+        expert E) only packed (:attr:`packed_moe`, the scratch stack for other uses), ``bits``-bit codes in blocks
+        of ``block_size`` along K: random bytes filled on the device, float16-valued float32 scales (GPTQ's: short,
+        the same host values for every weight of a size; the codes differ). Embeddings, lm_head, norms, router, conv
+        and gates stay float (random as :meth:`random`). For speed benchmarks of quantized steps without a
+        checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed weight a multiple of
+        ``block_size``."""
+        from .moe_nbits_decode import NBitsExperts, short_scales
+
+        if dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"packed weights run bfloat16 / float16 steps, not {dtype!r}")
+        if bits not in (4, 8) or block_size < 16 or block_size % 16:
+            raise ValueError(f"bits {bits} (4 / 8), block size {block_size} (a multiple of 16)")
+        self = cls(device, cfg, dtype, rope_len)
+        self._deq = NBitsDequant(device, dtype)
+        rng = np.random.default_rng(seed)
+        host_scales: dict[int, np.ndarray] = {}
+
+        def packed(N: int, K: int, experts: int, s: int) -> PackedLinear:
+            if K % block_size:
+                raise ValueError(f"K {K} is not a multiple of the block size {block_size}")
+            E, nb, row = max(1, experts), K // block_size, block_size * bits // 8
+            raw = device.empty((E * N * K * bits // 16,), "bfloat16")  # random bytes: fill's values reinterpreted
+            fill(raw, s, 1.0)
+            lead = (E,) if experts else ()
+            B = DeviceArray(raw.ptr, (*lead, N, nb, row), "uint8", raw.device, owner=raw)
+            n = E * N * nb
+            if n not in host_scales:  # |w| ~ 1 / sqrt(K) as random()'s: (q - 2^(bits-1)) s
+                sc = rng.uniform(0.5, 1.5, n) * (2.0 / np.sqrt(K)) / (1 << (bits - 1))
+                host_scales[n] = sc.astype(np.float16).astype(np.float32)
+                assert short_scales(host_scales[n])
+            sc_dev = device.upload(host_scales[n].reshape(E, N * nb) if experts else host_scales[n])
+            return PackedLinear(B, sc_dev, None, None, K, N, bits, block_size, K, experts)
+
+        H = cfg.hidden_size
+        for n, spec in enumerate(stored_weight_specs(cfg, rope_len)):
+            if progress and spec.layer >= 0 and spec.name.endswith("input_norm"):
+                progress(f"generating layer {spec.layer + 1}/{cfg.num_layers} ({bits}-bit) on {device.limits.name}")
+            if ".mlp." in spec.name and cfg.ffn_types[spec.layer] == "moe":
+                continue
+            if spec.name.endswith("_proj") and len(spec.shape) == 2:
+                self.packed_only[spec.name] = packed(spec.shape[0], spec.shape[1], 0, seed + n)
+                continue
+            if spec.name in ("rope_cos", "rope_sin"):
+                cos, sin = rope_tables(np.arange(rope_len), cfg.rotary_dim, cfg.rope_theta)
+                self.arrays[spec.name] = device.upload(cos if spec.name == "rope_cos" else sin)
+                continue
+            a = device.empty(spec.shape, self._dtype(spec))
+            if spec.name.endswith(("norm", "q_norm", "k_norm", "final_norm")):
+                fill(a, seed + n, 0.1, offset=1.0)
+            elif spec.name.endswith("neg_exp_a"):
+                fill(a, seed + n, 0.5, offset=-1.0)
+            else:
+                fill(a, seed + n, 1.0 / np.sqrt(spec.shape[-1]) if spec.matrix else 0.3)
+            self.arrays[spec.name] = a
+        self._alias_head()
+        E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        si = cfg.shared_expert_intermediate_size
+        for layer in moe_layers(cfg):
+            s0 = seed + 1000 * (layer + 1)
+            fold = si > 0 and si == inter
+            e_all = E + int(fold)
+            e_pad = -(-(E + int(si > 0)) // ROUTER_ALIGN) * ROUTER_ALIGN
+            router = device.zeros((e_pad, H), dtype)
+            fill(router.view((e_pad * H,)), s0, 1.0 / np.sqrt(H))  # (rows past E + 1: unused padding)
+            sgu = sdn = None
+            if si:
+                sgu, sdn = device.empty((2 * si, H), dtype), device.empty((H, si), dtype)
+                fill(sgu, s0 + 1, 1.0 / np.sqrt(H))
+                fill(sdn, s0 + 2, 1.0 / np.sqrt(si))
+            srcs = (packed(2 * inter, H, e_all, s0 + 3), packed(H, inter, e_all, s0 + 4))
+            self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0], short=True),
+                                                   NBitsExperts.from_packed(srcs[1], short=True), srcs)
+            if self.moe_scratch is None:
+                self.moe_scratch = (device.empty((e_all, 2 * inter, H), dtype), device.empty((e_all, H, inter), dtype))
+            gate_up, down = self.moe_scratch
+            self._moe[layer] = MoEWeights(router, e_pad, gate_up, down, E, fold, sgu, sdn)
+        return self
+
     def _alias_head(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.arrays["lm_head"] = self.arrays["embed_tokens"]

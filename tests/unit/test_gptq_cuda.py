@@ -480,7 +480,8 @@ def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypa
     stored bytes: routed experts' gate | up rows, then the folded shared expert as expert E); its MoEWeights stacks
     are the one scratch pair, which ``dequantise_experts(layer)`` fills with exactly the plain load's stacks; the
     folded shared expert's own copy is the plain stack's expert E; the operands flagged short (float16 scales:
-    the int4 FFMA dequantisation); router and every other array as without the option; fewer bytes. A layer that cannot stack (act order: another case) is loaded as before."""
+    the int4 FFMA dequantisation); router and every other array as without the option; fewer bytes. A layer that
+    cannot stack (act order: another case) is loaded as before."""
     from hybrid_runtime.cuda.moe_nbits_decode import as_host_experts, fuse_rows, short_scales, stack_experts
     from hybrid_runtime.program import moe_layers
 
@@ -528,3 +529,63 @@ def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypa
     ba = gc.build(ckpt, tmp_path / "act" / "bq", dtype="bfloat16")
     _, wa = _load_fake(ba, monkeypatch, experts=True)
     assert not wa.packed_moe and wa.moe_scratch is None
+
+
+def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceWeights.random_packed`` (the quantized-step benchmark's model: no checkpoint) builds what
+    ``load(packed_linears=True, packed_experts=True)`` of a GPTQ bundle of the same config builds: the same float
+    arrays (names, shapes, dtypes), the same projections kept only packed (N, K, bits, block size; the codes' and
+    scales' shapes), the same MoE layers kept only packed (operand shapes, the folded shared expert, the router and
+    shared-expert copies, one scratch stack), short float16-valued scales, no zero-points (symmetric); refuses
+    float32 and a block size that does not divide K."""
+    from hybrid_runtime.cuda import weights as cw
+
+    bq = gc.packed_experts_bundle(tmp_path, bits=4, group_size=32, sym=True)
+    m = Manifest.load(bq)
+    _, loaded = _load_fake(bq, monkeypatch, linears=True, experts=True)
+    dev = FakeDevice(256 << 20)
+    rng = np.random.default_rng(0)
+
+    def fill(a, seed: int, scale: float, offset: float = 0.0) -> None:  # random bytes into the fake memory
+        dev.mem[a.ptr:a.ptr + a.nbytes] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+
+    rnd = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
+                                         bits=4, block_size=32)
+    shape = lambda a: (a.shape, a.dtype.name)  # noqa: E731
+    assert {k: shape(a) for k, a in rnd.arrays.items()} == {k: shape(a) for k, a in loaded.arrays.items()}
+    assert loaded.packed_only and set(rnd.packed_only) == set(loaded.packed_only)
+    for name, p in loaded.packed_only.items():
+        q = rnd.packed_only[name]
+        # (the bundle may store a block larger than K: one block a row; the random model keeps the nominal one)
+        assert (q.N, q.K, q.k_in, q.bits, q.experts) == (p.N, p.K, p.k_in, p.bits, p.experts), name
+        assert (q.block_size, q.B.shape, q.scales.shape) == (32, (q.N, q.K // 32, 16), (q.N * q.K // 32,)), name
+        assert q.zp is None and q.perm is None
+        assert cw_short(dev, q), name
+    assert loaded.packed_moe and set(rnd.packed_moe) == set(loaded.packed_moe)
+    for layer, pk in loaded.packed_moe.items():
+        rk = rnd.packed_moe[layer]
+        for a, b in ((rk.gate_up, pk.gate_up), (rk.down, pk.down)):
+            assert (a.e_all, a.rows, a.K, a.bits, a.block_size, a.short, a.zp) == \
+                (b.e_all, b.rows, b.K, b.bits, 32, True, 0), layer
+        for a, b in zip(rk.sources, pk.sources, strict=True):
+            assert (a.N, a.K, a.experts) == (b.N, b.K, b.experts), layer
+            assert (a.B.shape, a.scales.shape) == ((a.experts, a.N, a.K // 32, 16), (a.experts, a.N * a.K // 32))
+            assert cw_short(dev, a), layer
+        mr, ml = rnd.moe(layer), loaded.moe(layer)
+        assert (mr.e_pad, mr.num_experts, mr.fold, mr.router.shape) == (ml.e_pad, ml.num_experts, ml.fold,
+                                                                          ml.router.shape)
+        assert (mr.gate_up.ptr, mr.down.ptr) == tuple(a.ptr for a in rnd.moe_scratch)  # type: ignore[union-attr]
+        assert (mr.shared_gate_up is None) == (ml.shared_gate_up is None)
+    assert rnd._deq is not None
+    with pytest.raises(ValueError, match="bfloat16 / float16"):
+        cw.DeviceWeights.random_packed(dev, m.model, "float32", 64, fill)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", 64, fill, block_size=48)  # type: ignore[arg-type]
+
+
+def cw_short(dev: FakeDevice, p) -> bool:
+    """Whether a fake-device PackedLinear's scales are short (moe_nbits_decode.short_scales)."""
+    from hybrid_runtime.cuda.moe_nbits_decode import short_scales
+
+    return short_scales(dev.read(p.scales.ptr, p.scales.shape, "float32"))

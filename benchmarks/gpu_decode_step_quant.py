@@ -1,0 +1,144 @@
+"""A whole decode step of the ``cuda`` backend on the released Qwen3.5-35B-A3B text shape with GPTQ-quantized
+weights, against the same step in bf16 and each against its weight-read floor measured in the same run.
+
+    python3 -m benchmarks.gpu_decode_step_quant --out benchmarks/results/gpu_decode_step_quant_h200.md
+
+Model: gpu_decode_step's (40 layers: 30 Gated DeltaNet + 10 gated attention, 256 experts top-8 + a folded shared
+expert). Quantized: :meth:`DeviceWeights.random_packed` - the layout a symmetric GPTQ bundle loads into with
+``packed_linears`` and ``packed_experts`` (every dense projection and every MoE layer's experts kept ONLY packed,
+int4 / int8 codes in blocks of ``--group``, float16-valued scales as GPTQ stores them; embeddings, lm_head, norms,
+routers, conv weights in bf16), seeded random on the device (an int4 35B-A3B checkpoint is ~18 GB; no checkpoint
+is read). bf16: :meth:`DeviceWeights.random`. Per batch (context ``--context``): the step as served
+(``ModelRunner.step``: pack + one upload + graph replay + one download, wall clock) and the captured graph
+replayed back to back (GPU time, CUDA events).
+
+Floor = the bytes a step must read over the copy bandwidth measured in this run (gpu_decode_step.floor_bytes):
+every float weight but the embedding and RoPE tables, the routers, the packed projections (codes + scales), the
+expected distinct routed experts of the batch (E (1 - (1 - k/E)^B) per layer) plus the shared expert at their
+packed bytes (codes + scales) or bf16 bytes, the KV of every sequence's context, GDN state read and written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+from typing import Any
+
+from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
+from benchmarks.gpu_decode_step import decode_case, floor_bytes, manifest_for, qwen35_moe_config
+
+
+def build(cfg: Any, bits: int, group: int, max_batch: int, max_seq_len: int, buckets: list[int],
+          seed: int = 0) -> tuple[Any, Any, float]:
+    """(backend, runner, seconds to build) on random weights: ``bits`` 16 = bf16 (DeviceWeights.random), 4 / 8 =
+    packed (DeviceWeights.random_packed); KV pages and GDN states filled; graphs captured for ``buckets``."""
+    import time
+
+    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
+    from hybrid_runtime.cuda.driver import CudaDevice
+    from hybrid_runtime.cuda.kernels import load_module
+    from hybrid_runtime.cuda.weights import DeviceWeights
+    from hybrid_runtime.runner import ModelRunner
+
+    t0 = time.perf_counter()
+    dev = CudaDevice(0)
+    mod = load_module("fused.cu", ("-DDT=2",), dev.arch)
+
+    def fill(a: Any, s: int, scale: float, offset: float = 0.0) -> None:
+        fill_random(dev, mod, a, s, scale, offset)
+
+    pages = max_batch * -(-max_seq_len // 16)
+    m = manifest_for(cfg, max_batch, max_seq_len, pages)
+    if bits == 16:
+        w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
+    else:
+        w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group,
+                                        seed=seed, progress=log)
+    dev.synchronize()
+    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
+    for layer in cfg.attention_layers:
+        for pool in be.kv.buffers(layer):
+            fill(pool, seed + layer, 1.0)
+    for layer in cfg.linear_layers:
+        fill(be.state.conv[layer], seed + 7 * layer, 0.5)
+        fill(be.state.recurrent[layer], seed + 11 * layer, 0.05)
+    runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
+    be.capture_graphs(runner._forward, buckets=buckets)
+    dev.synchronize()
+    return be, runner, time.perf_counter() - t0
+
+
+def floor_quant(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
+    """gpu_decode_step.floor_bytes with the packed projections (codes + scales) added and the experts at their
+    packed bytes (layers kept packed) instead of bf16."""
+    f = floor_bytes(cfg, w, B, ctx)
+    if not w.packed_moe and not w.packed_only:
+        return f
+    packed_lin = sum(p.nbytes for p in w.packed_only.values())
+    nmoe = sum(1 for t in cfg.ffn_types if t == "moe")
+    pk = next(iter(w.packed_moe.values()))
+    expert = pk.gate_up.expert_bytes() + pk.down.expert_bytes()
+    experts = nmoe * (f["distinct_experts"] + 1) * expert
+    total = f["total"] - f["experts"] + experts + packed_lin
+    return {**f, "weights": f["weights"] + packed_lin, "experts": experts, "total": total}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/gpu_decode_step_quant_h200.md")
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--bits", default="16,4,8", help="comma-separated: 16 (bf16), 4, 8 (GPTQ int4 / int8)")
+    ap.add_argument("--group", type=int, default=128, help="GPTQ group (block) size of the packed weights")
+    args = ap.parse_args()
+    variants = [int(b) for b in args.bits.split(",") if b]
+    if not variants or set(variants) - {16, 4, 8}:
+        ap.error(f"--bits {args.bits!r}: 16, 4 and / or 8")
+    import torch
+
+    from hybrid_runtime.cuda.driver import CudaDevice
+
+    torch.cuda.init()
+    bw = measure_copy_bandwidth(torch, CudaDevice(0, stream=0))
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    cfg = qwen35_moe_config(args.layers)
+    rows: list[dict[str, Any]] = []
+    for bits in variants:
+        name = "bf16" if bits == 16 else f"int{bits} (GPTQ, group {args.group})"
+        be, runner, secs = build(cfg, bits, args.group, max(args.batches), args.context + 64, args.batches)
+        gb = be.w.nbytes / 1e9
+        log(f"{name}: weights {gb:.1f} GB, built and captured in {secs:.0f} s; packed MoE launches captured "
+            f"{be.moe_nbits_calls}, packed GEMMs {be.nbits_calls} (dequantise-first fallbacks {be.nbits_fallbacks})")
+        for B in args.batches:
+            r = decode_case(be, runner, B, args.context)
+            fl = floor_quant(cfg, be.w, B, args.context)
+            r.update(name=name, gb=gb, floor=fl["total"] / bw, mb=fl["total"] / 1e6)
+            rows.append(r)
+            log(f"{name} B={B}: wall {r['wall'] * 1e3:.3f} ms, GPU {r['gpu'] * 1e3:.3f} ms, floor "
+                f"{r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), {r['nodes']} kernels")
+        del be, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = {r["B"]: r["gpu"] for r in rows if r["name"] == "bf16"}
+    lines = [f"# Decode step with GPTQ-quantized weights on the GPU (`cuda` backend), {datetime.date.today()}", "",
+             f"`python3 -m benchmarks.gpu_decode_step_quant --bits {args.bits} --group {args.group}` on "
+             f"{torch.cuda.get_device_name(0)}: Qwen3.5-35B-A3B text shape, {args.layers} layers, context "
+             f"{args.context}; copy bandwidth measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes a step must "
+             "read (float weights, packed projections and experts at their packed bytes, KV, GDN state) / copy "
+             "bandwidth. GPU = the captured decode graph replayed back to back; step = ModelRunner.step as served "
+             "(wall).", "",
+             "| weights | GB on device | batch | MB read | floor (ms) | GPU (ms) | x floor | x bf16 GPU | step (ms) "
+             "| kernels |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        vs = f"{r['gpu'] / base[r['B']]:.2f}" if r["B"] in base else "-"
+        lines.append(f"| {r['name']} | {r['gb']:.1f} | {r['B']} | {r['mb']:.0f} | {r['floor'] * 1e3:.3f} | "
+                     f"{r['gpu'] * 1e3:.3f} | {r['gpu'] / r['floor']:.2f} | {vs} | {r['wall'] * 1e3:.3f} | "
+                     f"{r['nodes']} |")
+    write_report(args.out, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
