@@ -10,7 +10,8 @@ int4 / int8 codes in blocks of ``--group``, float16-valued scales as GPTQ stores
 routers, conv weights in bf16), seeded random on the device (an int4 35B-A3B checkpoint is ~18 GB; no checkpoint
 is read). bf16: :meth:`DeviceWeights.random`. Per batch (context ``--context``): the step as served
 (``ModelRunner.step``: pack + one upload + graph replay + one download, wall clock) and the captured graph
-replayed back to back (GPU time, CUDA events).
+replayed back to back (GPU time, CUDA events). ``--profile`` batches also get one eager step with CUDA events around
+every launch (queue filled first): where the GPU time goes, per kernel kind.
 
 Floor = the bytes a step must read over the copy bandwidth measured in this run (gpu_decode_step.floor_bytes):
 every float weight but the embedding and RoPE tables, the routers, the packed projections (codes + scales), the
@@ -92,6 +93,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bits", default="16,4,8", help="comma-separated: 16 (bf16), 4, 8 (GPTQ int4 / int8)")
     ap.add_argument("--group", type=int, default=128, help="GPTQ group (block) size of the packed weights")
+    ap.add_argument("--profile", type=int, nargs="*", default=[1, 8],
+                    help="batches whose eager step is also timed per kernel kind")
     args = ap.parse_args()
     variants = [int(b) for b in args.bits.split(",") if b]
     if not variants or set(variants) - {16, 4, 8}:
@@ -112,7 +115,7 @@ def main() -> int:
         log(f"{name}: weights {gb:.1f} GB, built and captured in {secs:.0f} s; packed MoE launches captured "
             f"{be.moe_nbits_calls}, packed GEMMs {be.nbits_calls} (dequantise-first fallbacks {be.nbits_fallbacks})")
         for B in args.batches:
-            r = decode_case(be, runner, B, args.context)
+            r = decode_case(be, runner, B, args.context, profile=B in args.profile)
             fl = floor_quant(cfg, be.w, B, args.context)
             r.update(name=name, gb=gb, floor=fl["total"] / bw, mb=fl["total"] / 1e6)
             rows.append(r)
@@ -136,6 +139,18 @@ def main() -> int:
         lines.append(f"| {r['name']} | {r['gb']:.1f} | {r['B']} | {r['mb']:.0f} | {r['floor'] * 1e3:.3f} | "
                      f"{r['gpu'] * 1e3:.3f} | {r['gpu'] / r['floor']:.2f} | {vs} | {r['wall'] * 1e3:.3f} | "
                      f"{r['nodes']} |")
+    lines += ["", "## Where an eager step's GPU time goes (CUDA events around every launch, queue filled first)", "",
+              "Eager launches with events between them (no graph, no PDL overlap): the kernels' own durations.", ""]
+    for r in rows:
+        if not r.get("profile"):
+            continue
+        tot = sum(t for _, t in r["profile"].values())
+        lines += [f"{r['name']}, batch {r['B']}: {tot * 1e3:.3f} ms in "
+                  f"{sum(c for c, _ in r['profile'].values())} launches", "", "| kernel | launches | ms | share |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {c} | {t * 1e3:.3f} | {t / tot:.0%} |"
+                  for name, (c, t) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1])]
+        lines.append("")
     write_report(args.out, lines)
     return 0
 
