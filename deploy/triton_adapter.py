@@ -32,6 +32,7 @@ import numpy as np
 from hybrid_runtime.config import ConfigError
 from hybrid_runtime.engine.base import PINNING_MODES
 from hybrid_runtime.ops.base import parse_device
+from hybrid_runtime.runner import PACKED_WEIGHTS
 from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
 from hybrid_runtime.serving import MULTI_BLOCK_MODES, Event, GenerationRequest, RuntimeOptions
@@ -116,6 +117,7 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "gpu_memory_fraction": (_fraction, "a number in [0, 1] such as 0.9 (0 = the bundle's KV page count)"),
     "heap_trim_interval_s": (_seconds_at_least_0, "seconds >= 0 such as 60 (0 = never return freed heap memory)"),
     "warmup": (_boolean, "true or false"),
+    "packed_weights": (_choice(PACKED_WEIGHTS), f"one of {', '.join(PACKED_WEIGHTS)}"),
     "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
     "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
@@ -139,6 +141,7 @@ class ModelParameters:
     warmup: bool = True
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
+    packed_weights: str = "off"
 
     def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
         """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's
@@ -148,7 +151,8 @@ class ModelParameters:
                               kv_cache_bytes=self.kv_cache_bytes, intra_op_threads=self.intra_op_threads,
                               device=instance_device(self.device, instance_kind, instance_device_id),
                               gpu_memory_fraction=self.gpu_memory_fraction,
-                              heap_trim_interval_s=self.heap_trim_interval_s, warmup=self.warmup)
+                              heap_trim_interval_s=self.heap_trim_interval_s, warmup=self.warmup,
+                              packed_weights=self.packed_weights)
 
 
 def instance_device(device: str, instance_kind: str, instance_device_id: int) -> str:

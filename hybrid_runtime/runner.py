@@ -36,6 +36,10 @@ log = logging.getLogger("hybrid_runtime.runner")
 
 
 TRT_PATHS = ("auto", "device", "host")
+# What a cuda GPTQ bundle keeps packed on the GPU (CudaBackend packed_linears / packed_experts): "off" dequantises
+# every packed weight at load (the float bundle's kernels and memory), "linears" keeps the dense projections only
+# packed, "experts" the MoE layers' experts, "all" both.
+PACKED_WEIGHTS = ("off", "linears", "experts", "all")
 
 
 def resolve_device(device: str | None, manifest: Manifest) -> str:
@@ -57,13 +61,19 @@ class ModelRunner:
     (plans bound to the runtime's device buffers, operators / MoE / sampler on the GPU, one copy up and one down
     per step); ``"host"`` = :class:`~hybrid_runtime.backend.HostBackend` (each segment's outputs copied to the
     host, the stateful operators of ``device``, MoE and sampling on the host); ``"auto"`` = ``"device"`` on a
-    ``cuda`` / ``cuda:N`` device unless a host ``engine`` is passed, else ``"host"``."""
+    ``cuda`` / ``cuda:N`` device unless a host ``engine`` is passed, else ``"host"``.
+
+    ``packed_weights`` (:data:`PACKED_WEIGHTS`; GPTQ ``cuda`` bundles of bf16 / fp16): which packed weights stay
+    packed on the GPU instead of being dequantised at load - decode steps then read them with the int4 / int8
+    kernels (the bits of the dequantised bundle; a quarter of the weight memory at int4), other steps dequantise
+    them into a scratch buffer first. Ignored, with a log line, for any other bundle."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
                  intra_op_threads: int = 0, engine: Engine | None = None, device: str | None = None,
                  cuda_graphs: bool = True, backend: Backend | None = None,
-                 gpu_memory_fraction: float | None = None, trt_path: str = "auto") -> None:
+                 gpu_memory_fraction: float | None = None, trt_path: str = "auto",
+                 packed_weights: str = "off") -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
         self.plans = plan_segments(cfg)
@@ -75,6 +85,13 @@ class ModelRunner:
                               f"in 16..256")
         if trt_path not in TRT_PATHS:
             raise ConfigError(f"trt_path={trt_path!r}: choose one of {', '.join(TRT_PATHS)}")
+        if packed_weights not in PACKED_WEIGHTS:
+            raise ConfigError(f"packed_weights={packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
+        if packed_weights != "off" and (manifest.backend != "cuda" or manifest.quantization is None
+                                        or backend is not None):
+            log.info("packed_weights=%s has no effect here: it applies to GPTQ bundles built with --backend cuda "
+                     "(this bundle: backend %s, %s)", packed_weights, manifest.backend,
+                     "quantized" if manifest.quantization is not None else "not quantized")
         device = resolve_device(device, manifest)
         on_gpu = parse_device(device)[0] == "cuda"
         if trt_path == "device" and (not on_gpu or engine is not None or manifest.backend != "tensorrt"):
@@ -93,7 +110,9 @@ class ModelRunner:
             from .cuda.backend import CudaBackend
 
             self.backend = CudaBackend(bundle_dir, manifest, device=device, multi_block_mode=multi_block_mode,
-                                       num_kv_pages=num_kv_pages, gpu_memory_fraction=gpu_memory_fraction)
+                                       num_kv_pages=num_kv_pages, gpu_memory_fraction=gpu_memory_fraction,
+                                       packed_linears=packed_weights in ("linears", "all"),
+                                       packed_experts=packed_weights in ("experts", "all"))
         elif trt_device:
             from .cuda.trt_backend import TrtDeviceBackend
 

@@ -30,7 +30,7 @@ from .host_memory import HeapTrimmer
 from .kv_cache import KVLayout
 from .metrics import Metrics
 from .ops.base import SeqStep, parse_device
-from .runner import ModelRunner
+from .runner import PACKED_WEIGHTS, ModelRunner
 from .sampler import TokenLogprobs, make_rng
 from .sampling import RequestValidationError, SamplingParams
 from .scheduler import Batch, Scheduler, Sequence
@@ -87,6 +87,10 @@ class RuntimeOptions:
     # of a cuda bundle) then reach their working size at load, not an hour into serving, so the process's memory
     # is flat from the first request (the 2-hour soak's arena doubling after warm-up). Metrics start at zero after.
     warmup: bool = True
+    # GPTQ cuda bundles: which packed weights stay packed on the GPU (runner.PACKED_WEIGHTS: off | linears | experts
+    # | all); "off" dequantises them at load. Measured on the H200 (benchmarks/results/gpu_decode_step_quant_h200.md,
+    # 35B-A3B shape, int4): "all" decodes a batch of 8 in 0.49x the bf16 step's time in 31% of its weight memory.
+    packed_weights: str = "off"
 
     def __post_init__(self) -> None:
         if self.device != "auto":
@@ -96,6 +100,8 @@ class RuntimeOptions:
                               f"{', '.join(MULTI_BLOCK_MODES)}")
         if self.profile_pinning not in PINNING_MODES:
             raise ConfigError(f"profile_pinning={self.profile_pinning!r}: choose one of {', '.join(PINNING_MODES)}")
+        if self.packed_weights not in PACKED_WEIGHTS:
+            raise ConfigError(f"packed_weights={self.packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
         if not 0.0 <= self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a number in [0, 1] (0 = the "
                               f"bundle's KV page count, no budget)")
@@ -186,7 +192,8 @@ class ServingEngine:
         self.runner = ModelRunner(self.bundle_dir, m, pinning=opts.profile_pinning,
                                   multi_block_mode=opts.multi_block_mode, num_kv_pages=num_pages,
                                   intra_op_threads=opts.intra_op_threads, device=opts.device,
-                                  gpu_memory_fraction=opts.gpu_memory_fraction or None)
+                                  gpu_memory_fraction=opts.gpu_memory_fraction or None,
+                                  packed_weights=opts.packed_weights)
         # On admission a slot's state is zeroed by the operators that own it (host or device buffers). The
         # page pool is what the backend allocated (a cuda backend caps it to its memory budget).
         self.scheduler = Scheduler(lim, self.max_batch_size, self.runner.num_kv_pages, self.runner.ops.reset_slot)

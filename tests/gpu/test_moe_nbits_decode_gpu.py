@@ -437,3 +437,44 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
     assert packed.moe_nbits_calls > 0, "no decode step ran the packed-expert kernels"
     for i, (a, c) in enumerate(steps):
         assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
+
+
+def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path) -> None:
+    """``ModelRunner(packed_weights="all")`` (the deployment parameter; CUDA graphs captured as served) on a bf16
+    int4 GPTQ bundle whose MoE layers stack: the dense projections and the experts stay packed (fewer weight
+    bytes), the captured decode graphs hold the packed kernels, and the logits follow the dequantised bundle's
+    (``packed_weights="off"``), teacher-forced over 12 decode steps of 3 sequences: prefill bit for bit
+    (everything dequantised into scratch first); decode as test_nbits_gpu's packed_linears bound (the packed decode
+    GEMM's 4-bit build multiplies by the bf16-rounded scale and sums in another order than dense_decode; the packed
+    MoE gives moe_decode's bits, but a router near-tie can then pick another expert and move a row by O(1)): 90% of
+    rows within 2% of the logits' scale, the same greedy token on >= 90% of rows, the worst row reported."""
+    from runner_cases import Driver, scattered_tables
+
+    from hybrid_runtime.config import Manifest
+    from hybrid_runtime.runner import ModelRunner
+    from tests import gptq_cases as gc
+
+    b = gc.packed_experts_bundle(tmp_path, bits=4)
+    m = Manifest.load(b)
+    off = ModelRunner(b, m, device="cuda", packed_weights="off")
+    on = ModelRunner(b, m, device="cuda", packed_weights="all")
+    be = on.backend
+    assert be.w.packed_only and be.w.packed_moe and not off.backend.w.packed_only  # type: ignore[attr-defined]
+    assert be.w.nbytes < off.backend.w.nbytes and be.graphs  # type: ignore[attr-defined]
+    calls0 = (be.moe_nbits_calls, be.nbits_calls)  # type: ignore[attr-defined]
+    assert min(calls0) > 0, "the captured decode graphs hold no packed kernel"
+    rng = np.random.default_rng(4)
+    lens, slots, decode_steps = [29, 11, 4], [1, 0, 2], 12
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
+    tables = scattered_tables(m, [n + decode_steps for n in lens], seed=4)
+    drv = Driver([off, on], slots, tables, prompts)
+    for a, c in drv.prefill(chunk=5):  # 3 x 5 tokens <= the bundle's max_num_tokens (16)
+        assert np.array_equal(a, c), float(np.abs(a - c).max())
+    dec = [drv.decode() for _ in range(decode_steps)]
+    rows = np.concatenate([np.abs(a - c).max(axis=1) for a, c in dec])
+    scale = max(float(np.abs(a).max()) for a, _ in dec)
+    agree = sum(int((a.argmax(1) == c.argmax(1)).sum()) for a, c in dec) / rows.size
+    print(f"\n[moe_nbits] runner packed_weights=all int4: weight bytes {be.w.nbytes} vs {off.backend.w.nbytes}, "
+          f"decode |logit diff| p90 {np.percentile(rows, 90) / scale:.2e} / max {rows.max() / scale:.2e} of the "
+          f"scale, greedy agreement {agree:.2f}")
+    assert np.percentile(rows, 90) <= 2e-2 * scale and agree >= 0.9

@@ -589,3 +589,44 @@ def cw_short(dev: FakeDevice, p) -> bool:
     from hybrid_runtime.cuda.moe_nbits_decode import short_scales
 
     return short_scales(dev.read(p.scales.ptr, p.scales.shape, "float32"))
+
+
+def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """``ModelRunner(packed_weights=...)`` (the ``packed_weights`` deployment parameter) turns into CudaBackend's
+    ``packed_linears`` / ``packed_experts`` for a GPTQ cuda bundle (the backend a recording stand-in: no GPU
+    here); a bad value is refused before any backend is built (RuntimeOptions too); a bundle it does not apply to
+    says so in the log and builds the backend without it."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    from hybrid_runtime.cuda import backend as cb
+    from hybrid_runtime.runner import PACKED_WEIGHTS, ModelRunner
+    from hybrid_runtime.serving import RuntimeOptions
+
+    seen: list[dict] = []
+
+    class Recorder:
+        def __init__(self, bundle_dir, manifest, **kw) -> None:
+            seen.append(kw)
+            self.ops = SimpleNamespace()
+
+    monkeypatch.setattr(cb, "CudaBackend", Recorder)
+    bq = gc.packed_experts_bundle(tmp_path)
+    m = Manifest.load(bq)
+    want = {"off": (False, False), "linears": (True, False), "experts": (False, True), "all": (True, True)}
+    assert set(want) == set(PACKED_WEIGHTS)
+    for mode, (lin, exp) in want.items():
+        ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights=mode)
+        assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (lin, exp), mode
+    n = len(seen)
+    with pytest.raises(ConfigError, match=r"packed_weights='some'.*off, linears, experts, all"):
+        ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights="some")
+    with pytest.raises(ConfigError, match="packed_weights"):
+        RuntimeOptions(packed_weights="some")
+    assert len(seen) == n
+    plain = dataclasses.replace(m, quantization=None)  # a float cuda bundle: nothing to keep packed
+    with caplog.at_level(logging.INFO, logger="hybrid_runtime.runner"):
+        ModelRunner(bq, plain, device="cuda", cuda_graphs=False, packed_weights="all")
+    assert "packed_weights=all has no effect" in caplog.text and "not quantized" in caplog.text
