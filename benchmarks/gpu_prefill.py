@@ -49,7 +49,11 @@ def manifest(cfg: Any, max_num_tokens: int, max_seq_len: int, num_pages: int, sl
                     target={"device": "cuda"}, workarounds=(), checksums={}, tokenizer={})
 
 
-def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int) -> tuple[Any, Any, float]:
+def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bits: int = 16,
+          group: int = 128) -> tuple[Any, Any, float]:
+    """Backend + runner on random device weights: bf16 (``bits`` 16) or the layout a GPTQ int4 / int8 bundle
+    loads into with every projection and expert kept packed (``DeviceWeights.random_packed``: prefill steps
+    dequantise them into scratch buffers first)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -66,7 +70,10 @@ def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int) ->
 
     pages = -(-max_seq_len // PAGE) * 2 + 8 * -(-4096 // PAGE)
     m = manifest(cfg, max_num_tokens, max_seq_len, pages, slots)
-    w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=0)
+    if bits == 16:
+        w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=0)
+    else:
+        w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group, seed=0)
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
     runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
     dev.synchronize()
@@ -240,6 +247,10 @@ def main() -> None:
                     help="tokens of the long prompt of the interleaving case (0 = skip)")
     ap.add_argument("--f32-slots", action="store_true",
                     help="float32 MoE slots in prefill (CudaBackend.moe_slots_lowp = False): the layout before")
+    ap.add_argument("--bits", type=int, default=16, choices=(16, 4, 8),
+                    help="16: bf16 weights; 4 / 8: GPTQ int4 / int8 with projections and experts kept packed "
+                         "(packed_weights=all: each prefill step dequantises them into scratch first)")
+    ap.add_argument("--group", type=int, default=128, help="GPTQ group size (--bits 4 / 8)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
@@ -247,7 +258,7 @@ def main() -> None:
     lens = [int(x) for x in a.lens.split(",") if x]
     nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
     max_seq = max([*lens, bl, a.interleave, 64]) + 64  # the interleaving case's long prompt fits too
-    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb))
+    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group)
     be.moe_slots_lowp = not a.f32_slots
     cfg = be.cfg
     log(f"built in {build_s:.0f} s: {be.w.nbytes / 1e9:.1f} GB weights, {be.num_pages} KV pages")
@@ -297,9 +308,11 @@ def main() -> None:
         log(f"interleave: {inter}")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Prefill on the H200: Qwen3.5-35B-A3B shape, random bf16 weights", "",
+        "# Prefill on the H200: Qwen3.5-35B-A3B shape, random " + (
+            "bf16 weights" if a.bits == 16 else f"GPTQ int{a.bits} weights (group {a.group}, packed_weights=all)"), "",
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
         f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}"
+        f"{f' --bits {a.bits}' if a.bits != 16 else ''}"
         f"{' --f32-slots' if a.f32_slots else ''}`  ",
         f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
         f"**{peak / 1e12:.0f} TFLOP/s**; {when}.  ",

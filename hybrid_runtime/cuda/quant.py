@@ -250,9 +250,17 @@ class NBitsDequant:
         return PackedLinear(d.upload(hp.B), d.upload(hp.scales), zp, perm, hp.K, hp.N, hp.bits, hp.block_size,
                             hp.k_in, hp.experts, row0)
 
-    def launch(self, p: PackedLinear, out: int, ldo: int, out_estride: int) -> None:
+    def vectorized(self, p: PackedLinear, out: int, ldo: int, out_estride: int) -> bool:
+        """Whether :meth:`launch` runs ``nbits_dequant8`` (eight codes a thread, 16-byte stores) for this call: no
+        act order, K, the block size, ``ldo`` and ``out_estride`` multiples of 8, ``out`` 16-byte aligned."""
+        return (p.perm is None and p.K % 8 == 0 and p.block_size % 8 == 0 and ldo % 8 == 0 and out_estride % 8 == 0
+                and out % 16 == 0)
+
+    def launch(self, p: PackedLinear, out: int, ldo: int, out_estride: int, vectorized: bool | None = None) -> None:
         """Dequantise ``p`` into rows ``out + (e * out_estride + n * ldo + col) * itemsize`` (a guarded launch on the
-        device's stream; the caller keeps ``p`` alive until the stream has run it)."""
+        device's stream; the caller keeps ``p`` alive until the stream has run it). ``vectorized`` None: the
+        eight-codes-a-thread kernel wherever :meth:`vectorized` allows it (the same bits); False: the per-code one
+        (tests compare them); True where it is not allowed: ValueError."""
         if p.experts > MAX_EXPERTS or p.N * p.K >= 2**31:  # grid y; the kernel's 32-bit index within an expert
             raise BundleError(f"packed weight of {p.experts} experts x [{p.N}, {p.K}]: the dequantiser takes at most "
                               f"{MAX_EXPERTS} experts of N * K < 2^31 codes each")
@@ -260,6 +268,17 @@ class NBitsDequant:
             raise ValueError(f"ldo {ldo} < k_in {p.k_in}")
         E = max(1, p.experts)
         es = lambda a: a.size // E if a is not None else 0  # noqa: E731 - per-expert stride in elements
+        ok = self.vectorized(p, out, ldo, out_estride)
+        if vectorized and not ok:
+            raise ValueError("nbits_dequant8 needs no act order, K / block size / ldo / out_estride multiples of 8 "
+                             "and a 16-byte aligned output")
+        if ok and vectorized is not False:
+            self.module.kernel("nbits_dequant8").launch(
+                self.device, (-(-(p.N * p.K // 8) // THREADS), E, 1), (THREADS, 1, 1), 0,
+                [("ptr", p.B.ptr), ("ptr", p.scales.ptr), ("ptr", p.zp.ptr if p.zp is not None else 0),
+                 ("ptr", out), ("i32", p.N), ("i32", p.K), ("i32", p.bits), ("i32", p.block_size), ("i64", ldo),
+                 ("i64", out_estride), ("i64", es(p.B)), ("i64", es(p.scales)), ("i64", es(p.zp))])
+            return
         self.module.kernel("nbits_dequant").launch(
             self.device, launch_grid(p.N, p.K, p.experts), (THREADS, 1, 1), 0,
             [("ptr", p.B.ptr), ("ptr", p.scales.ptr), ("ptr", p.zp.ptr if p.zp is not None else 0),

@@ -97,23 +97,34 @@ def test_device_dequantiser_equals_the_host_bit_for_bit(dev, tmp_path: Path, dty
         sentinel = dev.download(out).copy()
         p = deq.upload(hp, r0)
         es = out.dtype.itemsize
+        # no act order and K % 8 == 0: the eight-codes-a-thread kernel (K 200 and act order: the per-code one)
+        assert deq.vectorized(p, out.ptr + r0 * K * es, K, rows * K) == (not act and K % 8 == 0), (N, K, act)
         deq.launch(p, out.ptr + r0 * K * es, K, rows * K)
         got = dev.download(out)
+        if deq.vectorized(p, out.ptr + r0 * K * es, K, rows * K):  # the per-code kernel writes the same bytes
+            per_code = dev.empty((E, rows, K), dtype)
+            dev.memset_d8(per_code.ptr, 0x7F, per_code.nbytes)
+            deq.launch(p, per_code.ptr + r0 * K * es, K, rows * K, vectorized=False)
+            assert _as_bits(dev.download(per_code), dtype).tobytes() == _as_bits(got, dtype).tobytes(), (N, K)
         assert np.array_equal(_as_bits(got[:, r0:r0 + N], dtype), _as_bits(_host_rounded(want, dtype), dtype)), \
             (N, K, gs)
         assert np.array_equal(_as_bits(got[:, :r0], dtype), _as_bits(sentinel[:, :r0], dtype))
         assert np.array_equal(_as_bits(got[:, r0 + N:], dtype), _as_bits(sentinel[:, r0 + N:], dtype))
 
 
-@pytest.mark.parametrize("name,E,N,K,bits", [("experts.gate_up", 16, 1024, 2048, 4), ("experts.down", 16, 2048, 512, 4),
-                                              ("in_proj", 0, 12352, 2048, 4), ("lm_head", 0, 8192, 2048, 8)])
+@pytest.mark.parametrize("name,E,N,K,bits,act", [
+    ("experts.gate_up", 16, 1024, 2048, 4, True), ("experts.down", 16, 2048, 512, 4, True),
+    ("in_proj", 0, 12352, 2048, 4, True), ("lm_head", 0, 8192, 2048, 8, True),
+    ("experts.gate_up", 16, 1024, 2048, 4, False), ("experts.down", 16, 2048, 512, 4, False)])
 def test_device_dequantiser_on_35b_a3b_shapes(dev, tmp_path: Path, name: str, E: int, N: int, K: int,
-                                              bits: int) -> None:
-    """The 35B-A3B layers' shapes (16 of its 256 experts; a slice of its lm_head), groups of 128, act order."""
+                                              bits: int, act: bool) -> None:
+    """The 35B-A3B layers' shapes (16 of its 256 experts; a slice of its lm_head), groups of 128, act order (the
+    per-code kernel) or not (the experts as packed_experts' prefill steps dequantise them: the eight-codes-a-thread
+    kernel); the write rate of each recorded."""
     from hybrid_runtime.cuda.quant import NBitsDequant, read_packed
 
     rng = np.random.default_rng(N + K)
-    ws = [_rand_ql(rng, N, K, bits, 128, True, False) for _ in range(max(1, E))]
+    ws = [_rand_ql(rng, N, K, bits, 128, act, False) for _ in range(max(1, E))]
     ws = [QuantLinear(w.q, w.scales, w.zeros, ws[0].g_idx, bits) for w in ws]
     nbs = [to_nbits(w) for w in ws]
     path = tmp_path / "w.safetensors"
@@ -129,8 +140,11 @@ def test_device_dequantiser_on_35b_a3b_shapes(dev, tmp_path: Path, name: str, E:
         deq.launch(p, out.ptr, K, N * K)
     dev.record(e1)
     ms = dev.elapsed_ms(e0, e1) / 3
-    _record(f"dequant_time/{name}", {"experts": E, "N": N, "K": K, "bits": bits, "ms": ms,
-                                     "GB_per_s_written": out.nbytes / ms / 1e6})
+    assert deq.vectorized(p, out.ptr, K, N * K) == (not act)
+    _record(f"dequant_time/{name}{'' if act else '/no_act_order'}", {
+        "experts": E, "N": N, "K": K, "bits": bits, "ms": ms, "GB_per_s_written": out.nbytes / ms / 1e6})
+    print(f"\n[nbits] dequantise {name} ({'act order' if act else 'no act order'}): {ms * 1e3:.0f} us, "
+          f"{out.nbytes / ms / 1e6:.0f} GB/s written")
     got = dev.download(out)
     for e in (0, max(1, E) - 1):
         nb = nbs[e]
