@@ -27,47 +27,7 @@ import gc
 from typing import Any
 
 from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
-from benchmarks.gpu_decode_step import decode_case, floor_bytes, manifest_for, qwen35_moe_config
-
-
-def build(cfg: Any, bits: int, group: int, max_batch: int, max_seq_len: int, buckets: list[int],
-          seed: int = 0) -> tuple[Any, Any, float]:
-    """(backend, runner, seconds to build) on random weights: ``bits`` 16 = bf16 (DeviceWeights.random), 4 / 8 =
-    packed (DeviceWeights.random_packed); KV pages and GDN states filled; graphs captured for ``buckets``."""
-    import time
-
-    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
-    from hybrid_runtime.cuda.driver import CudaDevice
-    from hybrid_runtime.cuda.kernels import load_module
-    from hybrid_runtime.cuda.weights import DeviceWeights
-    from hybrid_runtime.runner import ModelRunner
-
-    t0 = time.perf_counter()
-    dev = CudaDevice(0)
-    mod = load_module("fused.cu", ("-DDT=2",), dev.arch)
-
-    def fill(a: Any, s: int, scale: float, offset: float = 0.0) -> None:
-        fill_random(dev, mod, a, s, scale, offset)
-
-    pages = max_batch * -(-max_seq_len // 16)
-    m = manifest_for(cfg, max_batch, max_seq_len, pages)
-    if bits == 16:
-        w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
-    else:
-        w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group,
-                                        seed=seed, progress=log)
-    dev.synchronize()
-    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
-    for layer in cfg.attention_layers:
-        for pool in be.kv.buffers(layer):
-            fill(pool, seed + layer, 1.0)
-    for layer in cfg.linear_layers:
-        fill(be.state.conv[layer], seed + 7 * layer, 0.5)
-        fill(be.state.recurrent[layer], seed + 11 * layer, 0.05)
-    runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
-    be.capture_graphs(runner._forward, buckets=buckets)
-    dev.synchronize()
-    return be, runner, time.perf_counter() - t0
+from benchmarks.gpu_decode_step import build, decode_case, floor_bytes, qwen35_moe_config
 
 
 def floor_quant(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
@@ -110,7 +70,10 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for bits in variants:
         name = "bf16" if bits == 16 else f"int{bits} (GPTQ, group {args.group})"
-        be, runner, secs = build(cfg, bits, args.group, max(args.batches), args.context + 64, args.batches)
+        max_seq = args.context + 64
+        be, runner, load = build(cfg, max(args.batches), max_seq, max(args.batches) * -(-max_seq // 16),
+                                 args.batches, bits=bits, group=args.group)
+        secs = sum(v for k, v in load.items() if k.endswith("_s"))
         gb = be.w.nbytes / 1e9
         log(f"{name}: weights {gb:.1f} GB, built and captured in {secs:.0f} s; packed MoE launches captured "
             f"{be.moe_nbits_calls}, packed GEMMs {be.nbits_calls} (dequantise-first fallbacks {be.nbits_fallbacks})")

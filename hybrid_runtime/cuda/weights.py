@@ -249,18 +249,7 @@ class DeviceWeights:
                 progress(f"generating layer {s.layer + 1}/{cfg.num_layers} on {device.limits.name}")
             if ".mlp." in s.name and cfg.ffn_types[s.layer] == "moe":
                 continue
-            if s.name in ("rope_cos", "rope_sin"):
-                cos, sin = rope_tables(np.arange(rope_len), cfg.rotary_dim, cfg.rope_theta)
-                self.arrays[s.name] = device.upload(cos if s.name == "rope_cos" else sin)
-                continue
-            a = device.empty(s.shape, self._dtype(s))
-            if s.name.endswith(("norm", "q_norm", "k_norm", "final_norm")):
-                fill(a, seed + n, 0.1, offset=1.0)
-            elif s.name.endswith("neg_exp_a"):
-                fill(a, seed + n, 0.5, offset=-1.0)
-            else:
-                fill(a, seed + n, 1.0 / np.sqrt(s.shape[-1]) if s.matrix else 0.3)
-            self.arrays[s.name] = a
+            self._random_array(s, fill, seed + n)
         self._alias_head()
         for layer in moe_layers(cfg):
             self._moe[layer] = self._stack_moe(layer, None, fill=fill, seed=seed + 1000 * (layer + 1), hidden=H)
@@ -314,19 +303,8 @@ class DeviceWeights:
                 continue
             if spec.name.endswith("_proj") and len(spec.shape) == 2:
                 self.packed_only[spec.name] = packed(spec.shape[0], spec.shape[1], 0, seed + n)
-                continue
-            if spec.name in ("rope_cos", "rope_sin"):
-                cos, sin = rope_tables(np.arange(rope_len), cfg.rotary_dim, cfg.rope_theta)
-                self.arrays[spec.name] = device.upload(cos if spec.name == "rope_cos" else sin)
-                continue
-            a = device.empty(spec.shape, self._dtype(spec))
-            if spec.name.endswith(("norm", "q_norm", "k_norm", "final_norm")):
-                fill(a, seed + n, 0.1, offset=1.0)
-            elif spec.name.endswith("neg_exp_a"):
-                fill(a, seed + n, 0.5, offset=-1.0)
             else:
-                fill(a, seed + n, 1.0 / np.sqrt(spec.shape[-1]) if spec.matrix else 0.3)
-            self.arrays[spec.name] = a
+                self._random_array(spec, fill, seed + n)
         self._alias_head()
         E, inter = cfg.num_experts, cfg.moe_intermediate_size
         si = cfg.shared_expert_intermediate_size
@@ -350,6 +328,22 @@ class DeviceWeights:
             gate_up, down = self.moe_scratch
             self._moe[layer] = MoEWeights(router, e_pad, gate_up, down, E, fold, sgu, sdn)
         return self
+
+    def _random_array(self, spec: WeightSpec, fill: Callable[..., None], seed: int) -> None:
+        """One runtime weight of :meth:`random` / :meth:`random_packed` in :attr:`arrays`: the RoPE tables computed,
+        norms around 1, the GDN decay logs around -1, the rest uniform (matrices scaled by 1 / sqrt(K))."""
+        if spec.name in ("rope_cos", "rope_sin"):
+            cos, sin = rope_tables(np.arange(self.rope_len), self.cfg.rotary_dim, self.cfg.rope_theta)
+            self.arrays[spec.name] = self.device.upload(cos if spec.name == "rope_cos" else sin)
+            return
+        a = self.device.empty(spec.shape, self._dtype(spec))
+        if spec.name.endswith(("norm", "q_norm", "k_norm", "final_norm")):
+            fill(a, seed, 0.1, offset=1.0)
+        elif spec.name.endswith("neg_exp_a"):
+            fill(a, seed, 0.5, offset=-1.0)
+        else:
+            fill(a, seed, 1.0 / np.sqrt(spec.shape[-1]) if spec.matrix else 0.3)
+        self.arrays[spec.name] = a
 
     def _alias_head(self) -> None:
         if self.cfg.tie_word_embeddings:

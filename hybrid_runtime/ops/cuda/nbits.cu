@@ -48,6 +48,17 @@ __device__ __forceinline__ T from_f32(float v) {
 #endif
 }
 
+// The zero-point of row n, block b of one expert's zp (``ze`` elements in): 2^(bits - 1) when zp is null.
+__device__ __forceinline__ int zero_point(const u8* __restrict__ zp, long long ze, int n, int nb, int b, int bits) {
+  if (zp == nullptr) return 1 << (bits - 1);
+  const u8* Ze = zp + ze;
+  if (bits == 4) {
+    const u8 zb = Ze[(long long)n * ((nb + 1) / 2) + (b >> 1)];
+    return (b & 1) ? (zb >> 4) : (zb & 15);
+  }
+  return Ze[(long long)n * nb + b];
+}
+
 extern "C" __global__ void __launch_bounds__(256) nbits_dequant(
     const u8* __restrict__ B, const float* __restrict__ scales, const u8* __restrict__ zp,
     const int* __restrict__ perm, T* __restrict__ out, int N, int K, int k_in, int bits, int bs, long long ldo,
@@ -69,16 +80,7 @@ extern "C" __global__ void __launch_bounds__(256) nbits_dequant(
   } else {
     q = Be[j];
   }
-  int z = 1 << (bits - 1);
-  if (zp != nullptr) {
-    const u8* Ze = zp + e * z_estride;
-    if (bits == 4) {
-      const u8 zb = Ze[(long long)n * ((nb + 1) / 2) + (b >> 1)];
-      z = (b & 1) ? (zb >> 4) : (zb & 15);
-    } else {
-      z = Ze[(long long)n * nb + b];
-    }
-  }
+  const int z = zero_point(zp, e * z_estride, n, nb, b, bits);
   const float s = scales[e * s_estride + (long long)n * nb + b];
   const int col = perm != nullptr ? perm[e * p_estride + j] : j;
   if (col < 0 || col >= k_in) return;  // a padding column (k_in); never negative in a checked bundle
@@ -107,16 +109,7 @@ extern "C" __global__ void __launch_bounds__(256) nbits_dequant8(
     w0 = ww.x;
     w1 = ww.y;
   }
-  int z = 1 << (bits - 1);
-  if (zp != nullptr) {
-    const u8* Ze = zp + e * z_estride;
-    if (bits == 4) {
-      const u8 zb = Ze[(long long)n * ((nb + 1) / 2) + (b >> 1)];
-      z = (b & 1) ? (zb >> 4) : (zb & 15);
-    } else {
-      z = Ze[(long long)n * nb + b];
-    }
-  }
+  const int z = zero_point(zp, e * z_estride, n, nb, b, bits);
   const float s = scales[e * s_estride + (long long)n * nb + b];
   float v[8];
 #pragma unroll
