@@ -34,13 +34,12 @@ def floor_quant(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
     """gpu_decode_step.floor_bytes with the packed projections (codes + scales) added and the experts at their
     packed bytes (layers kept packed) instead of bf16."""
     f = floor_bytes(cfg, w, B, ctx)
-    if not w.packed_moe and not w.packed_only:
-        return f
     packed_lin = sum(p.nbytes for p in w.packed_only.values())
-    nmoe = sum(1 for t in cfg.ffn_types if t == "moe")
-    pk = next(iter(w.packed_moe.values()))
-    expert = pk.gate_up.expert_bytes() + pk.down.expert_bytes()
-    experts = nmoe * (f["distinct_experts"] + 1) * expert
+    experts = f["experts"]
+    if w.packed_moe:
+        pk = next(iter(w.packed_moe.values()))
+        nmoe = sum(1 for t in cfg.ffn_types if t == "moe")
+        experts = nmoe * (f["distinct_experts"] + 1) * (pk.gate_up.expert_bytes() + pk.down.expert_bytes())
     total = f["total"] - f["experts"] + experts + packed_lin
     return {**f, "weights": f["weights"] + packed_lin, "experts": experts, "total": total}
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -366,6 +367,11 @@ class HostExperts:
     @property
     def experts(self) -> int:
         return int(self.B.shape[0])
+
+    @cached_property
+    def short(self) -> bool:
+        """:func:`short_scales` of :attr:`scales` (computed once: the load's shape check and upload both ask)."""
+        return short_scales(self.scales)
 
 
 def _zrow(nb: int, bits: int) -> int:

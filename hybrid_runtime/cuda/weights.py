@@ -87,7 +87,6 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
         as_host_experts,
         fuse_rows,
         shape_problems,
-        short_scales,
         stack_experts,
     )
 
@@ -110,8 +109,7 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
             gu, dn = stack_experts([gu, host(p + "shared.gate_up")]), stack_experts([dn, host(p + "shared.down")])
     except ValueError as e:
         return str(e)
-    ops = [NBitsExperts(256, 256, 0, w.experts, w.rows, w.K, w.bits, w.block_size, short=short_scales(w.scales))
-           for w in (gu, dn)]
+    ops = [NBitsExperts(256, 256, 0, w.experts, w.rows, w.K, w.bits, w.block_size, short=w.short) for w in (gu, dn)]
     bad: list[str] = []
     # every build the backend may launch on it (their shared memory differs); other bit widths: the default build's
     # rules, which name them
@@ -354,7 +352,7 @@ class DeviceWeights:
         """Router (+ shared gate row) as :meth:`_stack_moe`; the experts uploaded as one stacked packed operand
         (:class:`PackedExperts`); gate_up / down the scratch stack; the folded shared expert also dequantised on
         its own (the steps that run it as GEMMs)."""
-        from .moe_nbits_decode import NBitsExperts, short_scales
+        from .moe_nbits_decode import NBitsExperts
 
         cfg, d = self.cfg, self.device
         E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -382,8 +380,8 @@ class DeviceWeights:
             sc = d.upload(w.scales.reshape(e_all, w.rows * nb))
             zp = d.upload(w.zp.reshape(e_all, -1)) if w.zp is not None else None
             srcs.append(PackedLinear(B, sc, zp, None, w.K, w.rows, w.bits, w.block_size, w.K, e_all))
-        self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0], short_scales(pair[0].scales)),
-                                               NBitsExperts.from_packed(srcs[1], short_scales(pair[1].scales)),
+        self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0], pair[0].short),
+                                               NBitsExperts.from_packed(srcs[1], pair[1].short),
                                                (srcs[0], srcs[1]))
         self._deq = deq
         if self.moe_scratch is None:

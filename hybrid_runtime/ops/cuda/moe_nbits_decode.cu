@@ -267,7 +267,6 @@ __device__ __forceinline__ uint4 dequant8(u32 w0, u32 w1, float s, float zf) {
   return make_uint4(pack2(v[1], v[0]), pack2(v[3], v[2]), pack2(v[5], v[4]), pack2(v[7], v[6]));
 }
 
-
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
 
