@@ -70,12 +70,13 @@ PACKED_EXPERTS = ("qwen3_5_moe", {"hidden_size": 128, "intermediate_size": 96, "
 
 
 def packed_experts_bundle(root: Path, dtype: str = "bfloat16", bits: int = 4, group_size: int = 32,
-                          sym: bool = False) -> Path:
-    """The cuda bundle (``dtype``) of :data:`PACKED_EXPERTS` quantized by the tests' packer (gptq_v2)."""
+                          sym: bool = False, **sizes: int) -> Path:
+    """The cuda bundle (``dtype``) of :data:`PACKED_EXPERTS` (``sizes``: config overrides on top of its own)
+    quantized by the tests' packer (gptq_v2)."""
     model_type, overrides = PACKED_EXPERTS
     float_dir = root / "float"
     if not (root / "gptq").exists():
-        write_numpy_checkpoint(float_dir, tiny_raw_config(model_type, **overrides), seed=3)
+        write_numpy_checkpoint(float_dir, tiny_raw_config(model_type, **{**overrides, **sizes}), seed=3)
         write_tiny_tokenizer(float_dir, VOCAB)
         gp.write_gptq_checkpoint(float_dir, root / "gptq", None, bits=bits, group_size=group_size, sym=sym,
                                  fmt="gptq_v2")

@@ -63,7 +63,7 @@ from .moe_nbits_decode import BACKEND_BUILDS as MOE_NBITS_BUILDS
 from .moe_nbits_decode import KNOB_SETS as MOE_NBITS_KNOB_SETS
 from .moe_nbits_decode import MoENBitsDecode
 from .moe_nbits_decode import backend_build as moe_nbits_build
-from .moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
+from .moe_prefill import PACKED_MAX_TOKENS, ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
@@ -257,7 +257,8 @@ class CudaBackend:
                  batch_invariant_attention: bool = True, fused_router: bool = True,
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
                  dense_decode_max_mb: float | None = None, keep_packed: bool = False,
-                 packed_linears: bool = False, packed_experts: bool = False) -> None:
+                 packed_linears: bool = False, packed_experts: bool = False,
+                 packed_moe_prefill: bool = True) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -339,13 +340,18 @@ class CudaBackend:
             # packed_experts (bf16 / fp16 GPTQ bundles; off by default, not yet measured in a served step): the MoE
             # layers whose experts stack as one packed operand keep them only packed (DeviceWeights.packed_moe);
             # decode steps on the "mma_decode" path read them with the int4 / int8 decode MoE
-            # (cuda/moe_nbits_decode.py: the bits of moe_decode on the dequantised weights), every other use
-            # dequantises the layer into one scratch stack first (moe()).
+            # (cuda/moe_nbits_decode.py: the bits of moe_decode on the dequantised weights), tensor-core steps
+            # (prefill) on Hopper the packed grouped GEMMs (packed_moe_prefill: the bits of the dequantised stack),
+            # every other use dequantises the layer into one scratch stack first (moe()).
             packed_experts = packed_experts and self.dtype in ("bfloat16", "float16")
             weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears,
                                          packed_experts=packed_experts)
         self.w = weights
         self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
+        # tensor-core MoE steps (prefill) of packed experts on the packed grouped GEMMs (moe_prefill.experts_packed),
+        # where packed_problems allows; False or refused: the stack is dequantised into the scratch first (same bits)
+        self.packed_moe_prefill = packed_moe_prefill
+        self.moe_packed_prefill_calls = 0
         if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
             for pk in self.w.packed_moe.values():
                 for _, build in MOE_NBITS_BUILDS[pk.gate_up.bits]:  # type: ignore[attr-defined]
@@ -1140,11 +1146,23 @@ class CudaBackend:
             # grouped GEMMs (cuda/moe_prefill.py); the same pair_* / expert_off / active / moe_act / y contract as
             # below, the shared expert folded in as expert E exactly when the CUDA-core path would fold it.
             bufs = self._moe_buffers()
-            if getattr(self.w, "packed_moe", None):  # packed experts: into the scratch stack mw points at
-                self.w.dequantise_experts(layer)
-            with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
-                self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
-                                        self.ny, bufs, fold_shared=fold, y_dtype=ydt)
+            pk = getattr(self.w, "packed_moe", {}).get(layer)
+            if (pk is not None and self.packed_moe_prefill and n <= PACKED_MAX_TOKENS.get(pk.sources[0].bits, 0)
+                    and self._packed_prefill_ok(layer, pk, fold)):
+                # packed experts on the packed grouped GEMMs: each weight tile dequantised in shared memory (the bits
+                # of the dequantised stack below, without writing it)
+                self.moe_packed_prefill_calls += 1
+                with self._prof("moe_prefill_packed"):
+                    self.moe_prefill.route(n, router.ptr, router.ld, cfg.num_experts, k, cfg.norm_topk_prob, bufs,
+                                           fold_shared=fold)
+                    self.moe_prefill.experts_packed(n, h.ptr, h.ld, *pk.sources, H, inter, k + int(fold), self.ny,
+                                                    cfg.num_experts + int(fold), bufs, y_dtype=ydt, zeros=pk.zeros)
+            else:
+                if pk is not None:  # packed experts: into the scratch stack mw points at
+                    self.w.dequantise_experts(layer)
+                with self._prof("moe_prefill" if ctx.phase == Phase.PREFILL else "moe_tensor_cores"):
+                    self.moe_prefill.launch(n, router.ptr, router.ld, mw, h.ptr, h.ld, k, cfg.norm_topk_prob,
+                                            self.ny, bufs, fold_shared=fold, y_dtype=ydt)
         else:  # decode (weight-read bound), float32 bundles, shapes the tiles do not divide: CUDA cores
             if fused_router:
                 self._fused_route(n, h, mw, router, k, fold)
@@ -1182,6 +1200,21 @@ class CudaBackend:
             self._gemm(act, sdn, slot, decode=ctx.phase == Phase.DECODE)
             return MoEOut(y.ptr, self.ny, router.ptr + cfg.num_experts * 4, router.ld, dtype=ydt)
         return MoEOut(y.ptr, self.ny, dtype=ydt)
+
+    def _packed_prefill_ok(self, layer: int, pk: Any, fold: bool) -> bool:
+        """Whether layer ``layer``'s packed experts run on the packed grouped GEMMs (asked once per layer and fold;
+        a refusal is logged once with its reasons)."""
+        memo = self.__dict__.setdefault("_packed_prefill_memo", {})
+        key = (layer, fold)
+        if key not in memo:
+            assert self.moe_prefill is not None
+            cfg = self.cfg
+            bad = self.moe_prefill.packed_problems(*pk.sources, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                   cfg.num_experts + int(fold), pk.zeros)
+            if bad:
+                log.info("layer %d: packed experts are dequantised before each prefill step: %s", layer, "; ".join(bad))
+            memo[key] = not bad
+        return memo[key]
 
     def head(self, ctx: CudaCtx, x: Mat) -> Mat | None:
         if ctx.R == 0:

@@ -35,6 +35,14 @@ reading every expert's weights) and slower from 2k tokens on (benchmarks/results
 tiles do not divide runs ``"mma"`` (:meth:`MoEPrefill.gemm_impl`). Routing is ``moe_gemm.cu``'s in every case, and
 the mma kernels are the same build whatever ``impl`` is.
 
+Packed experts (a GPTQ bundle's int4 / int8 stacks kept packed, ``packed_weights`` experts / all): the same routing
+and tile list, then the ``"wgmma_ws"`` GEMMs built with ``-DWS_NBITS=4|8`` (:data:`PACKED_VARIANTS`,
+:meth:`MoEPrefill.experts_packed`): the producer warpgroup copies the packed codes, scales and zero-points and
+dequantises each weight tile into shared memory itself, so a step reads the packed bytes once and writes no
+dequantised stack; the bits are those of dequantising the stack (``nbits_dequant8``) and running ``"wgmma_ws"`` on it.
+Where they do not run (:meth:`MoEPrefill.packed_problems`: not on compute capability 9.0, act order, a block size
+the chunks straddle, 64-row tiles) the backend dequantises the stack first, as before.
+
 bfloat16 / float16 only: float32 bundles (parity tests) keep ``fused.cu``'s CUDA-core kernels, as do shapes
 the tiles do not divide (:func:`supported`).
 """
@@ -46,8 +54,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .driver import CudaDevice
+from .driver import CudaDevice, DeviceArray
 from .kernels import Module, load_module
+from .quant import PackedLinear
 from .weights import MoEWeights
 
 log = logging.getLogger(__name__)
@@ -77,15 +86,20 @@ class WgmmaVariant:
     persistent: bool = False
     lag: int = 0
     bm: int = 128  # rows per tile: 128, or 64 (moe_wgmma.cu -DWG_BM=64: one warpgroup, threads 128)
+    nbits: int = 0  # 4 / 8: the packed-experts build of moe_wgmma_ws.cu (-DWS_NBITS; persistent only)
 
     @property
     def smem(self) -> int:
-        return self.stages * (self.bm + self.bn) * 64 * 2 + 1024
+        """Dynamic shared memory: the stages, the packed build's staging ring (lag + 1 slots of 128 * nbits code
+        chunks, 24 bytes each: 16 of codes, a scale, a zero-point) and 1 KB of alignment."""
+        staging = (self.lag + 1) * 128 * self.nbits * 24 if self.nbits else 0
+        return self.stages * (self.bm + self.bn) * 64 * 2 + staging + 1024
 
     @property
     def options(self) -> tuple[str, ...]:
         if self.persistent:
-            return (f"-DWS_STAGES={self.stages}", f"-DWS_LAG={self.lag}")
+            return (f"-DWS_STAGES={self.stages}", f"-DWS_LAG={self.lag}",
+                    *((f"-DWS_NBITS={self.nbits}",) if self.nbits else ()))
         return (f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_INFLIGHT={self.inflight}",
                 *((f"-DWG_BM={self.bm}",) if self.bm != 128 else ()))
 
@@ -105,6 +119,14 @@ class WgmmaVariant:
 WGMMA_VARIANTS = {"wgmma": WgmmaVariant(256, 4, 1), "wgmma128": WgmmaVariant(128, 3, 0),
                   "wgmma_ws": WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 1),
                   "wgmma64": WgmmaVariant(256, 4, 1, threads=128, bm=SMALL_BM)}
+# The packed-experts builds (moe_wgmma_ws.cu -DWS_NBITS): int4 keeps the 4-stage ring (216 KB of shared memory with its
+# staging), int8's staging is twice as large, so 3 stages (193 KB); one stage of lag, two staging slots.
+PACKED_VARIANTS = {4: WgmmaVariant(256, 4, 1, WGMMA_WS_SOURCE, 384, True, 1, nbits=4),
+                   8: WgmmaVariant(256, 3, 1, WGMMA_WS_SOURCE, 384, True, 1, nbits=8)}
+# The most tokens a step runs on each packed build (the backend dequantises the stack first past it): measured on the
+# H200 (benchmarks/results/gpu_moe_prefill_packed_h200.md, one 35B-A3B layer), int4 packed beats dequantise-then-GEMM
+# at 1k and 8k tokens (600 vs 1135 us, 1517 vs 1638), int8 at 1k (756 vs 1128) but not at 8k (1864 vs 1639).
+PACKED_MAX_TOKENS = {4: 1 << 30, 8: 4096}
 DT_CODES = {"float16": 1, "bfloat16": 2}
 GEMM_BM = 128  # pairs (rows) per tile: moe_gemm.cu's GEMM_BM
 GATE_UP_BN = 64  # act columns per gate_up CTA (64 gate + 64 up rows of the weights)
@@ -154,6 +176,20 @@ def tile_list(counts: np.ndarray, bm: int = GEMM_BM) -> np.ndarray:
     off = np.concatenate([[0], np.cumsum(counts)])
     out = [(e, off[e] + j * bm, min(bm, c - j * bm)) for e, c in enumerate(counts) for j in range(-(-c // bm))]
     return np.array(out, np.int64).reshape(-1, 3)
+
+
+def zero_points_i32(zp: np.ndarray, experts: int, rows: int, nb: int, bits: int) -> np.ndarray:
+    """A packed stack's zero-points as the packed prefill GEMMs read them: int32 ``[experts, rows * nb]``, one per
+    (row, block), from PackedLinear's ``zp`` (4-bit: ``[experts, rows * ceil(nb / 2)]`` two a byte, low nibble first;
+    8-bit: ``[experts, rows * nb]``)."""
+    if bits not in (4, 8):
+        raise ValueError(f"zero-points of {bits}-bit codes")
+    z = np.asarray(zp, np.uint8).reshape(experts, rows, -1)
+    if bits == 4:
+        z = np.stack([z & 15, z >> 4], axis=-1).reshape(experts, rows, -1)
+    if z.shape[2] < nb:
+        raise ValueError(f"zero-points of {z.shape[2]} blocks a row, the weight has {nb}")
+    return np.ascontiguousarray(z[:, :, :nb].reshape(experts, rows * nb).astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -223,6 +259,80 @@ class MoEPrefill:
         """The build :meth:`experts` runs for this shape: :attr:`impl`, or ``"mma"`` where the wgmma tiles do not
         divide it."""
         return self.impl if self.variant is not None and self.variant.takes(hidden, inter) else "mma"
+
+    def packed_problems(self, gate_up: PackedLinear, down: PackedLinear, hidden: int, inter: int, e_all: int,
+                        zeros: tuple[DeviceArray | None, DeviceArray | None] = (None, None)) -> list[str]:
+        """Why :meth:`experts_packed` cannot run these stacks (empty: it can): ``gate_up`` ``[E_all, 2I, H]`` and
+        ``down`` ``[E_all, H, I]`` packed (quant.py PackedLinear, ``experts`` = E_all), ``zeros`` their int32
+        zero-points (:func:`zero_points_i32`) where they have zero-points."""
+        out = []
+        if tuple(self.device.compute_capability) != (9, 0):
+            out.append(f"the packed prefill GEMMs are Hopper (9.0) kernels, not {self.device.compute_capability}")
+        if self.tile_rows != GEMM_BM:
+            out.append(f"tiles of {self.tile_rows} rows (the packed GEMMs take {GEMM_BM})")
+        for name, p, z, (n, k) in (("gate_up", gate_up, zeros[0], (2 * inter, hidden)),
+                                   ("down", down, zeros[1], (hidden, inter))):
+            v = PACKED_VARIANTS.get(p.bits)
+            if v is None:
+                out.append(f"{name}: {p.bits}-bit codes (4 or 8)")
+                continue
+            if not v.takes(hidden, inter):
+                out.append(f"H={hidden}, I={inter}: not whole tiles of the packed GEMMs")
+            if (p.N, p.K, p.k_in) != (n, k, k) or p.experts < e_all:
+                out.append(f"{name}: {p.experts} x [{p.N}, {p.K}] (k_in {p.k_in}) is not a [{e_all}, {n}, {k}] stack")
+            if p.perm is not None:
+                out.append(f"{name}: act order (g_idx)")
+            kpc = 128 // p.bits  # k per 16-byte code chunk
+            if p.K % p.block_size or p.block_size % kpc:
+                out.append(f"{name}: block size {p.block_size} (K % block size == 0, block size % {kpc} == 0)")
+            if p.zp is not None and z is None:
+                out.append(f"{name}: zero-points without their int32 copy (zero_points_i32)")
+        return out
+
+    def _packed_module(self, bits: int) -> Module:
+        mods = self.__dict__.setdefault("_packed_modules", {})
+        if bits not in mods:
+            v = PACKED_VARIANTS[bits]
+            mod = load_module(v.source, (f"-DDT={DT_CODES[self.dtype]}", *v.options), WGMMA_ARCH)
+            for name in ("moe_wgmma_nb_gate_up", "moe_wgmma_nb_down", "moe_wgmma_nb_down_t"):
+                mod.kernel(name).set_max_dynamic_smem(self.device, v.smem)
+            mods[bits] = mod
+        return mods[bits]
+
+    def experts_packed(self, n: int, h: int, ldh: int, gate_up: PackedLinear, down: PackedLinear, hidden: int,
+                       inter: int, kk: int, ny: int, e_all: int, bufs: MoEBuffers, y_dtype: str = "float32",
+                       zeros: tuple[DeviceArray | None, DeviceArray | None] = (None, None),
+                       gemms: str = "both") -> None:
+        """:meth:`experts` on packed stacks (``gate_up`` / ``down``: PackedLinear ``[E_all, 2I, H]`` / ``[E_all, H,
+        I]``; ``zeros``: their int32 zero-points, :func:`zero_points_i32`): the same outputs, bit for bit, as
+        dequantising them (quant.py NBitsDequant) and calling :meth:`experts` with ``"wgmma_ws"``. ValueError with
+        :meth:`packed_problems`' reasons where it cannot run."""
+        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
+            raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
+        if y_dtype not in ("float32", self.dtype):
+            raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
+        if gemms not in ("both", "gate_up", "down"):
+            raise ValueError(f"gemms must be 'both', 'gate_up' or 'down', not {gemms!r}")
+        if bad := self.packed_problems(gate_up, down, hidden, inter, e_all, zeros):
+            raise ValueError("packed prefill MoE: " + "; ".join(bad))
+        tiles = max_tiles(n * kk, e_all, self.tile_rows)
+        sms = self.device.limits.sm_count
+        zp = [z.ptr if z is not None else 0 for z in zeros]
+        if gemms in ("both", "gate_up"):
+            v = PACKED_VARIANTS[gate_up.bits]
+            self._packed_module(gate_up.bits).kernel("moe_wgmma_nb_gate_up").launch(
+                self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
+                [("ptr", h), ("i64", ldh), ("ptr", gate_up.B.ptr), ("ptr", gate_up.scales.ptr), ("ptr", zp[0]),
+                 ("i32", gate_up.block_size), ("i32", hidden), ("i32", inter), ("i32", kk), ("ptr", bufs.tiles),
+                 ("ptr", bufs.pair_list), ("ptr", bufs.act)], pdl=True)
+        if gemms in ("both", "down"):
+            v = PACKED_VARIANTS[down.bits]
+            name = "moe_wgmma_nb_down" if y_dtype == "float32" else "moe_wgmma_nb_down_t"
+            self._packed_module(down.bits).kernel(name).launch(
+                self.device, v.grid(hidden // v.bn, tiles, sms), (v.threads, 1, 1), v.smem,
+                [("ptr", bufs.act), ("ptr", down.B.ptr), ("ptr", down.scales.ptr), ("ptr", zp[1]),
+                 ("i32", down.block_size), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter), ("i32", kk),
+                 ("i32", ny), ("ptr", bufs.tiles), ("ptr", bufs.pair_list), ("ptr", bufs.y)], pdl=True)
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, args: list, smem: int = 0) -> None:
         self.module.kernel(name).launch(self.device, grid, (block, 1, 1), smem, args, pdl=True)

@@ -68,6 +68,9 @@ class PackedExperts:
     gate_up: object  # NBitsExperts (imported lazily: moe_nbits_decode -> moe_prefill -> weights)
     down: object
     sources: tuple[PackedLinear, PackedLinear]
+    # the sources' zero-points as int32 [E_all, N * nb] (moe_prefill.zero_points_i32: the packed prefill GEMMs' copy),
+    # None where a source has none
+    zeros: tuple[DeviceArray | None, DeviceArray | None] = (None, None)
 
     @property
     def nbytes(self) -> int:
@@ -372,7 +375,9 @@ class DeviceWeights:
             sdn = d.empty((H, si), self.dtype)
             put(p + "shared.gate_up", sgu.ptr)
             put(p + "shared.down", sdn.ptr)
-        srcs = []
+        from .moe_prefill import zero_points_i32
+
+        srcs, zeros = [], []
         for w in pair:  # PackedLinear's stacked layout: B [E, N, nb, bs * bits / 8], scales [E, N * nb], zp [E, ...]
             assert w.experts == e_all
             nb = w.K // w.block_size
@@ -380,9 +385,10 @@ class DeviceWeights:
             sc = d.upload(w.scales.reshape(e_all, w.rows * nb))
             zp = d.upload(w.zp.reshape(e_all, -1)) if w.zp is not None else None
             srcs.append(PackedLinear(B, sc, zp, None, w.K, w.rows, w.bits, w.block_size, w.K, e_all))
+            zeros.append(None if w.zp is None else d.upload(zero_points_i32(w.zp, e_all, w.rows, nb, w.bits)))
         self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0], pair[0].short),
                                                NBitsExperts.from_packed(srcs[1], pair[1].short),
-                                               (srcs[0], srcs[1]))
+                                               (srcs[0], srcs[1]), (zeros[0], zeros[1]))
         self._deq = deq
         if self.moe_scratch is None:
             self.moe_scratch = (d.empty((e_all, 2 * inter, H), self.dtype), d.empty((e_all, H, inter), self.dtype))

@@ -30,10 +30,12 @@ from hybrid_runtime.cuda.moe_prefill import (
     AUTO_IMPL,
     GEMM_BM,
     IMPLS,
+    PACKED_VARIANTS,
     SMALL_BM,
     WGMMA_ARCH,
     WGMMA_VARIANTS,
     MoEPrefill,
+    zero_points_i32,
 )
 
 VARIANTS = sorted(WGMMA_VARIANTS)
@@ -374,3 +376,80 @@ def test_experts_launches_the_gemms_asked_for(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(ValueError, match="gemms"):
             moe.experts(64, 1, 2048, 2, 3, 2048, 512, 8, 9, 256, bufs, y_dtype="bfloat16", gemms="up")
         assert launched == []
+
+
+@pytest.mark.parametrize("bits", sorted(PACKED_VARIANTS))
+@pytest.mark.parametrize("dt", [1, 2])
+def test_packed_builds_compile_for_sm90a_without_spills(bits: int, dt: int) -> None:
+    """The packed-experts builds (-DWS_NBITS): the moe_wgmma_nb_* entry points only, no spills or serialised wgmma,
+    registers for 384 threads, the stages + staging ring within the opt-in shared memory."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    v = PACKED_VARIANTS[bits]
+    assert v.persistent and v.nbits == bits and f"-DWS_NBITS={bits}" in v.options
+    log = compile_log(source(v.source), v.source, (f"-DDT={dt}", *v.options), WGMMA_ARCH)
+    check_log(log)
+    for name in ("moe_wgmma_nb_gate_up", "moe_wgmma_nb_down", "moe_wgmma_nb_down_t"):
+        assert f"'{name}'" in log, log
+    assert "'moe_wgmma_gate_up'" not in log  # the T-weight entry points are not in the packed module
+    assert "wgmma.mma_async instructions are serialized" not in log, log
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
+    static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
+    assert max(regs) * v.threads <= 65536, log
+    staging = (v.lag + 1) * 128 * bits * 24  # slots x chunks x (16 code bytes + scale + zero-point)
+    assert v.smem == v.stages * (128 + 256) * 128 + staging + 1024 and static + v.smem <= 227 * 1024, log
+    assert 1 <= v.lag <= v.stages - 2
+
+
+def test_zero_points_i32_reads_the_packed_layout() -> None:
+    """zero_points_i32 against this test's own reading: 4-bit two a byte, low nibble first, rows padded to whole
+    bytes (an odd block count leaves the last high nibble unused); 8-bit one a byte."""
+    rng = np.random.default_rng(0)
+    for bits, nb in ((4, 4), (4, 3), (8, 5)):
+        E, R = 3, 7
+        width = (nb + 1) // 2 if bits == 4 else nb
+        zp = rng.integers(0, 256, (E, R * width), dtype=np.uint8)
+        got = zero_points_i32(zp, E, R, nb, bits)
+        assert got.dtype == np.int32 and got.shape == (E, R * nb)
+        for e in range(E):
+            for r in range(R):
+                for b in range(nb):
+                    byte = int(zp[e, r * width + (b // 2 if bits == 4 else b)])
+                    want = ((byte >> 4) if b % 2 else (byte & 15)) if bits == 4 else byte
+                    assert got[e, r * nb + b] == want, (bits, nb, e, r, b)
+    with pytest.raises(ValueError, match="2-bit"):
+        zero_points_i32(zp, 1, 1, 1, 2)
+
+
+def test_packed_problems_name_what_the_packed_gemms_do_not_take() -> None:
+    """MoEPrefill.packed_problems on the host (no GPU: the device is a stand-in with a compute capability)."""
+    from types import SimpleNamespace
+
+    from hybrid_runtime.cuda.driver import DeviceArray
+    from hybrid_runtime.cuda.quant import PackedLinear
+
+    def stack(N: int, K: int, bits: int = 4, bs: int = 128, zp: bool = False, perm: bool = False) -> PackedLinear:
+        a = DeviceArray(0, (1,), "uint8", 0)
+        return PackedLinear(a, a, a if zp else None, a if perm else None, K, N, bits, bs, K, 257)
+
+    def prefill(cc: tuple[int, int], variant: str = "wgmma_ws") -> MoEPrefill:
+        mp = MoEPrefill.__new__(MoEPrefill)
+        mp.device = SimpleNamespace(compute_capability=cc)
+        mp.variant = WGMMA_VARIANTS[variant]
+        return mp
+
+    H, I_ = 2048, 512
+    ok = prefill((9, 0))
+    assert ok.packed_problems(stack(2 * I_, H), stack(H, I_), H, I_, 257) == []
+    assert ok.packed_problems(stack(2 * I_, H, 8, 32), stack(H, I_, 8, 16), H, I_, 257) == []
+    cases = {"Hopper": (prefill((8, 0)), stack(2 * I_, H), stack(H, I_)),
+             "64 rows": (prefill((9, 0), "wgmma64"), stack(2 * I_, H), stack(H, I_)),
+             "act order": (ok, stack(2 * I_, H, perm=True), stack(H, I_)),
+             "block size 16": (ok, stack(2 * I_, H, bs=16), stack(H, I_)),
+             "3-bit": (ok, stack(2 * I_, H, bits=3), stack(H, I_)),
+             "int32 copy": (ok, stack(2 * I_, H), stack(H, I_, zp=True)),
+             "is not a": (ok, stack(I_, H), stack(H, I_))}
+    for why, (mp, gu, dn) in cases.items():
+        assert any(why in p for p in mp.packed_problems(gu, dn, H, I_, 257)), why
+    assert any("whole tiles" in p for p in ok.packed_problems(stack(128, 128), stack(128, 64), 128, 64, 257))

@@ -34,6 +34,17 @@
 // batch invariance holds; no atomics.
 // Compiled by NVRTC for sm_90a with -DDT=<1 float16 | 2 bfloat16>. No CUDA headers (mbarrier.cuh: the mbarrier
 // helpers). Host: cuda/moe_prefill.py.
+//
+// Packed experts (-DWS_NBITS=<4 | 8>: a GPTQ bundle's int4 / int8 expert stacks kept packed, `packed_weights`): the
+// moe_wgmma_nb_* entry points take the stacks in MatMulNBits layout (hybrid_runtime/cuda/quant.py PackedLinear: codes
+// [E, N, K * bits / 8] along K, low nibble first; float32 scales [E, N * nb]; zero-points as int32 [E, N * nb] or
+// none = 2^(bits - 1); nb = K / bs, no act order) and the producer builds each stage's weight tile itself: its
+// 16-byte code chunks (32 k of a row in int4, 16 in int8), their scale and zero-point go global -> a staging ring of
+// WS_LAG + 1 slots by cp.async with the stage's activations; once its copies of stage g - WS_LAG have landed, the
+// thread turns exactly the chunks it copied into bf16 / fp16, (float)(q - z) * s rounded once (cvt.rn), and stores
+// them into the stage's 128B-swizzled weight tile, then signals the stage full. Those are nbits.cu nbits_dequant8's
+// values bit for bit, and the consumers are unchanged: the packed GEMMs give the bits of dequantise-then-GEMM, while
+// the weight stream reads 4x (int4) / 2x (int8) fewer bytes and nothing is written back.
 // Shapes: H % 256 == 0, I % 128 == 0, H and I % 64 == 0, ldh % 8 == 0 (the host checks).
 
 typedef unsigned short u16;
@@ -74,7 +85,7 @@ typedef u16 T;
 #define WS_B_BYTES (WS_BN * WS_ROWB)
 #define WS_STAGE_BYTES (WS_A_BYTES + WS_B_BYTES)
 // the stages + 1 KB to align the ring to 1024 bytes (the 128B-swizzle atom)
-#define WS_SMEM (WS_STAGES * WS_STAGE_BYTES + 1024)
+#define WS_SMEM (WS_STAGES * WS_STAGE_BYTES + 1024)  // + WS_NB_BYTES in the packed builds
 #define WS_SBO 1024        // bytes from one 8-row atom to the next (M / N direction)
 #define WS_LBO 16          // K direction: unused by K-major 128B-swizzle layouts
 #define WS_SWIZZLE_128B 1  // descriptor bits 62-63
@@ -89,6 +100,24 @@ typedef u16 T;
 #endif
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
+#ifndef WS_NBITS
+#define WS_NBITS 0  // 0: T weights; 4 / 8: packed experts (the moe_wgmma_nb_* entry points)
+#endif
+#if WS_NBITS != 0 && WS_NBITS != 4 && WS_NBITS != 8
+#error "WS_NBITS must be 0, 4 or 8"
+#endif
+#if WS_NBITS
+#define WS_NB_CPR (WS_NBITS / 2)                // 16-byte code chunks per weight row and stage (64 k * bits / 8 / 16)
+#define WS_NB_KPC (128 / WS_NBITS)              // k per code chunk: 32 (int4) / 16 (int8)
+#define WS_NB_RPP (WS_PRODUCERS / WS_NB_CPR)    // weight rows per producer pass: 64 / 32
+#define WS_NB_J (WS_BN / WS_NB_RPP)             // code chunks per producer thread and stage: 4 / 8
+#define WS_NB_SLOTS (WS_LAG + 1)                // staging slots (a stage's copies wait WS_LAG stages)
+#define WS_NB_CHUNKS (WS_PRODUCERS * WS_NB_J)   // code chunks per stage
+#define WS_NB_SLOT_BYTES (WS_NB_CHUNKS * 24)    // per chunk: 16 bytes of codes, a float32 scale, an int32 zero-point
+#define WS_NB_BYTES (WS_NB_SLOTS * WS_NB_SLOT_BYTES)
+#else
+#define WS_NB_BYTES 0
+#endif
 
 // The fast intrinsics (ex2.approx, a reciprocal): the precise expf and IEEE division made gate_up 7% slower (H200,
 // 8192 tokens). moe_wgmma.cu and moe_gemm.cu use the same, so every prefill build gives the same act bits. For
@@ -111,6 +140,9 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ u32 ws_off(int row, int c) { return (u32)(row * WS_ROWB + ((c ^ (row & 7)) << 4)); }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -195,13 +227,68 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+#if WS_NBITS
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+// Two codes -> two T (round to nearest even), as nbits.cu: (float)(q - z) * s, one rounding. q - z without I2F (16
+// conversions a clock per SM, the producer's bottleneck): the float with bits 0x4B000000 | q is 2^23 + q exactly, and
+// subtracting zf = 2^23 + z is exact, so the product and its rounding are nbits.cu's bit for bit.
+__device__ __forceinline__ u32 nb_pair(u32 q0, u32 q1, float zf, float s) {
+  return pack2((__uint_as_float(q0 | 0x4B000000u) - zf) * s, (__uint_as_float(q1 | 0x4B000000u) - zf) * s);
+}
+// The code chunks this producer thread copied into staging slot sQ, dequantised into the stage's weight tile sB
+// (128B-swizzled, K-major: ws_off). Chunk c = j * WS_PRODUCERS + ptid is weight row rr + WS_NB_RPP * j, k
+// [part * WS_NB_KPC, +WS_NB_KPC) of the stage (part = ptid % WS_NB_CPR, rr = ptid / WS_NB_CPR).
+__device__ __forceinline__ void nb_convert(u32 sQ, u32 sB, int ptid, bool has_zp) {
+  const int part = ptid % WS_NB_CPR, rr = ptid / WS_NB_CPR;
+#pragma unroll
+  for (int j = 0; j < WS_NB_J; ++j) {
+    const int c = j * WS_PRODUCERS + ptid;
+    const uint4 q = ld_shared_v4(sQ + 16 * c);
+    const float s = __uint_as_float(ld_shared_u32(sQ + WS_NB_CHUNKS * 16 + 4 * c));
+    const int z = has_zp ? (int)ld_shared_u32(sQ + WS_NB_CHUNKS * 20 + 4 * c) : (1 << (WS_NBITS - 1));
+    const float zf = 8388608.f + (float)z;  // 2^23 + z, exact (z < 256)
+    const int row = rr + WS_NB_RPP * j;
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+#if WS_NBITS == 4
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: k 8i .. 8i + 7 of the chunk (low nibble first) -> 16-byte chunk 4 part + i
+      u32 o[4];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) o[h] = nb_pair((w[i] >> (8 * h)) & 15u, (w[i] >> (8 * h + 4)) & 15u, zf, s);
+      st_shared_v4(sB + ws_off(row, 4 * part + i), o[0], o[1], o[2], o[3]);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // words 2i, 2i + 1: k 8i .. 8i + 7 of the chunk -> 16-byte chunk 2 part + i
+      u32 o[4];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const u32 ww = w[2 * i + (h >> 1)], sh = 16 * (h & 1);
+        o[h] = nb_pair((ww >> sh) & 255u, (ww >> (sh + 8)) & 255u, zf, s);
+      }
+      st_shared_v4(sB + ws_off(row, 2 * part + i), o[0], o[1], o[2], o[3]);
+    }
+#endif
+  }
+}
+#endif
+
 // One CTA of the persistent grid. nx: column blocks per tile (gate_up I / 128, down H / 256).
 template <int MODE, typename YT = float>
 __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long long lda, const T* __restrict__ W,
                                                 int K, int I, int kk, int ny, int H, int nx,
                                                 const int* __restrict__ tiles, const int* __restrict__ pair_list,
                                                 const float* __restrict__ pair_w, T* __restrict__ act,
-                                                YT* __restrict__ y) {
+                                                YT* __restrict__ y, const unsigned char* __restrict__ Wq = nullptr,
+                                                const float* __restrict__ Wsc = nullptr,
+                                                const int* __restrict__ Wz = nullptr, int bs = 0) {
   __shared__ __align__(8) u64 full_bar[WS_STAGES], empty_bar[WS_STAGES];
   pdl_enter();
   const int tid = threadIdx.x;
@@ -217,6 +304,9 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
   __syncthreads();  // the only CTA-wide barrier: the roles never meet again
   const int n_items = tiles[0] * nx;
   const u32 sbase = (smem_u32(ws_smem) + 1023u) & ~1023u;
+#if WS_NBITS
+  const u32 nbase = sbase + WS_STAGES * WS_STAGE_BYTES;  // the packed build's staging ring
+#endif
   const int KT = K / WS_BK;
 
   if (tid >= WS_CONSUMERS) {
@@ -237,6 +327,21 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
         asrc[i] = p < 0 ? nullptr
                         : A + (MODE == MODE_GATE_UP ? (long long)(p / kk) * lda : (long long)p * lda) + ch * 8;
       }
+#if WS_NBITS
+      // This thread's code chunks: weight rows rr + WS_NB_RPP j of the item (gate_up: staged rows 0..127 are gate
+      // rows x * 128 + r, 128..255 the up rows I + x * 128 + r - 128), k part * WS_NB_KPC of each stage
+      const int part = ptid % WS_NB_CPR, rr = ptid / WS_NB_CPR;
+      const int N = MODE == MODE_GATE_UP ? 2 * I : H, nbk = K / bs;
+      const size_t rowbytes = (size_t)K * WS_NBITS / 8;
+      size_t ridx[WS_NB_J];  // e * N + the weight row
+#pragma unroll
+      for (int j = 0; j < WS_NB_J; ++j) {
+        const int r = rr + WS_NB_RPP * j;
+        const int wrow = MODE == MODE_GATE_UP ? (r < WS_BN / 2 ? x * (WS_BN / 2) + r : I + x * (WS_BN / 2) + r - WS_BN / 2)
+                                              : x * WS_BN + r;
+        ridx[j] = (size_t)e * N + wrow;
+      }
+#else
       const T* Wb;
       size_t up_jump = 0;  // gate_up: extra weight rows from staged row 128 on (the up rows)
       if (MODE == MODE_GATE_UP) {
@@ -245,17 +350,41 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
       } else {
         Wb = W + (size_t)e * H * K + (size_t)(x * WS_BN + r0) * K + ch * 8;
       }
+#endif
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt, ++g) {
         const u32 stage = g % WS_STAGES, round = g / WS_STAGES;
         mbar_wait_guarded(empty0 + 8 * stage, (round & 1u) ^ 1u);  // the MMAs of round - 1 on this stage completed
-        const u32 sA = sbase + stage * WS_STAGE_BYTES, sB = sA + WS_A_BYTES;
+        const u32 sA = sbase + stage * WS_STAGE_BYTES;
         const int k0 = kt * WS_BK;
 #pragma unroll
         for (int i = 0; i < WS_BM / WS_PROD_ROWS; ++i) {
           const int row = r0 + WS_PROD_ROWS * i;
           cp_async16(sA + ws_off(row, ch), asrc[i] ? asrc[i] + k0 : A, asrc[i] ? 16 : 0);
         }
+#if WS_NBITS
+        {
+          const int kc = k0 + part * WS_NB_KPC, b = kc / bs;  // bs % WS_NB_KPC == 0: a chunk is in one block
+          const u32 sQ = nbase + (g % WS_NB_SLOTS) * WS_NB_SLOT_BYTES;
+#pragma unroll
+          for (int j = 0; j < WS_NB_J; ++j) {
+            const int c = j * WS_PRODUCERS + ptid;
+            cp_async16(sQ + 16 * c, Wq + ridx[j] * rowbytes + (size_t)kc * WS_NBITS / 8, 16);
+            cp_async4(sQ + WS_NB_CHUNKS * 16 + 4 * c, Wsc + ridx[j] * nbk + b);
+            if (Wz != nullptr) cp_async4(sQ + WS_NB_CHUNKS * 20 + 4 * c, Wz + ridx[j] * nbk + b);
+          }
+        }
+        cp_commit();
+        cp_wait<WS_LAG>();  // this thread's copies of stage g - WS_LAG have landed: its weight chunks, dequantised
+        if (g >= WS_LAG) {
+          const u32 gl = g - WS_LAG;
+          nb_convert(nbase + (gl % WS_NB_SLOTS) * WS_NB_SLOT_BYTES,
+                     sbase + (gl % WS_STAGES) * WS_STAGE_BYTES + WS_A_BYTES, ptid, Wz != nullptr);
+        }
+        fence_proxy_async();  // the copies and the tile's stores are visible to the async proxy (wgmma)
+        if (g >= WS_LAG) mbar_arrive(full0 + 8 * ((g - WS_LAG) % WS_STAGES));
+#else
+        const u32 sB = sA + WS_A_BYTES;
 #pragma unroll
         for (int i = 0; i < WS_BN / WS_PROD_ROWS; ++i) {
           const int row = r0 + WS_PROD_ROWS * i;
@@ -266,9 +395,16 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
         cp_wait<WS_LAG>();  // this thread's copies of stage g - WS_LAG have landed ...
         fence_proxy_async();  // ... and are visible to the async proxy (wgmma)
         if (g >= WS_LAG) mbar_arrive(full0 + 8 * ((g - WS_LAG) % WS_STAGES));
+#endif
       }
     }
     cp_wait<0>();
+#if WS_NBITS
+#pragma unroll 1
+    for (u32 j = g >= WS_LAG ? g - WS_LAG : 0; j < g; ++j)
+      nb_convert(nbase + (j % WS_NB_SLOTS) * WS_NB_SLOT_BYTES, sbase + (j % WS_STAGES) * WS_STAGE_BYTES + WS_A_BYTES,
+                 ptid, Wz != nullptr);
+#endif
     fence_proxy_async();
 #pragma unroll 1
     for (u32 j = g >= WS_LAG ? g - WS_LAG : 0; j < g; ++j) mbar_arrive(full0 + 8 * (j % WS_STAGES));
@@ -397,6 +533,7 @@ __device__ __forceinline__ void ws_grouped_gemm(const T* __restrict__ A, long lo
   }
 }
 
+#if !WS_NBITS
 // grid (min(#SMs, max_tiles * I / 128)), block 384, dynamic smem WS_SMEM. h [n, ldh] T; w_gu [E_all, 2I, H];
 // act [pairs, I].
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
@@ -422,3 +559,34 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                      T* __restrict__ y) {
   ws_grouped_gemm<MODE_DOWN, T>(act, I, w_d, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y);
 }
+#else
+// The packed builds: grid, block and outputs as above; dynamic smem WS_STAGES * WS_STAGE_BYTES + WS_NB_BYTES + 1024.
+// q_* uint8 codes, s_* float32 scales, z_* int32 zero-points or null (2^(bits - 1)), bs the block size
+// (bs % WS_NB_KPC == 0, K % bs == 0): quant.py PackedLinear's stacked arrays (gate_up [E_all, 2I, H], down
+// [E_all, H, I]); the host checks (cuda/moe_prefill.py packed_problems).
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_wgmma_nb_gate_up(const T* __restrict__ h, long long ldh, const unsigned char* __restrict__ q_gu,
+                         const float* __restrict__ s_gu, const int* __restrict__ z_gu, int bs, int H, int I, int kk,
+                         const int* __restrict__ tiles, const int* __restrict__ pair_list, T* __restrict__ act) {
+  ws_grouped_gemm<MODE_GATE_UP, float>(h, ldh, nullptr, H, I, kk, 0, H, I / (WS_BN / 2), tiles, pair_list, nullptr,
+                                       act, nullptr, q_gu, s_gu, z_gu, bs);
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_wgmma_nb_down(const T* __restrict__ act, const unsigned char* __restrict__ q_d, const float* __restrict__ s_d,
+                      const int* __restrict__ z_d, int bs, const float* __restrict__ pair_w, int H, int I, int kk,
+                      int ny, const int* __restrict__ tiles, const int* __restrict__ pair_list,
+                      float* __restrict__ y) {
+  ws_grouped_gemm<MODE_DOWN, float>(act, I, nullptr, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y,
+                                    q_d, s_d, z_d, bs);
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_wgmma_nb_down_t(const T* __restrict__ act, const unsigned char* __restrict__ q_d,
+                        const float* __restrict__ s_d, const int* __restrict__ z_d, int bs,
+                        const float* __restrict__ pair_w, int H, int I, int kk, int ny, const int* __restrict__ tiles,
+                        const int* __restrict__ pair_list, T* __restrict__ y) {
+  ws_grouped_gemm<MODE_DOWN, T>(act, I, nullptr, I, I, kk, ny, H, H / WS_BN, tiles, pair_list, pair_w, nullptr, y, q_d,
+                                s_d, z_d, bs);
+}
+#endif
