@@ -249,8 +249,12 @@ def main() -> None:
                     help="float32 MoE slots in prefill (CudaBackend.moe_slots_lowp = False): the layout before")
     ap.add_argument("--bits", type=int, default=16, choices=(16, 4, 8),
                     help="16: bf16 weights; 4 / 8: GPTQ int4 / int8 with projections and experts kept packed "
-                         "(packed_weights=all: each prefill step dequantises them into scratch first)")
+                         "(packed_weights=all: a prefill step dequantises the projections into scratch first, the "
+                         "experts run on the packed grouped GEMMs unless --packed-moe-prefill off)")
     ap.add_argument("--group", type=int, default=128, help="GPTQ group size (--bits 4 / 8)")
+    ap.add_argument("--packed-moe-prefill", choices=("on", "off"), default="on",
+                    help="--bits 4 / 8: the experts on the packed grouped GEMMs (on, the backend's default) or "
+                         "dequantised into scratch before each step (off)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
@@ -260,6 +264,7 @@ def main() -> None:
     max_seq = max([*lens, bl, a.interleave, 64]) + 64  # the interleaving case's long prompt fits too
     be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group)
     be.moe_slots_lowp = not a.f32_slots
+    be.packed_moe_prefill = a.packed_moe_prefill == "on"
     cfg = be.cfg
     log(f"built in {build_s:.0f} s: {be.w.nbytes / 1e9:.1f} GB weights, {be.num_pages} KV pages")
     peak = matmul_rate(torch)
@@ -300,6 +305,8 @@ def main() -> None:
             ids = rng.integers(0, cfg.vocab_size, bl).tolist()
             prompts.append((b, table_for(bl, b * -(-bl // PAGE)), ids))
         case(f"{nb} x {bl // 1024}k", prompts)
+    if a.bits != 16:
+        log(f"MoE steps on the packed grouped GEMMs: {be.moe_packed_prefill_calls}")
     inter = None
     if a.interleave:
         be.capture_graphs(runner._forward, buckets=[b for b in be.buckets if b <= 8])
@@ -313,6 +320,7 @@ def main() -> None:
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
         f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}"
         f"{f' --bits {a.bits}' if a.bits != 16 else ''}"
+        f"{' --packed-moe-prefill off' if a.bits != 16 and a.packed_moe_prefill == 'off' else ''}"
         f"{' --f32-slots' if a.f32_slots else ''}`  ",
         f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
         f"**{peak / 1e12:.0f} TFLOP/s**; {when}.  ",
