@@ -299,6 +299,15 @@ class MoEPrefill:
             mods[bits] = mod
         return mods[bits]
 
+    def _check_gemm_args(self, hidden: int, inter: int, ldh: int, kk: int, ny: int, y_dtype: str, gemms: str) -> None:
+        """ValueError for arguments :meth:`experts` and :meth:`experts_packed` do not take."""
+        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
+            raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
+        if y_dtype not in ("float32", self.dtype):
+            raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
+        if gemms not in ("both", "gate_up", "down"):
+            raise ValueError(f"gemms must be 'both', 'gate_up' or 'down', not {gemms!r}")
+
     def experts_packed(self, n: int, h: int, ldh: int, gate_up: PackedLinear, down: PackedLinear, hidden: int,
                        inter: int, kk: int, ny: int, e_all: int, bufs: MoEBuffers, y_dtype: str = "float32",
                        zeros: tuple[DeviceArray | None, DeviceArray | None] = (None, None),
@@ -307,12 +316,7 @@ class MoEPrefill:
         I]``; ``zeros``: their int32 zero-points, :func:`zero_points_i32`): the same outputs, bit for bit, as
         dequantising them (quant.py NBitsDequant) and calling :meth:`experts` with ``"wgmma_ws"``. ValueError with
         :meth:`packed_problems`' reasons where it cannot run."""
-        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
-            raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
-        if y_dtype not in ("float32", self.dtype):
-            raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
-        if gemms not in ("both", "gate_up", "down"):
-            raise ValueError(f"gemms must be 'both', 'gate_up' or 'down', not {gemms!r}")
+        self._check_gemm_args(hidden, inter, ldh, kk, ny, y_dtype, gemms)
         if bad := self.packed_problems(gate_up, down, hidden, inter, e_all, zeros):
             raise ValueError("packed prefill MoE: " + "; ".join(bad))
         tiles = max_tiles(n * kk, e_all, self.tile_rows)
@@ -365,12 +369,7 @@ class MoEPrefill:
         ``y_dtype``: ``"float32"``, or the bundle dtype (the ``_t`` down kernels: the same float32 products, each
         rounded once to T, round to nearest even). ``gemms``: ``"both"``, or only ``"gate_up"`` / ``"down"``
         (benchmarks time them apart; down reads the act a gate_up launch left)."""
-        if hidden % DOWN_BN or inter % GATE_UP_BN or ldh % 8 or ldh < hidden or ny < kk:
-            raise ValueError(f"H={hidden}, I={inter}, ldh={ldh}, ny={ny}: not a shape of the tensor-core MoE")
-        if y_dtype not in ("float32", self.dtype):
-            raise ValueError(f"y_dtype {y_dtype!r}: float32 or the bundle dtype {self.dtype!r}")
-        if gemms not in ("both", "gate_up", "down"):
-            raise ValueError(f"gemms must be 'both', 'gate_up' or 'down', not {gemms!r}")
+        self._check_gemm_args(hidden, inter, ldh, kk, ny, y_dtype, gemms)
         run_gu, run_d = gemms in ("both", "gate_up"), gemms in ("both", "down")
         down_name = "down" if y_dtype == "float32" else "down_t"
         tiles = max_tiles(n * kk, e_all, self.tile_rows)  # the tiles route() cut
