@@ -66,8 +66,9 @@ class ModelRunner:
     ``packed_weights`` (:data:`PACKED_WEIGHTS`; GPTQ ``cuda`` bundles of bf16 / fp16): which packed weights stay
     packed on the GPU instead of being dequantised at load - decode steps then read them with the int4 / int8
     kernels (the experts with the dequantised bundle's bits, the projections within ~2% of its logits; about a
-    quarter of the weight memory at int4), other steps dequantise them into a scratch buffer first. Ignored, with
-    a log line, for any other bundle."""
+    quarter of the weight memory at int4); prefill runs packed experts on the packed grouped GEMMs where they run
+    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. Ignored, with a
+    log line, for any other bundle."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,

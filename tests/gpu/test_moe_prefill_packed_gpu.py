@@ -11,7 +11,7 @@ Checked per step, for float32 and bundle-dtype y:
 * == the same step on the dequantised stacks through ``experts`` with ``"wgmma_ws"`` (what a packed layer ran before:
   dequantise, then the grouped GEMMs), act and y BIT FOR BIT - the design: the tile holds the same T values and the
   consumers are unchanged;
-* canaries: nothing written past y[:n, :k] or act[:n*k].
+* every pair's act row written; with float32 y, nothing written past y[:n, :k] (canaries).
 
 ``experts_packed`` refuses what it does not run (act order, a block size a code chunk straddles, 64-row tiles).
 """
