@@ -344,8 +344,11 @@ class CudaBackend:
             # (prefill) on Hopper the packed grouped GEMMs (packed_moe_prefill: the bits of the dequantised stack),
             # every other use dequantises the layer into one scratch stack first (moe()).
             packed_experts = packed_experts and self.dtype in ("bfloat16", "float16")
+            # the int32 zero-point copies only where the packed prefill GEMMs can run (Hopper, turned on)
+            prefill_zeros = (packed_moe_prefill and self.moe_prefill is not None
+                             and tuple(self.dev.compute_capability) == (9, 0))
             weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears,
-                                         packed_experts=packed_experts)
+                                         packed_experts=packed_experts, prefill_zeros=prefill_zeros)
         self.w = weights
         self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
         # tensor-core MoE steps (prefill) of packed experts on the packed grouped GEMMs (moe_prefill.experts_packed),
@@ -360,6 +363,12 @@ class CudaBackend:
                     dec = self.moe_nbits[build]
                     dec.module_for(pk.gate_up)  # type: ignore[arg-type]  # each (bits, fma) build its operands take
                     dec.module_for(pk.down)  # type: ignore[arg-type]
+            if packed_moe_prefill and self.moe_prefill is not None:
+                # the packed prefill GEMMs' builds too (asked per layer and fold now: refusals logged at load)
+                for layer, pk in self.w.packed_moe.items():
+                    folds = (False, True) if self.w.moe(layer).fold else (False,)
+                    if any([self._packed_prefill_ok(layer, pk, f) for f in folds]):
+                        self.moe_prefill.packed_module(pk.sources[0].bits)
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None
@@ -484,10 +493,12 @@ class CudaBackend:
         return manifest.dtype
 
     def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
-                      keep_packed: bool, packed_linears: bool, packed_experts: bool = False) -> DeviceWeights:
+                      keep_packed: bool, packed_linears: bool, packed_experts: bool = False,
+                      prefill_zeros: bool = True) -> DeviceWeights:
         """The bundle's weights on the device (a cuda bundle: every runtime weight, DeviceWeights.load)."""
         return DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
-                                  packed_linears=packed_linears, packed_experts=packed_experts)
+                                  packed_linears=packed_linears, packed_experts=packed_experts,
+                                  prefill_zeros=prefill_zeros)
 
     # ------------------------------------------------------------------ allocation
 

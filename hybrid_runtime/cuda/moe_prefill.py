@@ -289,7 +289,9 @@ class MoEPrefill:
                 out.append(f"{name}: zero-points without their int32 copy (zero_points_i32)")
         return out
 
-    def _packed_module(self, bits: int) -> Module:
+    def packed_module(self, bits: int) -> Module:
+        """The packed grouped GEMMs' build for ``bits`` (4 / 8), compiled (NVRTC) and loaded on first use (the
+        backend asks at load, so that no step or graph capture compiles)."""
         mods = self.__dict__.setdefault("_packed_modules", {})
         if bits not in mods:
             v = PACKED_VARIANTS[bits]
@@ -324,7 +326,7 @@ class MoEPrefill:
         zp = [z.ptr if z is not None else 0 for z in zeros]
         if gemms in ("both", "gate_up"):
             v = PACKED_VARIANTS[gate_up.bits]
-            self._packed_module(gate_up.bits).kernel("moe_wgmma_nb_gate_up").launch(
+            self.packed_module(gate_up.bits).kernel("moe_wgmma_nb_gate_up").launch(
                 self.device, v.grid(inter // (v.bn // 2), tiles, sms), (v.threads, 1, 1), v.smem,
                 [("ptr", h), ("i64", ldh), ("ptr", gate_up.B.ptr), ("ptr", gate_up.scales.ptr), ("ptr", zp[0]),
                  ("i32", gate_up.block_size), ("i32", hidden), ("i32", inter), ("i32", kk), ("ptr", bufs.tiles),
@@ -332,7 +334,7 @@ class MoEPrefill:
         if gemms in ("both", "down"):
             v = PACKED_VARIANTS[down.bits]
             name = "moe_wgmma_nb_down" if y_dtype == "float32" else "moe_wgmma_nb_down_t"
-            self._packed_module(down.bits).kernel(name).launch(
+            self.packed_module(down.bits).kernel(name).launch(
                 self.device, v.grid(hidden // v.bn, tiles, sms), (v.threads, 1, 1), v.smem,
                 [("ptr", bufs.act), ("ptr", down.B.ptr), ("ptr", down.scales.ptr), ("ptr", zp[1]),
                  ("i32", down.block_size), ("ptr", bufs.pair_w), ("i32", hidden), ("i32", inter), ("i32", kk),

@@ -199,7 +199,8 @@ class TrtDeviceBackend(CudaBackend):
         return "float32"  # segment tensors are float32 whatever the plans compute in: the operators follow
 
     def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
-                      keep_packed: bool, packed_linears: bool, packed_experts: bool = False) -> DeviceWeights:
+                      keep_packed: bool, packed_linears: bool, packed_experts: bool = False,
+                      prefill_zeros: bool = True) -> DeviceWeights:
         """The stateful operators' weights from the bundle's state weights (checkpoint names and layouts) as the
         runtime weights the kernels read: conv weights, and per MoE layer the router (+ the shared gate's row) and
         the stacked experts (``DeviceWeights._stack_moe``). Float32 on the device."""

@@ -182,13 +182,16 @@ class DeviceWeights:
     @classmethod
     def load(cls, device: CudaDevice, bundle_dir: str | Path, manifest: Manifest,
              progress: Callable[[str], None] | None = None, keep_packed: bool = False,
-             packed_linears: bool = False, packed_experts: bool = False) -> DeviceWeights:
+             packed_linears: bool = False, packed_experts: bool = False,
+             prefill_zeros: bool = True) -> DeviceWeights:
         """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype, and a GPTQ
         bundle's packed tensors against its quantization record, first: :func:`~.quant.plan_weights`). Packed
         weights are dequantised on the device into the bundle dtype; ``keep_packed`` keeps their device copies
         in :attr:`packed` (default: freed once dequantised). ``packed_linears``: the dense linear weights stored
         packed whole are kept only packed, in :attr:`packed_only`; ``packed_experts``: the MoE layers whose experts
-        stack as one packed operand keep them only packed, in :attr:`packed_moe` (module docstring; bf16 / fp16)."""
+        stack as one packed operand keep them only packed, in :attr:`packed_moe` (module docstring; bf16 / fp16);
+        ``prefill_zeros``: their zero-points also get the int32 copy the packed prefill GEMMs read
+        (:attr:`PackedExperts.zeros`; False where those GEMMs never run: not Hopper, or turned off)."""
         cfg, rope_len = manifest.model, manifest.limits.max_seq_len
         self = cls(device, cfg, manifest.dtype, rope_len)
         path = Path(bundle_dir) / manifest.state_weights
@@ -225,7 +228,7 @@ class DeviceWeights:
                 self._moe[layer] = self._stack_moe(layer, put)
             else:
                 assert deq is not None
-                self._moe[layer] = self._packed_moe_layer(layer, put, deq, pair)
+                self._moe[layer] = self._packed_moe_layer(layer, put, deq, pair, prefill_zeros)
         if deq is not None:
             device.synchronize()
             if progress:
@@ -259,15 +262,16 @@ class DeviceWeights:
     @classmethod
     def random_packed(cls, device: CudaDevice, cfg: ModelConfig, dtype: str, rope_len: int, fill: Callable[..., None],
                       bits: int = 4, block_size: int = 128, seed: int = 0,
-                      progress: Callable[[str], None] | None = None) -> DeviceWeights:
+                      progress: Callable[[str], None] | None = None, linears: bool = True) -> DeviceWeights:
         """As :meth:`random`, in the layout a symmetric GPTQ bundle loads into with ``packed_linears`` and
         ``packed_experts``: the dense projections (``*_proj``: GDN in_proj / out_proj, attention qkv_proj / o_proj)
         kept only packed (:attr:`packed_only`), each MoE layer's routed experts (and the folded shared expert as
         expert E) only packed (:attr:`packed_moe`, the scratch stack for other uses), ``bits``-bit codes in blocks
         of ``block_size`` along K: random bytes filled on the device, float16-valued float32 scales (GPTQ's: short,
         the same host values for every weight of a size; the codes differ). Embeddings, lm_head, norms, router, conv
-        and gates stay float (random as :meth:`random`). For speed benchmarks of quantized steps without a
-        checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed weight a multiple of
+        and gates stay float (random as :meth:`random`). ``linears`` False: the dense projections float too (the
+        layout of ``packed_weights=experts``: only the experts packed). For speed benchmarks of quantized steps
+        without a checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed weight a multiple of
         ``block_size``."""
         from .moe_nbits_decode import NBitsExperts, short_scales
 
@@ -302,7 +306,7 @@ class DeviceWeights:
                 progress(f"generating layer {spec.layer + 1}/{cfg.num_layers} ({bits}-bit) on {device.limits.name}")
             if ".mlp." in spec.name and cfg.ffn_types[spec.layer] == "moe":
                 continue
-            if spec.name.endswith("_proj") and len(spec.shape) == 2:
+            if linears and spec.name.endswith("_proj") and len(spec.shape) == 2:
                 self.packed_only[spec.name] = packed(spec.shape[0], spec.shape[1], 0, seed + n)
             else:
                 self._random_array(spec, fill, seed + n)
@@ -351,7 +355,7 @@ class DeviceWeights:
             self.arrays["lm_head"] = self.arrays["embed_tokens"]
 
     def _packed_moe_layer(self, layer: int, put: Callable[[str, int], None], deq: NBitsDequant,
-                          pair: tuple) -> MoEWeights:
+                          pair: tuple, prefill_zeros: bool = True) -> MoEWeights:
         """Router (+ shared gate row) as :meth:`_stack_moe`; the experts uploaded as one stacked packed operand
         (:class:`PackedExperts`); gate_up / down the scratch stack; the folded shared expert also dequantised on
         its own (the steps that run it as GEMMs)."""
@@ -385,7 +389,8 @@ class DeviceWeights:
             sc = d.upload(w.scales.reshape(e_all, w.rows * nb))
             zp = d.upload(w.zp.reshape(e_all, -1)) if w.zp is not None else None
             srcs.append(PackedLinear(B, sc, zp, None, w.K, w.rows, w.bits, w.block_size, w.K, e_all))
-            zeros.append(None if w.zp is None else d.upload(zero_points_i32(w.zp, e_all, w.rows, nb, w.bits)))
+            zeros.append(None if w.zp is None or not prefill_zeros
+                         else d.upload(zero_points_i32(w.zp, e_all, w.rows, nb, w.bits)))
         self.packed_moe[layer] = PackedExperts(NBitsExperts.from_packed(srcs[0], pair[0].short),
                                                NBitsExperts.from_packed(srcs[1], pair[1].short),
                                                (srcs[0], srcs[1]), (zeros[0], zeros[1]))

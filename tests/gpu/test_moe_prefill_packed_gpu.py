@@ -156,7 +156,9 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
     """``CudaBackend(packed_experts=True)`` on a bf16 GPTQ bundle whose expert shape the packed GEMMs take (H 256,
     experts and folded shared expert of I 128): its prefill steps run the packed grouped GEMMs (counted), and
     prefill + decode give the logits of the same bundle dequantised at load BIT FOR BIT (teacher-forced, prefill
-    chunks of 5 tokens then 6 decode steps of 3 sequences); with ``packed_moe_prefill`` off the same bits again."""
+    chunks of 5 tokens then 6 decode steps of 3 sequences); with ``packed_moe_prefill`` off the same bits again.
+    The packed GEMMs' build is compiled when the backend is made (no step compiles), and zero-points get their
+    int32 copy only where those GEMMs run."""
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
@@ -171,6 +173,11 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
     packed = CudaBackend(b, m, device="cuda", packed_experts=True)
     off = CudaBackend(b, m, device="cuda", packed_experts=True, packed_moe_prefill=False)
     assert packed.w.packed_moe and not plain.w.packed_moe
+    assert set(packed.moe_prefill.__dict__.get("_packed_modules", {})) == {bits}  # compiled at load
+    assert not off.moe_prefill.__dict__.get("_packed_modules")
+    for pk_on, pk_off in zip(packed.w.packed_moe.values(), off.w.packed_moe.values(), strict=True):
+        assert all((z is None) == sym for z in pk_on.zeros)  # asymmetric: the int32 copies
+        assert pk_off.zeros == (None, None)  # packed prefill off: no copy made
     rng = np.random.default_rng(bits)
     lens, slots, decode_steps = [40, 23, 9], [3, 0, 2], 6
     prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
@@ -183,3 +190,36 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
     for i, (a, c, d) in enumerate(steps):
         assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
         assert np.array_equal(a, d), (i, float(np.abs(a - d).max()))
+
+
+def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(tmp_path) -> None:
+    """``ModelRunner`` with the default ``packed_weights`` (``auto``: ``experts`` for a GPTQ cuda bundle), CUDA graphs
+    captured as served, on a bf16 int4 asymmetric GPTQ bundle: the experts stay only packed (fewer weight bytes than
+    ``packed_weights="off"``), prefill runs the packed grouped GEMMs and the captured decode graphs the packed decode
+    MoE (both counted), and the logits equal ``off``'s BIT FOR BIT (teacher-forced: prefill chunks of 5 tokens, then
+    8 decode steps of 3 sequences)."""
+    from runner_cases import Driver, scattered_tables
+
+    from hybrid_runtime.config import Manifest
+    from hybrid_runtime.runner import ModelRunner
+    from tests import gptq_cases as gc
+
+    b = gc.packed_experts_bundle(tmp_path, bits=4, sym=False, hidden_size=256, moe_intermediate_size=128,
+                                 shared_expert_intermediate_size=128)
+    m = Manifest.load(b)
+    off = ModelRunner(b, m, device="cuda", packed_weights="off")
+    auto = ModelRunner(b, m, device="cuda")
+    be = auto.backend
+    assert be.w.packed_moe and not be.w.packed_only and not off.backend.w.packed_moe  # type: ignore[attr-defined]
+    assert be.w.nbytes < off.backend.w.nbytes and be.graphs and be.moe_nbits_calls > 0  # type: ignore[attr-defined]
+    rng = np.random.default_rng(5)
+    lens, slots, decode_steps = [33, 18, 7], [2, 0, 1], 8
+    prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
+    tables = scattered_tables(m, [n + decode_steps for n in lens], seed=5)
+    drv = Driver([off, auto], slots, tables, prompts)
+    steps = [list(r) for r in drv.prefill(chunk=5)] + [list(drv.decode()) for _ in range(decode_steps)]
+    print(f"\n[moe_prefill_packed] runner default (auto) int4 asym: weight bytes {be.w.nbytes} vs "
+          f"{off.backend.w.nbytes}, packed prefill MoE calls {be.moe_packed_prefill_calls}")
+    assert be.moe_packed_prefill_calls > 0
+    for i, (a, c) in enumerate(steps):
+        assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
