@@ -141,7 +141,7 @@ class ModelParameters:
     warmup: bool = True
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
-    packed_weights: str = "off"
+    packed_weights: str = "auto"
 
     def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
         """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's

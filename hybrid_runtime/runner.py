@@ -38,8 +38,19 @@ log = logging.getLogger("hybrid_runtime.runner")
 TRT_PATHS = ("auto", "device", "host")
 # What a cuda GPTQ bundle keeps packed on the GPU (CudaBackend packed_linears / packed_experts): "off" dequantises
 # every packed weight at load (the float bundle's kernels and memory), "linears" keeps the dense projections only
-# packed, "experts" the MoE layers' experts, "all" both.
-PACKED_WEIGHTS = ("off", "linears", "experts", "all")
+# packed, "experts" the MoE layers' experts, "all" both; "auto" (the default) = "experts" for a GPTQ cuda bundle
+# (outputs bit-identical to "off" in a quarter of the experts' memory at int4), "off" for any other bundle.
+PACKED_WEIGHTS = ("auto", "off", "linears", "experts", "all")
+
+
+def resolve_packed_weights(packed_weights: str, manifest: Manifest) -> str:
+    """The :data:`PACKED_WEIGHTS` mode a bundle runs with: ``auto`` becomes ``experts`` for a GPTQ ``cuda`` bundle
+    and ``off`` for any other; the other modes are themselves. ConfigError for an unknown mode."""
+    if packed_weights not in PACKED_WEIGHTS:
+        raise ConfigError(f"packed_weights={packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
+    if packed_weights == "auto":
+        return "experts" if manifest.backend == "cuda" and manifest.quantization is not None else "off"
+    return packed_weights
 
 
 def resolve_device(device: str | None, manifest: Manifest) -> str:
@@ -67,15 +78,16 @@ class ModelRunner:
     packed on the GPU instead of being dequantised at load - decode steps then read them with the int4 / int8
     kernels (the experts with the dequantised bundle's bits, the projections within ~2% of its logits; about a
     quarter of the weight memory at int4); prefill runs packed experts on the packed grouped GEMMs where they run
-    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. Ignored, with a
-    log line, for any other bundle."""
+    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. ``auto`` (the
+    default): ``experts`` for a GPTQ cuda bundle, else ``off`` (:func:`resolve_packed_weights`). Any other mode
+    is ignored, with a log line, for a bundle it does not apply to."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
                  multi_block_mode: str = "auto", num_kv_pages: int | None = None,
                  intra_op_threads: int = 0, engine: Engine | None = None, device: str | None = None,
                  cuda_graphs: bool = True, backend: Backend | None = None,
                  gpu_memory_fraction: float | None = None, trt_path: str = "auto",
-                 packed_weights: str = "off") -> None:
+                 packed_weights: str = "auto") -> None:
         self.manifest = manifest
         cfg = self.cfg = manifest.model
         self.plans = plan_segments(cfg)
@@ -87,13 +99,14 @@ class ModelRunner:
                               f"in 16..256")
         if trt_path not in TRT_PATHS:
             raise ConfigError(f"trt_path={trt_path!r}: choose one of {', '.join(TRT_PATHS)}")
-        if packed_weights not in PACKED_WEIGHTS:
-            raise ConfigError(f"packed_weights={packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
-        if packed_weights != "off" and (manifest.backend != "cuda" or manifest.quantization is None
-                                        or backend is not None):
+        asked = packed_weights
+        packed_weights = resolve_packed_weights(packed_weights, manifest)
+        if asked not in ("auto", "off") and (manifest.backend != "cuda" or manifest.quantization is None
+                                             or backend is not None):
             log.info("packed_weights=%s has no effect here: it applies to GPTQ bundles built with --backend cuda "
                      "(this bundle: backend %s, %s)", packed_weights, manifest.backend,
                      "quantized" if manifest.quantization is not None else "not quantized")
+            packed_weights = "off"
         device = resolve_device(device, manifest)
         on_gpu = parse_device(device)[0] == "cuda"
         if trt_path == "device" and (not on_gpu or engine is not None or manifest.backend != "tensorrt"):

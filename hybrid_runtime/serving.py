@@ -87,10 +87,10 @@ class RuntimeOptions:
     # of a cuda bundle) then reach their working size at load, not an hour into serving, so the process's memory
     # is flat from the first request (the 2-hour soak's arena doubling after warm-up). Metrics start at zero after.
     warmup: bool = True
-    # GPTQ cuda bundles: which packed weights stay packed on the GPU (runner.PACKED_WEIGHTS: off | linears | experts
-    # | all); "off" dequantises them at load. Measured on the H200 (benchmarks/results/gpu_decode_step_quant_h200.md,
-    # 35B-A3B shape, int4): "all" decodes a batch of 8 in 0.49x the bf16 step's time in 31% of its weight memory.
-    packed_weights: str = "off"
+    # GPTQ cuda bundles: which packed weights stay packed on the GPU (runner.PACKED_WEIGHTS: auto | off | linears |
+    # experts | all); "off" dequantises them at load; "auto" = "experts" for a GPTQ cuda bundle (the same outputs
+    # as "off"), else "off". Measured on the H200: benchmarks/results/gpu_decode_step_quant_h200.md (35B-A3B, int4).
+    packed_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device != "auto":

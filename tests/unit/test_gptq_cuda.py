@@ -595,8 +595,9 @@ def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypa
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """``ModelRunner(packed_weights=...)`` (the ``packed_weights`` deployment parameter) turns into CudaBackend's
     ``packed_linears`` / ``packed_experts`` for a GPTQ cuda bundle (the backend a recording stand-in: no GPU
-    here); a bad value is refused before any backend is built (RuntimeOptions too); a bundle it does not apply to
-    says so in the log and builds the backend without it."""
+    here), ``auto`` (the default) as ``experts``; a bad value is refused before any backend is built
+    (RuntimeOptions too); on a bundle it does not apply to, ``auto`` is silently ``off`` and another mode says so
+    in the log, the backend built without it."""
     import dataclasses
     import logging
     from types import SimpleNamespace
@@ -615,18 +616,26 @@ def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypa
     monkeypatch.setattr(cb, "CudaBackend", Recorder)
     bq = gc.packed_experts_bundle(tmp_path)
     m = Manifest.load(bq)
-    want = {"off": (False, False), "linears": (True, False), "experts": (False, True), "all": (True, True)}
+    want = {"auto": (False, True), "off": (False, False), "linears": (True, False), "experts": (False, True),
+            "all": (True, True)}
     assert set(want) == set(PACKED_WEIGHTS)
     for mode, (lin, exp) in want.items():
         ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights=mode)
         assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (lin, exp), mode
+    ModelRunner(bq, m, device="cuda", cuda_graphs=False)  # the default: auto
+    assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, True)
+    assert RuntimeOptions().packed_weights == "auto"
     n = len(seen)
-    with pytest.raises(ConfigError, match=r"packed_weights='some'.*off, linears, experts, all"):
+    with pytest.raises(ConfigError, match=r"packed_weights='some'.*auto, off, linears, experts, all"):
         ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights="some")
     with pytest.raises(ConfigError, match="packed_weights"):
         RuntimeOptions(packed_weights="some")
     assert len(seen) == n
     plain = dataclasses.replace(m, quantization=None)  # a float cuda bundle: nothing to keep packed
     with caplog.at_level(logging.INFO, logger="hybrid_runtime.runner"):
+        ModelRunner(bq, plain, device="cuda", cuda_graphs=False, packed_weights="auto")
+        assert "has no effect" not in caplog.text  # auto says nothing where it does not apply
+        assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, False)
         ModelRunner(bq, plain, device="cuda", cuda_graphs=False, packed_weights="all")
     assert "packed_weights=all has no effect" in caplog.text and "not quantized" in caplog.text
+    assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, False)
