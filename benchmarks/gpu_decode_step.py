@@ -66,11 +66,12 @@ def manifest_for(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, pag
 
 def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: list[int], seed: int = 0,
           backend_kwargs: dict[str, Any] | None = None, bits: int = 16,
-          group: int = 128) -> tuple[Any, Any, dict[str, float]]:
+          group: int = 128, packed: str = "all") -> tuple[Any, Any, dict[str, float]]:
     """Backend + runner on random device weights, KV and state filled; graphs captured for ``buckets``.
     ``backend_kwargs`` go to :class:`CudaBackend` (e.g. ``fused_gdn_decode``, ``moe_decode``). ``bits`` 16: bf16
     weights (``DeviceWeights.random``); 4 / 8: a GPTQ bundle's layout with projections and experts kept packed in
-    groups of ``group`` (``DeviceWeights.random_packed``, benchmarks/gpu_decode_step_quant.py)."""
+    groups of ``group`` (``DeviceWeights.random_packed``, benchmarks/gpu_decode_step_quant.py), or the experts only
+    (``packed`` "experts": the layout of ``packed_weights=experts``)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -89,7 +90,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
         w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
     else:
         w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group,
-                                        seed=seed)
+                                        seed=seed, linears=packed == "all")
     dev.synchronize()
     t1 = time.perf_counter()
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, **(backend_kwargs or {}))

@@ -5,7 +5,8 @@ weights, against the same step in bf16 and each against its weight-read floor me
 
 Model: gpu_decode_step's (40 layers: 30 Gated DeltaNet + 10 gated attention, 256 experts top-8 + a folded shared
 expert). Quantized: :meth:`DeviceWeights.random_packed` - the layout a symmetric GPTQ bundle loads into with
-``packed_linears`` and ``packed_experts`` (every dense projection and every MoE layer's experts kept ONLY packed,
+``packed_linears`` and ``packed_experts`` (every dense projection and every MoE layer's experts kept ONLY packed
+- ``--packed experts``: the experts only, the layout of ``packed_weights=experts`` -,
 int4 / int8 codes in blocks of ``--group``, float16-valued scales as GPTQ stores them; embeddings, lm_head, norms,
 routers, conv weights in bf16), seeded random on the device (an int4 35B-A3B checkpoint is ~18 GB; no checkpoint
 is read). bf16: :meth:`DeviceWeights.random`. Per batch (context ``--context``): the step as served
@@ -52,12 +53,19 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bits", default="16,4,8", help="comma-separated: 16 (bf16), 4, 8 (GPTQ int4 / int8)")
     ap.add_argument("--group", type=int, default=128, help="GPTQ group (block) size of the packed weights")
+    ap.add_argument("--packed", default="all",
+                    help="comma-separated packed_weights modes of the quantized variants: all (projections and "
+                         "experts packed), experts (the experts only; projections bf16)")
     ap.add_argument("--profile", type=int, nargs="*", default=[1, 8],
                     help="batches whose eager step is also timed per kernel kind")
     args = ap.parse_args()
     variants = [int(b) for b in args.bits.split(",") if b]
     if not variants or set(variants) - {16, 4, 8}:
         ap.error(f"--bits {args.bits!r}: 16, 4 and / or 8")
+    modes = [m for m in args.packed.split(",") if m]
+    if not modes or set(modes) - {"all", "experts"}:
+        ap.error(f"--packed {args.packed!r}: all and / or experts")
+    runs = [(b, "all") for b in variants if b == 16] + [(b, m) for b in variants if b != 16 for m in modes]
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
@@ -67,11 +75,11 @@ def main() -> int:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     cfg = qwen35_moe_config(args.layers)
     rows: list[dict[str, Any]] = []
-    for bits in variants:
-        name = "bf16" if bits == 16 else f"int{bits} (GPTQ, group {args.group})"
+    for bits, mode in runs:
+        name = "bf16" if bits == 16 else f"int{bits} (GPTQ, group {args.group}, packed {mode})"
         max_seq = args.context + 64
         be, runner, load = build(cfg, max(args.batches), max_seq, max(args.batches) * -(-max_seq // 16),
-                                 args.batches, bits=bits, group=args.group)
+                                 args.batches, bits=bits, group=args.group, packed=mode)
         secs = sum(v for k, v in load.items() if k.endswith("_s"))
         gb = be.w.nbytes / 1e9
         log(f"{name}: weights {gb:.1f} GB, built and captured in {secs:.0f} s; packed MoE launches captured "
@@ -88,7 +96,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     base = {r["B"]: r["gpu"] for r in rows if r["name"] == "bf16"}
     lines = [f"# Decode step with GPTQ-quantized weights on the GPU (`cuda` backend), {datetime.date.today()}", "",
-             f"`python3 -m benchmarks.gpu_decode_step_quant --bits {args.bits} --group {args.group}` on "
+             f"`python3 -m benchmarks.gpu_decode_step_quant --bits {args.bits} --group {args.group} "
+             f"--packed {args.packed} --batches {' '.join(map(str, args.batches))}` on "
              f"{torch.cuda.get_device_name(0)}: Qwen3.5-35B-A3B text shape, {args.layers} layers, context "
              f"{args.context}; copy bandwidth measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes a step must "
              "read (float weights, packed projections and experts at their packed bytes, KV, GDN state) / copy "
@@ -101,8 +110,10 @@ def main() -> int:
         lines.append(f"| {r['name']} | {r['gb']:.1f} | {r['B']} | {r['mb']:.0f} | {r['floor'] * 1e3:.3f} | "
                      f"{r['gpu'] * 1e3:.3f} | {r['gpu'] / r['floor']:.2f} | {vs} | {r['wall'] * 1e3:.3f} | "
                      f"{r['nodes']} |")
-    lines += ["", "## Where an eager step's GPU time goes (CUDA events around every launch, queue filled first)", "",
-              "Eager launches with events between them (no graph, no PDL overlap): the kernels' own durations.", ""]
+    if any(r.get("profile") for r in rows):
+        lines += ["", "## Where an eager step's GPU time goes (CUDA events around every launch, queue filled first)",
+                  "", "Eager launches with events between them (no graph, no PDL overlap): the kernels' own durations.",
+                  ""]
     for r in rows:
         if not r.get("profile"):
             continue

@@ -50,10 +50,11 @@ def manifest(cfg: Any, max_num_tokens: int, max_seq_len: int, num_pages: int, sl
 
 
 def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bits: int = 16,
-          group: int = 128) -> tuple[Any, Any, float]:
+          group: int = 128, packed: str = "all") -> tuple[Any, Any, float]:
     """Backend + runner on random device weights: bf16 (``bits`` 16) or the layout a GPTQ int4 / int8 bundle
-    loads into with every projection and expert kept packed (``DeviceWeights.random_packed``: prefill steps
-    dequantise them into scratch buffers first)."""
+    loads into with ``packed_weights=packed`` (``all``: every projection and expert kept packed; ``experts``: the
+    experts only; ``DeviceWeights.random_packed``: prefill steps dequantise packed projections into a scratch
+    buffer first)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -73,7 +74,8 @@ def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bi
     if bits == 16:
         w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=0)
     else:
-        w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group, seed=0)
+        w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group, seed=0,
+                                        linears=packed == "all")
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
     runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
     dev.synchronize()
@@ -252,6 +254,9 @@ def main() -> None:
                          "(packed_weights=all: a prefill step dequantises the projections into scratch first, the "
                          "experts run on the packed grouped GEMMs unless --packed-moe-prefill off)")
     ap.add_argument("--group", type=int, default=128, help="GPTQ group size (--bits 4 / 8)")
+    ap.add_argument("--packed", choices=("all", "experts"), default="all",
+                    help="--bits 4 / 8: the packed_weights mode whose layout the weights take (all: projections and "
+                         "experts packed; experts: the projections bf16)")
     ap.add_argument("--packed-moe-prefill", choices=("on", "off"), default="on",
                     help="--bits 4 / 8: the experts on the packed grouped GEMMs (on, the backend's default) or "
                          "dequantised into scratch before each step (off)")
@@ -262,7 +267,7 @@ def main() -> None:
     lens = [int(x) for x in a.lens.split(",") if x]
     nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
     max_seq = max([*lens, bl, a.interleave, 64]) + 64  # the interleaving case's long prompt fits too
-    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group)
+    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group, a.packed)
     be.moe_slots_lowp = not a.f32_slots
     be.packed_moe_prefill = a.packed_moe_prefill == "on"
     cfg = be.cfg
@@ -290,7 +295,8 @@ def main() -> None:
         kinds[name] = sorted(((k, n, sec) for k, (n, sec) in prof.items()), key=lambda r: -r[2])
         rows.append({"case": name, "tokens": sum(plens), "steps": len(steps), "time": t,
                      "tok_s": sum(plens) / t, "tflops": fl / t / 1e12, "mfu": fl / t / peak})
-        log(f"{name}: {t * 1e3:.1f} ms, {sum(plens) / t:,.0f} tok/s, MFU {fl / t / peak:.1%}; last step "
+        log(f"{name}: {t * 1e3:.1f} ms (runs: {', '.join(f'{x * 1e3:.1f}' for x in times)}), "
+            f"{sum(plens) / t:,.0f} tok/s, MFU {fl / t / peak:.1%}; last step "
             + ", ".join(f"{k} {v:.0%}" for k, v in splits[name].items() if not k.startswith("_")))
 
     def table_for(L: int, offset: int) -> list[int]:
@@ -316,10 +322,12 @@ def main() -> None:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Prefill on the H200: Qwen3.5-35B-A3B shape, random " + (
-            "bf16 weights" if a.bits == 16 else f"GPTQ int{a.bits} weights (group {a.group}, packed_weights=all)"), "",
+            "bf16 weights" if a.bits == 16
+            else f"GPTQ int{a.bits} weights (group {a.group}, packed_weights={a.packed})"), "",
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
         f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}"
         f"{f' --bits {a.bits}' if a.bits != 16 else ''}"
+        f"{f' --packed {a.packed}' if a.bits != 16 and a.packed != 'all' else ''}"
         f"{' --packed-moe-prefill off' if a.bits != 16 and a.packed_moe_prefill == 'off' else ''}"
         f"{' --f32-slots' if a.f32_slots else ''}`  ",
         f"Device: {be.dev.limits.name}; bf16 matmul rate measured in this run (8192^3 torch.matmul): "
