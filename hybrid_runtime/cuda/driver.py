@@ -67,12 +67,18 @@ def is_sticky(err: BaseException) -> bool:
     return False
 
 
+_driver: list[Any] = []  # the imported cuda.bindings.driver module (bindings() is called before every driver call)
+
+
 def bindings() -> Any:
     """The ``cuda.bindings.driver`` module, or CudaError if cuda-bindings is not installed."""
+    if _driver:
+        return _driver[0]
     try:
         from cuda.bindings import driver
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise CudaError("import cuda.bindings", None, "CUDA_BINDINGS_MISSING", str(e)) from e
+    _driver.append(driver)
     return driver
 
 

@@ -200,7 +200,7 @@ def launch_problems(limits: DeviceLimits, grid: Sequence[int], block: Sequence[i
         for i, cap in enumerate((limits.max_grid_x, limits.max_grid_y, limits.max_grid_z)):
             if grid[i] > cap:
                 r.append("grid_" + "xyz"[i])
-        if int(np.prod(block)) > limits.max_threads_per_block:
+        if int(block[0]) * int(block[1]) * int(block[2]) > limits.max_threads_per_block:
             r.append("threads")
     if smem < 0 or smem + static_smem > limits.max_shared_mem_optin:
         r.append("smem_optin")
@@ -211,20 +211,55 @@ def launch_problems(limits: DeviceLimits, grid: Sequence[int], block: Sequence[i
 
 # struct codes of the parameter kinds, each in its 8-byte slot (4-byte kinds padded): one pack_into for all parameters
 _ARG_STRUCT = {"ptr": "Q", "u64": "Q", "i64": "q", "i32": "i4x", "u32": "I4x", "f32": "f4x"}
+_ARG_FORMATS: dict[tuple[str, ...], str] = {}  # the struct format of each signature (kinds in order) seen
 
 
 def pack_args(args: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
     """Kernel parameters as cuLaunchKernelEx wants them: a ``void**`` array (returned first, pass it as
     ``kernelParams``) pointing into an 8-byte-slot value buffer (returned second, keep it alive). One
-    ``struct.pack_into`` (a numpy scalar per parameter cost ~10 us a launch of 18 parameters on a busy host)."""
-    vals = np.zeros(max(1, len(args)), np.uint64)
-    if args:
-        struct.pack_into("<" + "".join(_ARG_STRUCT[kind] for kind, _ in args), vals, 0, *(v for _, v in args))
+    ``struct.pack_into`` (a numpy scalar per parameter cost ~10 us a launch of 18 parameters on a busy host), its
+    format made once per signature. KeyError for a kind outside ``_ARG_STRUCT``."""
+    n = len(args)
+    vals = np.zeros(max(1, n), np.uint64)
+    if n:
+        kinds = tuple([a[0] for a in args])
+        fmt = _ARG_FORMATS.get(kinds)
+        if fmt is None:
+            fmt = _ARG_FORMATS[kinds] = "<" + "".join([_ARG_STRUCT[k] for k in kinds])
+        struct.pack_into(fmt, vals, 0, *[a[1] for a in args])
         base = vals.ctypes.data
-        ptrs = np.arange(base, base + 8 * len(args), 8, dtype=np.uint64)
+        ptrs = np.arange(base, base + 8 * n, 8, dtype=np.uint64)
     else:
         ptrs = np.zeros(1, np.uint64)
     return ptrs, vals
+
+
+# Launch configurations a kernel keeps (validated geometry -> its CUlaunchConfig) before it starts over: prefill
+# grids follow the step's token count, so the set of keys is open-ended; a step repeats each per layer.
+CONFIG_CACHE_MAX = 256
+_pdl_attrs: list[Any] = []  # [the CUlaunchAttribute of programmatic stream serialization], made once
+
+
+def launch_config(grid: Sequence[int], block: Sequence[int], smem: int, stream: Any, pdl: bool) -> Any:
+    """A ``CUlaunchConfig`` for cuLaunchKernelEx (``pdl``: programmatic stream serialization allowed). The driver
+    reads it during the call only, so one object serves any number of launches."""
+    drv = bindings()
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
+    cfg.sharedMemBytes = int(smem)
+    cfg.hStream = stream
+    if pdl:
+        if not _pdl_attrs:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            _pdl_attrs.append(attr)
+        cfg.attrs = _pdl_attrs
+        cfg.numAttrs = 1
+    else:
+        cfg.numAttrs = 0
+    return cfg
 
 
 @dataclass
@@ -251,6 +286,9 @@ class Kernel:
         self._functions: dict[int, Any] = {}
         self._optin: dict[int, int] = {}
         self._static: dict[int, int] = {}
+        # (ordinal, stream, grid, block, smem, pdl) -> the CUlaunchConfig of a launch the guard accepted; cleared
+        # when the kernel's shared-memory opt-in changes (the verdict depends on it) and past CONFIG_CACHE_MAX
+        self._configs: dict[tuple, Any] = {}
 
     def function(self, device: CudaDevice) -> Any:
         """CUfunction of this kernel in ``device``'s context (loads the library there on first use)."""
@@ -283,6 +321,7 @@ class Kernel:
         # The same limit on the CUfunction of this device's context (what cuLaunchKernelEx launches).
         call("cuFuncSetAttribute", drv.cuFuncSetAttribute, self.function(device), attr, want)
         self._optin[device.ordinal] = want
+        self._configs.clear()  # verdicts given under the old limit
         return want
 
     def optin_bytes(self, device: CudaDevice) -> int | None:
@@ -297,34 +336,34 @@ class Kernel:
         """The raw ``cuLaunchKernelEx`` on the device's stream, with no pre-launch check; returns the
         CUresult code (tests use it to show the driver rejects what the guard rejects). ``pdl`` sets
         ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``."""
-        drv = bindings()
-        cfg = drv.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
-        cfg.sharedMemBytes = int(smem)
-        cfg.hStream = device.stream
-        if pdl:
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-        else:
-            cfg.numAttrs = 0
+        return self._launch_with(device, launch_config(grid, block, smem, device.stream, pdl), args)
+
+    def _launch_with(self, device: CudaDevice, cfg: Any, args: Sequence[tuple[str, Any]]) -> int:
         ptrs, _vals = pack_args(args)
-        f = self.function(device)
+        f = self._functions.get(device.ordinal)
+        if f is None:
+            f = self.function(device)
         device.activate()
-        res = drv.cuLaunchKernelEx(cfg, f, ptrs, 0)
+        res = bindings().cuLaunchKernelEx(cfg, f, ptrs, 0)
         return int(res[0] if isinstance(res, tuple) else res)
 
     def launch(self, device: CudaDevice, grid: Sequence[int], block: Sequence[int], smem: int,
                args: Sequence[tuple[str, Any]], pdl: bool = False) -> None:
         """Guarded launch: LaunchRejected if the configuration is invalid on this device, CudaError if the
-        driver still refuses it. ``pdl`` is honoured on sm_90+ devices only."""
-        if reasons := self.problems(device, grid, block, smem):
-            raise LaunchRejected(f"{self.name} on {device.limits.name}", reasons)
-        pdl = pdl and device.compute_capability >= (9, 0)
-        code = self.launch_unchecked(device, grid, block, smem, args, pdl)
+        driver still refuses it. ``pdl`` is honoured on sm_90+ devices only. A geometry the guard accepted keeps
+        its verdict and launch configuration (``_configs``), so a repeated launch skips both; what the verdict
+        depends on is in the key (device, stream, grid, block, shared memory, pdl) or clears it (the kernel's
+        shared-memory opt-in)."""
+        key = (device.ordinal, int(device.stream), tuple(grid), tuple(block), smem, pdl)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if reasons := self.problems(device, grid, block, smem):
+                raise LaunchRejected(f"{self.name} on {device.limits.name}", reasons)
+            cfg = launch_config(grid, block, smem, device.stream, pdl and device.compute_capability >= (9, 0))
+            if len(self._configs) >= CONFIG_CACHE_MAX:
+                self._configs.clear()
+            self._configs[key] = cfg
+        code = self._launch_with(device, cfg, args)
         if code != 0:
             from .driver import error_name
 
