@@ -286,8 +286,9 @@ class Kernel:
         self._functions: dict[int, Any] = {}
         self._optin: dict[int, int] = {}
         self._static: dict[int, int] = {}
-        # (ordinal, stream, grid, block, smem, pdl) -> the CUlaunchConfig of a launch the guard accepted; cleared
-        # when the kernel's shared-memory opt-in changes (the verdict depends on it) and past CONFIG_CACHE_MAX
+        # (ordinal, limits, stream, grid, block, smem, pdl) -> (the CUlaunchConfig of a launch the guard accepted, the
+        # limits it was checked against); cleared when the kernel's shared-memory opt-in changes (the verdict depends
+        # on it) and past CONFIG_CACHE_MAX
         self._configs: dict[tuple, Any] = {}
 
     def function(self, device: CudaDevice) -> Any:
@@ -352,17 +353,20 @@ class Kernel:
         """Guarded launch: LaunchRejected if the configuration is invalid on this device, CudaError if the
         driver still refuses it. ``pdl`` is honoured on sm_90+ devices only. A geometry the guard accepted keeps
         its verdict and launch configuration (``_configs``), so a repeated launch skips both; what the verdict
-        depends on is in the key (device, stream, grid, block, shared memory, pdl) or clears it (the kernel's
-        shared-memory opt-in)."""
-        key = (device.ordinal, int(device.stream), tuple(grid), tuple(block), smem, pdl)
-        cfg = self._configs.get(key)
-        if cfg is None:
+        depends on is in the key (device, its limits, stream, grid, block, shared memory, pdl) or clears it (the
+        kernel's shared-memory opt-in)."""
+        # the limits object by identity (the entry holds it, so the id cannot be reused while the entry lives)
+        key = (device.ordinal, id(device.limits), int(device.stream), tuple(grid), tuple(block), smem, pdl)
+        hit = self._configs.get(key)
+        if hit is None:
             if reasons := self.problems(device, grid, block, smem):
                 raise LaunchRejected(f"{self.name} on {device.limits.name}", reasons)
             cfg = launch_config(grid, block, smem, device.stream, pdl and device.compute_capability >= (9, 0))
             if len(self._configs) >= CONFIG_CACHE_MAX:
                 self._configs.clear()
-            self._configs[key] = cfg
+            self._configs[key] = (cfg, device.limits)
+        else:
+            cfg = hit[0]
         code = self._launch_with(device, cfg, args)
         if code != 0:
             from .driver import error_name

@@ -133,6 +133,18 @@ def test_the_verdict_is_redone_when_the_shared_memory_opt_in_changes(drv: FakeDr
     assert len(drv.launches) == 2
 
 
+def test_other_limits_on_the_device_are_checked_again(drv: FakeDriver) -> None:
+    from dataclasses import replace
+
+    k = kernels.Kernel(None, "k", "h")  # type: ignore[arg-type]
+    dev = FakeDevice()
+    k.launch(dev, (1, 1, 1), (512, 1, 1), 0, [])  # type: ignore[arg-type]
+    dev.limits = replace(LIMITS, max_threads_per_block=256)  # a device whose limits are other
+    with pytest.raises(kernels.LaunchRejected, match="threads"):
+        k.launch(dev, (1, 1, 1), (512, 1, 1), 0, [])  # type: ignore[arg-type]
+    assert len(drv.launches) == 1
+
+
 def test_the_configuration_cache_is_bounded(drv: FakeDriver) -> None:
     k = kernels.Kernel(None, "k", "h")  # type: ignore[arg-type]
     dev = FakeDevice()
