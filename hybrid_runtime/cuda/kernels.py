@@ -341,9 +341,7 @@ class Kernel:
 
     def _launch_with(self, device: CudaDevice, cfg: Any, args: Sequence[tuple[str, Any]]) -> int:
         ptrs, _vals = pack_args(args)
-        f = self._functions.get(device.ordinal)
-        if f is None:
-            f = self.function(device)
+        f = self.function(device)
         device.activate()
         res = bindings().cuLaunchKernelEx(cfg, f, ptrs, 0)
         return int(res[0] if isinstance(res, tuple) else res)
