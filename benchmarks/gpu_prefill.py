@@ -50,11 +50,12 @@ def manifest(cfg: Any, max_num_tokens: int, max_seq_len: int, num_pages: int, sl
 
 
 def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bits: int = 16,
-          group: int = 128, packed: str = "all") -> tuple[Any, Any, float]:
+          group: int = 128, packed: str = "all", packed_moe_prefill: bool = True) -> tuple[Any, Any, float]:
     """Backend + runner on random device weights: bf16 (``bits`` 16) or the layout a GPTQ int4 / int8 bundle
     loads into with ``packed_weights=packed`` (``all``: every projection and expert kept packed; ``experts``: the
     experts only; ``DeviceWeights.random_packed``: prefill steps dequantise packed projections into a scratch
-    buffer first)."""
+    buffer first); ``packed_moe_prefill`` False: the packed experts are dequantised before each prefill step (the
+    backend then keeps the dequantised scratch stack)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -76,7 +77,7 @@ def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bi
     else:
         w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group, seed=0,
                                         linears=packed == "all")
-    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w)
+    be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, packed_moe_prefill=packed_moe_prefill)
     runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
     dev.synchronize()
     return be, runner, time.perf_counter() - t0
@@ -267,9 +268,9 @@ def main() -> None:
     lens = [int(x) for x in a.lens.split(",") if x]
     nb, bl = (int(x) for x in a.batch.split("x")) if a.batch else (0, 0)
     max_seq = max([*lens, bl, a.interleave, 64]) + 64  # the interleaving case's long prompt fits too
-    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group, a.packed)
+    be, runner, build_s = build(a.layers, a.chunk, max_seq, max(8, nb), a.bits, a.group, a.packed,
+                                a.packed_moe_prefill == "on")
     be.moe_slots_lowp = not a.f32_slots
-    be.packed_moe_prefill = a.packed_moe_prefill == "on"
     cfg = be.cfg
     log(f"built in {build_s:.0f} s: {be.w.nbytes / 1e9:.1f} GB weights, {be.num_pages} KV pages")
     peak = matmul_rate(torch)

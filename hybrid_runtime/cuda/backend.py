@@ -122,6 +122,38 @@ def moe_path(prefill: bool, n: int, tensor_cores: bool, decode_mode: str = "auto
     return "cuda_cores" if decode_mode == "cuda_cores" else "mma_decode"
 
 
+def moe_scratch_reasons(packed_bits: dict[int, int], folds: dict[int, bool], max_tokens: int, tensor_cores: bool,
+                        decode_mode: str, packed_moe_prefill: bool,
+                        packed_prefill_ok: Callable[[int, bool], bool]) -> list[str]:
+    """Why a backend with packed experts (``packed_bits``: MoE layer -> code bits of its packed experts;
+    ``folds``: layer -> whether its shared expert is folded in as expert E) needs the dequantised scratch stack
+    (``DeviceWeights.moe_scratch``: ``E_all x 3 x I x H`` elements of the bundle dtype, 1.6 GB for Qwen3.5-35B-A3B)
+    for some step it can run; empty: every step reads the packed experts directly and the stack can go.
+
+    The paths (``moe()``): decode steps on ``"mma_decode"`` read them with the packed decode MoE at every batch size;
+    ``"tensor_cores"`` steps (every prefill step of ``1 .. max_tokens`` rows, and decode steps in that mode, folded
+    up to :data:`FOLD_MAX_TOKENS` rows) run the packed grouped GEMMs when ``packed_moe_prefill`` is on, the step's
+    rows are at most ``PACKED_MAX_TOKENS[bits]`` and ``packed_prefill_ok(layer, fold)`` (Hopper; the stacks'
+    shapes); ``"cuda_cores"`` steps always dequantise first."""
+    out: list[str] = []
+    decode_path = moe_path(False, 1, tensor_cores, decode_mode)  # the same path for every decode batch size
+    if decode_path == "cuda_cores":
+        out.append("decode steps take the CUDA-core MoE, which reads dequantised experts"
+                   + ("" if tensor_cores else " (no tensor-core MoE for this dtype / shape)"))
+    tc_folds = [False] + ([True] if decode_path == "tensor_cores" else [])  # prefill never folds
+    if tensor_cores and not packed_moe_prefill:
+        out.append("packed_moe_prefill is off: tensor-core steps dequantise the experts first")
+    elif tensor_cores:
+        for layer, bits in sorted(packed_bits.items()):
+            cap = PACKED_MAX_TOKENS.get(bits, 0)
+            if max_tokens > cap:
+                out.append(f"layer {layer}: steps of {cap + 1}..{max_tokens} rows ({bits}-bit) dequantise first")
+            bad = [f for f in tc_folds if (not f or folds.get(layer, False)) and not packed_prefill_ok(layer, f)]
+            if bad:
+                out.append(f"layer {layer}: the packed grouped GEMMs refuse its stacks (see the load log)")
+    return out
+
+
 def to_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
     """float32 host values as the raw bits of ``dtype`` (bfloat16 as uint16), for uploads."""
     from ..weights_io import f32_to_bf16_bits
@@ -369,6 +401,24 @@ class CudaBackend:
                     folds = (False, True) if self.w.moe(layer).fold else (False,)
                     if any([self._packed_prefill_ok(layer, pk, f) for f in folds]):
                         self.moe_prefill.packed_module(pk.sources[0].bits)
+            # the dequantised scratch stack only where some step can need it (before the memory plan reads free
+            # memory: what it held goes to the KV pool)
+            scratch = self.w.moe_scratch
+            if scratch is not None:
+                why = moe_scratch_reasons(
+                    {layer: pk.sources[0].bits for layer, pk in self.w.packed_moe.items()},
+                    {layer: self.w.moe(layer).fold for layer in self.w.packed_moe},
+                    max(lim.max_num_tokens, lim.max_batch_size), self.moe_prefill is not None, self.moe_decode,
+                    packed_moe_prefill,
+                    lambda layer, fold: self._packed_prefill_ok(layer, self.w.packed_moe[layer], fold))
+                gib = sum(a.nbytes for a in scratch) / 2**30
+                if why:
+                    log.info("packed experts: keeping the %.2f GiB dequantised scratch stack: %s", gib,
+                             "; ".join(why[:4]) + (f"; and {len(why) - 4} more" if len(why) > 4 else ""))
+                else:
+                    self.w.release_moe_scratch()
+                    log.info("packed experts: every step reads them packed; the %.2f GiB dequantised scratch stack "
+                             "is freed", gib)
         self.nbits: NBitsDecode | None = None
         self.nbits_deq: NBitsDequant | None = None
         self.nbits_scratch: DeviceArray | None = None

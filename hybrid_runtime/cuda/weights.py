@@ -25,6 +25,7 @@ dequantised on its own (``shared_gate_up`` / ``shared_down``) for the steps that
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,8 @@ ROUTER_ALIGN = 8  # router rows padded so the logits' row stride stays 16-byte a
 class MoEWeights:
     router: DeviceArray  # [E_pad, H]: experts' rows, then the shared gate's row (if any), then zeros
     e_pad: int
-    gate_up: DeviceArray  # [E_all, 2I, H]
-    down: DeviceArray  # [E_all, H, I]
+    gate_up: DeviceArray | None  # [E_all, 2I, H]; None: experts kept only packed, scratch stack released
+    down: DeviceArray | None  # [E_all, H, I]
     num_experts: int  # E (routed)
     fold: bool  # the shared expert is expert E of gate_up / down
     shared_gate_up: DeviceArray | None  # [2Is, H] when a shared expert exists and is not folded, or its experts
@@ -157,7 +158,7 @@ class DeviceWeights:
     def nbytes(self) -> int:
         seen, n = set(), 0
         for a in [*self.arrays.values(), *(x for m in self._moe.values() for x in (m.router, m.gate_up, m.down))]:
-            if a.ptr not in seen:
+            if a is not None and a.ptr not in seen:
                 seen.add(a.ptr)
                 n += a.nbytes
         return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values(),
@@ -173,9 +174,30 @@ class DeviceWeights:
         pk = self.packed_moe.get(layer)
         if pk is None:
             return
-        assert self.moe_scratch is not None and self._deq is not None
+        if self.moe_scratch is None:
+            raise RuntimeError(f"layer {layer}: a step needs its packed experts dequantised, but the scratch stack was "
+                               f"released at load (CudaBackend found that every step reads them packed): a backend "
+                               f"setting changed after load?")
+        assert self._deq is not None
         for src, dst in zip(pk.sources, self.moe_scratch, strict=True):
             self._deq.launch(src, dst.ptr, src.K, src.N * src.K)
+
+    def release_moe_scratch(self) -> int:
+        """Free the dequantised scratch stack of the packed-expert layers (when no step can need it: CudaBackend
+        decides at load, ``moe_scratch_reasons``); their MoEWeights' ``gate_up`` / ``down`` become None and
+        :meth:`dequantise_experts` raises from then on. Returns the bytes freed (0: there was none)."""
+        if self.moe_scratch is None:
+            return 0
+        freed = sum(a.nbytes for a in self.moe_scratch)
+        for layer in self.packed_moe:
+            self._moe[layer] = dataclasses.replace(self._moe[layer], gate_up=None, down=None)
+        self.device.synchronize()  # nothing queued may still write it
+        for a in self.moe_scratch:
+            owner = a.owner
+            if owner is not None and hasattr(owner, "free"):
+                owner.free()
+        self.moe_scratch = None
+        return freed
 
     # ------------------------------------------------------------------ building
 

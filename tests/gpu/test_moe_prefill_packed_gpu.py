@@ -157,8 +157,9 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
     experts and folded shared expert of I 128): its prefill steps run the packed grouped GEMMs (counted), and
     prefill + decode give the logits of the same bundle dequantised at load BIT FOR BIT (teacher-forced, prefill
     chunks of 5 tokens then 6 decode steps of 3 sequences); with ``packed_moe_prefill`` off the same bits again.
-    The packed GEMMs' build is compiled when the backend is made (no step compiles), and zero-points get their
-    int32 copy only where those GEMMs run."""
+    With it on, no step needs the dequantised scratch stack, so the backend frees it at load. The packed GEMMs'
+    build is compiled when the backend is made (no step compiles), and zero-points get their int32 copy only where
+    those GEMMs run."""
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
@@ -174,6 +175,9 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
     off = CudaBackend(b, m, device="cuda", packed_experts=True, packed_moe_prefill=False)
     assert packed.w.packed_moe and not plain.w.packed_moe
     assert set(packed.moe_prefill.__dict__.get("_packed_modules", {})) == {bits}  # compiled at load
+    # every step of `packed` reads the experts packed: no dequantised scratch stack; `off` dequantises into it
+    assert packed.w.moe_scratch is None and off.w.moe_scratch is not None
+    assert all(packed.w.moe(layer).gate_up is None for layer in packed.w.packed_moe)
     assert not off.moe_prefill.__dict__.get("_packed_modules")
     for pk_on, pk_off in zip(packed.w.packed_moe.values(), off.w.packed_moe.values(), strict=True):
         assert all((z is None) == sym for z in pk_on.zeros)  # asymmetric: the int32 copies
@@ -195,9 +199,9 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
 def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(tmp_path) -> None:
     """``ModelRunner`` with the default ``packed_weights`` (``auto``: ``experts`` for a GPTQ cuda bundle), CUDA graphs
     captured as served, on a bf16 int4 asymmetric GPTQ bundle: the experts stay only packed (fewer weight bytes than
-    ``packed_weights="off"``), prefill runs the packed grouped GEMMs and the captured decode graphs the packed decode
-    MoE (both counted), and the logits equal ``off``'s BIT FOR BIT (teacher-forced: prefill chunks of 5 tokens, then
-    8 decode steps of 3 sequences)."""
+    ``packed_weights="off"``, and no dequantised scratch stack), prefill runs the packed grouped GEMMs and the
+    captured decode graphs the packed decode MoE (both counted), and the logits equal ``off``'s BIT FOR BIT
+    (teacher-forced: prefill chunks of 5 tokens, then 8 decode steps of 3 sequences)."""
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
@@ -212,6 +216,7 @@ def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(t
     be = auto.backend
     assert be.w.packed_moe and not be.w.packed_only and not off.backend.w.packed_moe  # type: ignore[attr-defined]
     assert be.w.nbytes < off.backend.w.nbytes and be.graphs and be.moe_nbits_calls > 0  # type: ignore[attr-defined]
+    assert be.w.moe_scratch is None  # type: ignore[attr-defined]  # every step reads them packed: stack freed
     rng = np.random.default_rng(5)
     lens, slots, decode_steps = [33, 18, 7], [2, 0, 1], 8
     prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]

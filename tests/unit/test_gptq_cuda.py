@@ -531,6 +531,68 @@ def test_packed_experts_keep_the_moe_layers_only_packed(tmp_path: Path, monkeypa
     assert not wa.packed_moe and wa.moe_scratch is None
 
 
+def test_release_moe_scratch_frees_the_stack_and_any_later_dequantisation_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceWeights.release_moe_scratch`` (CudaBackend calls it at load when every step reads the experts packed):
+    both stack arrays are freed through their owners, the packed layers' MoEWeights lose ``gate_up`` / ``down``
+    (router and shared-expert copies kept), the weight bytes fall by exactly the stack's, and
+    ``dequantise_experts`` then raises a RuntimeError naming the layer instead of launching into freed memory; a
+    second release frees nothing."""
+    bq = gc.packed_experts_bundle(tmp_path)
+    dev, w = _load_fake(bq, monkeypatch, experts=True)
+    assert w.packed_moe and w.moe_scratch is not None
+    stack = sum(a.nbytes for a in w.moe_scratch)
+    before, freed0 = w.nbytes, dev.freed
+    kept = {layer: (w.moe(layer).router.ptr, w.moe(layer).shared_gate_up) for layer in w.packed_moe}
+    assert w.release_moe_scratch() == stack
+    assert w.moe_scratch is None and dev.freed == freed0 + 2
+    assert w.nbytes == before - stack
+    layer = next(iter(w.packed_moe))
+    for lay, (router, sgu) in kept.items():
+        m = w.moe(lay)
+        assert m.gate_up is None and m.down is None and m.router.ptr == router and m.shared_gate_up is sgu
+    with pytest.raises(RuntimeError, match=f"layer {layer}: .*scratch stack was released"):
+        w.dequantise_experts(layer)
+    assert w.release_moe_scratch() == 0
+
+
+def test_moe_scratch_reasons_name_every_step_that_would_dequantise_packed_experts() -> None:
+    """``moe_scratch_reasons`` (whether CudaBackend keeps the dequantised scratch stack of packed experts): none on
+    Hopper with the default modes (decode on the packed decode MoE, prefill on the packed grouped GEMMs; int4 has no
+    row cap); a reason for int8 steps past ``PACKED_MAX_TOKENS``, ``packed_moe_prefill`` off, the CUDA-core decode
+    MoE, no tensor-core MoE at all, and a layer whose stacks the packed GEMMs refuse (asked only for the folds a
+    step can take: prefill never folds; the ``tensor_cores`` decode mode folds the layers that have a shared
+    expert)."""
+    from hybrid_runtime.cuda.backend import moe_scratch_reasons
+    from hybrid_runtime.cuda.moe_prefill import PACKED_MAX_TOKENS
+
+    asked: list[tuple[int, bool]] = []
+
+    def ok(layer: int, fold: bool) -> bool:
+        asked.append((layer, fold))
+        return True
+
+    bits4, folds = {3: 4, 7: 4}, {3: True, 7: False}
+    assert moe_scratch_reasons(bits4, folds, 8192, True, "auto", True, ok) == []
+    assert sorted(asked) == [(3, False), (7, False)]  # prefill never folds; decode is mma_decode
+    asked.clear()
+    assert moe_scratch_reasons(bits4, folds, 8192, True, "tensor_cores", True, ok) == []
+    assert sorted(asked) == [(3, False), (3, True), (7, False)]
+    cap8 = PACKED_MAX_TOKENS[8]
+    assert moe_scratch_reasons({3: 8}, folds, cap8, True, "auto", True, ok) == []
+    why = moe_scratch_reasons({3: 8}, folds, cap8 + 1, True, "auto", True, ok)
+    assert len(why) == 1 and f"steps of {cap8 + 1}..{cap8 + 1} rows (8-bit)" in why[0]
+    assert "packed_moe_prefill is off" in moe_scratch_reasons(bits4, folds, 64, True, "auto", False, ok)[0]
+    assert "CUDA-core MoE" in moe_scratch_reasons(bits4, folds, 64, True, "cuda_cores", True, ok)[0]
+    no_tc = moe_scratch_reasons(bits4, folds, 64, False, "auto", True, ok)
+    assert len(no_tc) == 1 and "no tensor-core MoE" in no_tc[0]
+    why = moe_scratch_reasons(bits4, folds, 64, True, "auto", True, lambda layer, fold: layer != 7)
+    assert why == ["layer 7: the packed grouped GEMMs refuse its stacks (see the load log)"]
+    # a refusal only of the folded stacks matters only where decode steps take the tensor cores
+    assert moe_scratch_reasons(bits4, folds, 64, True, "auto", True, lambda layer, fold: not fold) == []
+    assert len(moe_scratch_reasons(bits4, folds, 64, True, "tensor_cores", True, lambda layer, fold: not fold)) == 1
+
+
 def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``DeviceWeights.random_packed`` (the quantized-step benchmark's model: no checkpoint) builds what
