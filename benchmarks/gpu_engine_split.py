@@ -1,0 +1,101 @@
+"""Where a served decode step's wall time goes inside the ServingEngine's loop (issue 15: step as served vs GPU).
+
+``python3 -m benchmarks.gpu_engine_split [--layers 40] [--concurrency 1 16 64] [--new 64]`` (device script):
+builds the Qwen3.5-35B-A3B-shaped ``cuda`` bundle of ``benchmarks.gpu_serve`` (dummy bf16 weights generated on
+the GPU), starts a ServingEngine in this process and, per concurrency ``c``, submits ``c`` greedy requests of 32
+prompt tokens and ``--new`` new tokens at once. It wraps the engine thread's pieces and prints, over the decode
+steps of ``c`` rows: the whole ``_step`` (what a token's inter-token latency is made of), the backend's
+``prepare`` (validation, packing of the upload, plan and graph choice: host only), ``execute`` (upload, graph
+replay, synchronise, download, unpack: GPU time plus a little host) and ``_on_token`` per token (detokenisation,
+stop strings, the event, metrics) times ``c``. What ``prepare`` and ``_on_token`` take is the host work an
+engine that overlapped it with the previous step's GPU work would hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--new", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--root", type=Path, default=Path("/tmp/gpu_engine_split"))
+    a = ap.parse_args()
+
+    from benchmarks.gpu_serve import _ids, build
+    from hybrid_runtime.sampling import SamplingParams
+    from hybrid_runtime.serving import GenerationRequest, RuntimeOptions, ServingEngine, generate
+
+    bundle = build(a.root, a.layers, max(a.concurrency), 2048)
+    eng = ServingEngine(bundle, RuntimeOptions()).start()
+    times: dict[Any, list[float]] = collections.defaultdict(list)
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                times[key].append(time.perf_counter() - t)
+
+        setattr(obj, name, timed)
+
+    be = eng.runner.backend
+    wrap(be, "prepare", "prepare")
+    wrap(be, "execute", "execute")
+    wrap(eng, "_on_token", "on_token")
+    step = eng._step
+
+    def timed_step(batch: Any) -> None:
+        t = time.perf_counter()
+        step(batch)
+        times[("step", batch.phase.name, len(batch.steps))].append(time.perf_counter() - t)
+
+    eng._step = timed_step  # type: ignore[method-assign]
+    try:
+        generate(eng, [GenerationRequest("warm", prompt_ids=tuple(_ids(0, 0, 4)),
+                                         params=SamplingParams(max_tokens=2))])
+        print("| concurrency | decode steps | step (us) | prepare (us) | execute (us) | _on_token x c (us) | "
+              "rest (us) | host share of the step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in a.concurrency:
+            times.clear()
+            done, left = threading.Event(), [c]
+
+            def sink(ev: Any, done: threading.Event = done, left: list[int] = left) -> None:
+                if ev.final:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
+            for w in range(c):
+                eng.submit(GenerationRequest(f"c{c}-{w}", prompt_ids=tuple(_ids(w, 0, 32)),
+                                             params=SamplingParams(max_tokens=a.new, ignore_eos=True, temperature=0)),
+                           sink)
+            done.wait(600)
+            full = times.get(("step", "DECODE", c), [])
+            if not full:
+                print(f"| {c} | 0 | - | - | - | - | - | - |")
+                continue
+            med = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
+            st, pr, ex = med(full), med(times["prepare"]), med(times["execute"])
+            tok = c * med(times["on_token"])
+            rest = st - pr - ex - tok
+            print(f"| {c} | {len(full)} | {st:.0f} | {pr:.0f} | {ex:.0f} | {tok:.0f} | {rest:.0f} | "
+                  f"{(st - ex) / st:.1%} |", flush=True)
+    finally:
+        eng.shutdown()
+
+
+if __name__ == "__main__":
+    main()
