@@ -4,6 +4,7 @@ mapping kind (smaps), onnxruntime's arena extensions from the server log, and ho
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 import threading
@@ -73,6 +74,7 @@ def test_malloc_stats_sees_a_threads_arena_and_an_mmapped_block() -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
+    gc.collect()
     before = malloc_stats()
     big = libc.malloc(64 << 20)  # above any mmap threshold glibc can have (at most 32 MiB): its own mapping
     held: list[int] = []
@@ -96,7 +98,10 @@ def test_malloc_stats_sees_a_threads_arena_and_an_mmapped_block() -> None:
         libc.free(big)
     assert during["malloc_mmap_bytes"] >= before["malloc_mmap_bytes"] + (64 << 20)
     assert during["malloc_mmap_chunks"] >= before["malloc_mmap_chunks"] + 1
-    assert during["malloc_in_use_bytes"] >= before["malloc_in_use_bytes"] + (64 << 20) + 2_000_000
+    # The figures are the whole process's: other threads of the test process (pools left by earlier tests)
+    # may free a little between the two readings (CI once saw the 2 MB come out 1.5 KB short), so the
+    # thread's 2 MB must show, less a slack far below it (a reader that missed the thread's arena fails).
+    assert during["malloc_in_use_bytes"] >= before["malloc_in_use_bytes"] + (64 << 20) + 2_000_000 - 256_000
     if os.environ.get("MALLOC_ARENA_MAX") not in ("1",):
         assert during["malloc_arenas"] >= 2 and during["malloc_thread_arenas_bytes"] > 0
 
