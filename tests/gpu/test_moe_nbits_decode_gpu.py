@@ -192,6 +192,8 @@ class Rig:
         """One step: canaries, routing (moe_route up to 16 tokens, moe_topk + moe_group past that), ``moe`` (a
         MoENBitsDecode) on the packed experts and ``ref`` (a MoEDecode or None) on the dequantised ones."""
         dev, b, H = self.dev, self.b, self.H
+        for k_ in (moe, ref):  # one stream orders the canaries, routing and experts: the kernels' device is the rig's
+            assert k_ is None or k_.device is dev, "kernels of another CudaDevice (another stream) than the rig's"
         hd = dev.upload(h_bits, dtype=self.dtype)
         lg = dev.upload(np.ascontiguousarray(logits, np.float32))
         for name in ("y", "y_ref"):
@@ -231,29 +233,33 @@ class Rig:
         return y
 
 
+# Both caches are keyed by the device too: another module imports ``dev`` and ``rig`` (test_moe_prefill_packed_gpu),
+# so each module has a CudaDevice of its own, each with its own stream. A rig or kernel of one device used with
+# the other's ran the memsets and routing on one stream and the experts on the other, unordered: a race that left
+# canary NaNs in act about one run in two (seen on the H100 and H200; Rig.run now refuses the mix).
 _rigs: dict[tuple, Rig] = {}
 _kernels: dict[tuple, object] = {}
 
 
 def rig(dev, dtype: str, shape: str, bits: int) -> Rig:
-    if (dtype, shape, bits) not in _rigs:
+    if (dev, dtype, shape, bits) not in _rigs:
         _rigs.clear()  # one at a time: the 35B stacks are 0.4 / 0.8 GB packed + 1.6 GB dequantised
-        _rigs[dtype, shape, bits] = Rig(dev, dtype, shape, bits)
-    return _rigs[dtype, shape, bits]
+        _rigs[dev, dtype, shape, bits] = Rig(dev, dtype, shape, bits)
+    return _rigs[dev, dtype, shape, bits]
 
 
 def kernels(dev, dtype: str, knobs: str = "default"):
-    """(MoENBitsDecode, the MoEDecode build with the same tiles) of KNOB_SETS[knobs]."""
+    """(MoENBitsDecode, the MoEDecode build with the same tiles) of KNOB_SETS[knobs], on ``dev``."""
     from hybrid_runtime.cuda.moe_decode import MoEDecode
     from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode
 
-    if (dtype, knobs) not in _kernels:
+    if (dev, dtype, knobs) not in _kernels:
         kn = KNOB_SETS[knobs]
         dk = kn.decode_knobs()
-        if (dtype, dk) not in _kernels:
-            _kernels[dtype, dk] = MoEDecode(dev, dtype, **asdict(dk))
-        _kernels[dtype, knobs] = (MoENBitsDecode(dev, dtype, kn), _kernels[dtype, dk])
-    return _kernels[dtype, knobs]
+        if (dev, dtype, dk) not in _kernels:
+            _kernels[dev, dtype, dk] = MoEDecode(dev, dtype, **asdict(dk))
+        _kernels[dev, dtype, knobs] = (MoENBitsDecode(dev, dtype, kn), _kernels[dev, dtype, dk])
+    return _kernels[dev, dtype, knobs]
 
 
 def check_step(r: Rig, got: dict[str, np.ndarray], n: int, hb: np.ndarray, lg: np.ndarray, fold: bool, label: str,
