@@ -146,6 +146,7 @@ class Rig:
         """One step: canaries into y / act, routing, ``moe`` (a MoEDecode) and optionally the CUDA-core pair;
         every buffer downloaded. ``h_bits`` [n, H] is uploaded into rows of ``ldh`` elements."""
         dev, b, H = self.dev, self.b, self.H
+        assert moe.device is dev, "a decoder of another CudaDevice (another stream) than the rig's"
         ldh = ldh or H
         hp = np.zeros((n, ldh), h_bits.dtype)
         hp[:, :H] = h_bits
@@ -182,22 +183,24 @@ class Rig:
         return y
 
 
-_rigs: dict[tuple[str, str], Rig] = {}
-_decoders: dict[tuple[str, str], object] = {}
+# Keyed by the device too (each module that imports the ``dev`` fixture gets a CudaDevice, and a stream, of its own:
+# a rig and a decoder of different devices would run unordered; test_moe_nbits_decode_gpu's caches hit exactly that).
+_rigs: dict[tuple, Rig] = {}
+_decoders: dict[tuple, object] = {}
 
 
 def rig(dev, dtype: str, shape: str) -> Rig:
-    if (dtype, shape) not in _rigs:  # (the 35B shape: 1.5 GB of weights per dtype, 2 GB of host copies)
-        _rigs[dtype, shape] = Rig(dev, dtype, shape)
-    return _rigs[dtype, shape]
+    if (dev, dtype, shape) not in _rigs:  # (the 35B shape: 1.5 GB of weights per dtype, 2 GB of host copies)
+        _rigs[dev, dtype, shape] = Rig(dev, dtype, shape)
+    return _rigs[dev, dtype, shape]
 
 
 def decoder(dev, dtype: str, knobs: str = "default"):
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS, MoEDecode
 
-    if (dtype, knobs) not in _decoders:
-        _decoders[dtype, knobs] = MoEDecode(dev, dtype, **asdict(KNOB_SETS[knobs]))
-    return _decoders[dtype, knobs]
+    if (dev, dtype, knobs) not in _decoders:
+        _decoders[dev, dtype, knobs] = MoEDecode(dev, dtype, **asdict(KNOB_SETS[knobs]))
+    return _decoders[dev, dtype, knobs]
 
 
 def check_step(r: Rig, got: dict[str, np.ndarray], n: int, hb: np.ndarray, lg: np.ndarray, fold: bool,
