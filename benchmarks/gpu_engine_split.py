@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,19 +69,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for c in a.concurrency:
             times.clear()
-            done, left = threading.Event(), [c]
-
-            def sink(ev: Any, done: threading.Event = done, left: list[int] = left) -> None:
-                if ev.final:
-                    left[0] -= 1
-                    if not left[0]:
-                        done.set()
-
-            for w in range(c):
-                eng.submit(GenerationRequest(f"c{c}-{w}", prompt_ids=tuple(_ids(w, 0, 32)),
-                                             params=SamplingParams(max_tokens=a.new, ignore_eos=True, temperature=0)),
-                           sink)
-            done.wait(600)
+            generate(eng, [GenerationRequest(f"c{c}-{w}", prompt_ids=tuple(_ids(w, 0, 32)),
+                                             params=SamplingParams(max_tokens=a.new, ignore_eos=True, temperature=0))
+                           for w in range(c)])  # all submitted at once
             full = times.get(("step", "DECODE", c), [])
             if not full:
                 print(f"| {c} | 0 | - | - | - | - | - | - |")
