@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -145,3 +145,41 @@ def write_report(path: str, lines: list[str]) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(text)
+
+
+EVICT_SOURCE = "icache_evict.cu"
+
+
+def cold_graph_seconds(device: Any, calls: Sequence[Any], reps: int) -> float:
+    """GPU seconds per call of ``calls`` (callables that each launch one kernel) when each runs right after a kernel
+    that evicts the SMs' instruction caches (``ops/cuda/icache_evict.cu``), as a decode step runs its kernels:
+    there about ten others run between two launches of one layer's GEMM, so each launch fetches its code cold.
+    The replay of [evict, call] pairs minus the replay of the evictions alone, both captured (no host time);
+    never negative. ``device``: a CudaDevice. The evictor does not let its successor start early (no
+    programmatic-dependent trigger), so a kernel whose cold code sits before its griddepcontrol.wait pays here what
+    the step hides under the kernel before it (benchmarks/results/gpu_decode_step_notes.md, stop 43)."""
+    from hybrid_runtime.cuda.driver import graph_replay_seconds
+    from hybrid_runtime.cuda.kernels import load_module
+
+    if not calls:
+        return 0.0
+    buf = device.zeros((1,), "float32")
+    kern = load_module(EVICT_SOURCE, (), device.arch).kernel("icache_evict")
+    grid = (2 * device.limits.sm_count, 1, 1)
+
+    def evict() -> None:
+        kern.launch(device, grid, (128, 1, 1), 0, [("ptr", buf.ptr)])
+
+    def pairs() -> None:
+        for c in calls:
+            evict()
+            c()
+
+    def alone() -> None:
+        for _ in calls:
+            evict()
+
+    evict()  # loads the module, checks the launch
+    both = graph_replay_seconds(device, pairs, reps)
+    base = graph_replay_seconds(device, alone, reps)
+    return max(0.0, both - base) / len(calls)

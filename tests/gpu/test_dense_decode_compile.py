@@ -35,6 +35,31 @@ def test_dense_decode_compiles_for_sm90_without_spills(dt: int, name: str) -> No
     assert "dd_gemm_m16" in log and "dd_gemm_m32" in log, log
 
 
+def test_the_instruction_cache_evictor_is_one_long_straight_run() -> None:
+    """``icache_evict.cu`` (cold-code timing, benchmarks.gpu_common.cold_graph_seconds): NVRTC compiles it for
+    sm_90, and its SASS is one straight run (no branch among them) of >= 4096 FFMA: 64 KB of code."""
+    nvrtc_or_skip()
+    from benchmarks.gpu_common import EVICT_SOURCE
+    from hybrid_runtime.cuda.kernels import compile_cubin, compile_log, source
+
+    check_log(compile_log(source(EVICT_SOURCE), EVICT_SOURCE, (), "sm_90"))
+    cubin = compile_cubin(source(EVICT_SOURCE), EVICT_SOURCE, (), "sm_90")
+    assert len(cubin) > 64 * 1024
+    from benchmarks.sass_loops import nvdisasm_path
+
+    tool = nvdisasm_path()
+    if tool is None:
+        return
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    assert sass.count("FFMA") >= 4096 and sass.rfind("FFMA") < sass.find("BRA")  # no branch among them
+
+
 def test_knobs_and_host_rules() -> None:
     assert DEFAULT_KNOBS.kernel == "dd_gemm_m16" and KNOB_SETS["m32"].kernel == "dd_gemm_m32"
     for bad in ({"u": 0}, {"u": 9}, {"pf": 65}, {"rows": 24}, {"k_per_warp": 100}):
