@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_common import cold_graph_seconds, log, write_report
+from benchmarks.gpu_moe_router import E_PAD, LAYERS, E, H, K
 
-H, E, E_PAD, K = 2048, 256, 264, 8
 SHAPES = [("in_proj (GDN)", 12352, 2048), ("qkv_proj", 9216, 2048), ("out_proj / o_proj", 2048, 4096)]
 
 
@@ -56,7 +56,7 @@ def main() -> int:
     rows: list[tuple[str, str, float, float]] = []
     fused = load_module("fused.cu", ("-DDT=2",), dev.arch)
     mats = []
-    for i in range(40):  # one router matrix per layer: 43 MB
+    for i in range(LAYERS):  # one router matrix per layer: 43 MB
         w = dev.zeros((E_PAD, H), "bfloat16")
         fill_random(dev, fused, DeviceArray(w.ptr, (E + 1, H), "bfloat16", dev.ordinal), 100 + i, 1.0 / np.sqrt(H))
         mats.append(w)

@@ -3,7 +3,7 @@
 // other kernels run between two launches of one layer's GEMM and the step's weight stream passes through L2, so
 // every launch fetches its code cold; a benchmark that launches one kernel back to back runs it with its code hot.
 // Measured on an H100 (stop 43, benchmarks/results/gpu_cold_code_h100.md): the router loses ~1 us a call,
-// dense_decode's L2-prefetching builds 2-3 us, the others < 0.9 us. Not used by the runtime.
+// dense_decode's L2-prefetching builds 0.7-3.2 us, the others <= 0.82 us. Not used by the runtime.
 //
 // One straight run of dependent FMAs, fully unrolled: at EVICT_FMAS 8192, 4096 FFMA of 16 bytes in NVRTC 13's SASS
 // (64 KB; tests/gpu/test_dense_decode_compile.py checks it), enough to evict the code of the kernel timed after it
