@@ -5,12 +5,17 @@
 * :class:`CancelWatcher` — the Python backend never calls back on cancellation, so in-flight requests'
   ``is_cancelled()`` are polled and turned into ``engine.cancel(id)``; it also drains every in-flight
   request when the model is being unloaded.
+* :class:`TerminationSignals` — SIGTERM / SIGINT delivered to the stub itself, seen from the watcher's thread:
+  the shutdown signal that needs no call into Triton (see :class:`CancelWatcher` for why that matters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -89,6 +94,81 @@ class SendQueue:
                 log.exception("on_error(%s) failed", request_id)
 
 
+class TerminationSignals:
+    """SIGTERM and SIGINT received by this process, readable from any thread without waiting.
+
+    The Python-backend stub ignores both (its C++ handlers do nothing), and its main thread sits in C++ between
+    ``execute`` calls, so a Python handler alone would run only at the next request. Instead the handlers are
+    no-ops and the signal's number is written to a pipe by CPython's C-level handler (``signal.set_wakeup_fd``),
+    which :meth:`received` reads without blocking. The stub keeps ignoring the signals otherwise: Triton still
+    decides when it finalizes the model.
+
+    :meth:`install` must run on the main thread (``signal.signal``'s rule; the stub calls ``initialize`` there)
+    and does nothing elsewhere, or when another wakeup fd is set (an asyncio loop's): it returns whether it
+    installed. :meth:`uninstall` puts back the previous Python handlers (a handler set from C, such as the stub's,
+    cannot be put back: the signal is then ignored, which is what the stub's did) and clears the wakeup fd.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._pipe: tuple[int, int] | None = None
+        self._previous: dict[int, object] = {}
+        self.signum: int | None = None  # the first signal received
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            log.info("termination signals not watched: initialize() ran outside the main thread")
+            return False
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError as e:  # not the main thread of the main interpreter
+            os.close(r)
+            os.close(w)
+            log.info("termination signals not watched: %s", e)
+            return False
+        if old != -1:  # someone else (an event loop) reads the wakeup fd: leave it to them
+            signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+            log.info("termination signals not watched: a wakeup fd is already set")
+            return False
+        self._pipe = (r, w)
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, _ignore_signal)
+        return True
+
+    def received(self) -> int | None:
+        """The first SIGTERM / SIGINT received since :meth:`install` (its number), or None."""
+        if self.signum is None and self._pipe is not None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                for byte in os.read(self._pipe[0], 64):
+                    if byte in self.SIGNALS:
+                        self.signum = int(byte)
+                        break
+        return self.signum
+
+    def uninstall(self) -> None:
+        if self._pipe is None:
+            return
+        with contextlib.suppress(ValueError):  # not on the main thread: leave the handlers (the process is ending)
+            for sig, handler in self._previous.items():
+                # None: a handler installed outside Python (the stub's own, which ignores the signal)
+                signal.signal(sig, signal.SIG_IGN if handler is None else handler)  # type: ignore[arg-type]
+            signal.set_wakeup_fd(-1)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+            self._previous.clear()
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    """The Python-level handler: nothing (the wakeup fd carries the signal to :meth:`TerminationSignals.received`)."""
+
+
 @dataclass(eq=False, slots=True)
 class _Watched:
     handle: Any
@@ -109,19 +189,28 @@ class CancelWatcher:
     (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen with Triton 2.51). ``cancel(request_id)``
     is called once per cancelled request.
 
-    ``model_ready()`` (optional) is checked every ``ready_period_s`` while requests are in flight. When
-    the server shuts down it unloads the model, but Triton waits for every in-flight decoupled request
-    to finish before it calls ``finalize``; a stream that would run for minutes then outlives the exit
-    timeout and the server is killed mid-unload (leaking its shared memory). So once the model reports
-    not ready, every in-flight request is cancelled: each gets its final "cancelled" response and the
-    unload proceeds.
+    Draining: when the server shuts down it unloads the model, but Triton waits for every in-flight
+    decoupled request to finish before it calls ``finalize``; a stream that would run for minutes then
+    outlives the exit timeout and the server is killed mid-unload (leaking its shared memory). So once the
+    shutdown is seen, every in-flight request is cancelled (and any that still arrives): each gets its final
+    "cancelled" response and the unload proceeds. Two ways to see it, checked on every round:
+
+    * ``terminated()`` (optional, :meth:`TerminationSignals.received`): SIGTERM / SIGINT reached the stub
+      (``deploy.triton.TritonServer.stop`` signals the server's process group; ``tini -g`` does the same).
+      Nothing is asked of Triton, and no readiness call is made after it.
+    * ``model_ready()`` (optional), every ``ready_period_s`` while requests are in flight: the fallback when
+      only the server got the signal, or the model is unloaded through the repository API. Once the server
+      is exiting, that call fails, and Triton 2.51's Python backend has a race on that failure path (the
+      stub reads the error text after it let the server free it): about 1 such call in 4 crashed the stub
+      on the 2-core machine (deploy/README.md, "Shutdown with requests in flight"). Hence the signal first.
     """
 
     def __init__(self, is_cancelled: Callable[[Any], bool], cancel: Callable[[str], None],
                  period_s: float = 0.05, model_ready: Callable[[], bool] | None = None,
-                 ready_period_s: float = 0.25) -> None:
+                 ready_period_s: float = 0.25, terminated: Callable[[], int | None] | None = None) -> None:
         self._is_cancelled, self._cancel, self.period_s = is_cancelled, cancel, period_s
         self._model_ready, self.ready_period_s = model_ready, ready_period_s
+        self._terminated = terminated
         self._next_ready_check = 0.0
         self.draining = False
         self._live: dict[str, _Watched] = {}
@@ -156,6 +245,12 @@ class CancelWatcher:
         """Check every registered request once; returns the ids newly cancelled."""
         with self._lock:
             todo = [(rid, e) for rid, e in self._live.items() if e.armed and not e.cancelled]
+        if not self.draining and self._terminated is not None:
+            signum = self._terminated()
+            if signum is not None:
+                self.draining = True
+                log.warning("signal %d received: the server is shutting down, cancelling %d in-flight request(s)",
+                            signum, len(todo))
         if todo and not self.draining and self._model_ready is not None and \
                 time.monotonic() >= self._next_ready_check:
             self._next_ready_check = time.monotonic() + self.ready_period_s

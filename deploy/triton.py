@@ -332,8 +332,15 @@ class TritonServer:
         if self.proc is not None and self.proc.poll() is None:
             self.stubs.update(child_stubs(self.proc.pid))
 
-    def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM by PID, SIGKILL after ``timeout`` (default exit timeout + 10 s); returns the exit code.
+    def stop(self, timeout: float | None = None, signal_stubs: bool = True) -> int | None:
+        """SIGTERM by PID to the server's Python-backend stubs, then to the server; SIGKILL after ``timeout``
+        (default exit timeout + 10 s); returns the exit code.
+
+        The stubs get the signal first so that the model cancels its in-flight requests without asking Triton
+        whether it is shutting down (a call that can crash the stub once it is: deploy/README.md, "Shutdown with
+        requests in flight"); the stubs keep running until Triton finalizes the model. ``signal_stubs=False``
+        signals the server alone, as an orchestrator that signals only the container's first process does
+        (``loadtests.shutdown_inflight`` measures both).
 
         Then checks the server's stubs: a stub outlives its server only when the server crashed or was
         killed; such orphans are killed by PID, and their shared-memory regions are reported in
@@ -344,6 +351,10 @@ class TritonServer:
         timeout = self.exit_timeout_s + 10.0 if timeout is None else timeout
         if self.proc.poll() is None:
             self._see_stubs()
+            for pid, region in self.stubs.items() if signal_stubs else ():
+                if _is_stub(pid, region):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
             try:

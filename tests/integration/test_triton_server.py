@@ -252,38 +252,41 @@ def test_bad_deployment_fails_to_load_with_the_message(default_bundle: Path, key
     assert not server.leaked_shm
 
 
-@pytest.mark.xfail(strict=False, reason="open issue: in about 1 run in 5 on a loaded 2-core machine the shutdown "
-                   "races Triton 2.51's gRPC front end (no final response, or exit code 1); see deploy/README.md")
 def test_stop_with_a_stream_in_flight_is_clean(default_bundle: Path) -> None:
-    """SIGTERM mid-stream: the client gets its final "cancelled" response, the server exits 0, no shm left."""
-    # Generous exit timeout: the check is that unloading cancels the stream and exits 0, not how fast
-    # that happens on a loaded 2-core machine (it took over 3 s once in CI-like conditions).
-    server = TritonServer(parameters={"engine_dir": str(default_bundle)}, exit_timeout_s=20)
-    server.start()
-    try:
-        server.wait("ready", timeout=60)
-        gen = generate_stream_grpc(server.grpc_url, PROMPT, max_tokens=450, sampling=GREEDY, timeout=30)
-        next(gen)
-        box: dict = {}
+    """SIGTERM mid-stream: the client gets its final "cancelled" response, the server exits 0, no shm left.
 
-        def read() -> None:
-            try:
-                box["result"] = gen.wait()
-            except (ServerUnavailable, GenerationError, TimeoutError) as e:  # stream closed as the server went down
-                box["error"] = e
+    ``TritonServer.stop`` signals the model's stub before the server, so the model drains without asking Triton
+    whether it is shutting down: with only the server signalled, that readiness call crashed the stub in 4-10 of
+    20-30 runs here (Triton 2.51's Python backend frees the call's error text while the stub reads it;
+    deploy/README.md, "Shutdown with requests in flight"). Run three times: each must be clean."""
+    for _ in range(3):
+        # Generous exit timeout: the check is that the stream is cancelled and the server exits 0, not how fast.
+        server = TritonServer(parameters={"engine_dir": str(default_bundle)}, exit_timeout_s=20)
+        server.start()
+        try:
+            server.wait("ready", timeout=60)
+            gen = generate_stream_grpc(server.grpc_url, PROMPT, max_tokens=450, sampling=GREEDY, timeout=30)
+            next(gen)
+            box: dict = {}
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        code = server.stop(timeout=40)
-        reader.join(45)
-    finally:
-        server.stop()
-        server.cleanup()
-    # The final "cancelled" response normally arrives; in about 1 run in 5 the server's gRPC front end
-    # closes first and the client only sees its stream end (GOAWAY or its own timeout): an open issue.
-    assert ("result" in box and box["result"].finish_reason == "cancelled") or "error" in box, box
-    assert code == 0, server.log_tail()
-    assert not server.leaked_shm
+            def read(gen=gen, box=box) -> None:
+                try:
+                    box["result"] = gen.wait()
+                except (ServerUnavailable, GenerationError, TimeoutError) as e:  # stream closed as the server went
+                    box["error"] = e
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            code = server.stop(timeout=40)
+            reader.join(45)
+            log, text = server.log_tail(), server.log_text()
+        finally:
+            server.stop()
+            server.cleanup()
+        assert "result" in box and box["result"].finish_reason == "cancelled", (box, log)
+        assert code == 0, log
+        assert not server.leaked_shm
+        assert "signal 15 received" in text, log  # drained by the stub's own signal, not by the readiness fallback
 
 
 def test_grpc_inputs_roundtrip() -> None:

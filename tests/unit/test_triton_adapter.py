@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deploy.inflight import CancelWatcher, SendQueue
+from deploy.inflight import CancelWatcher, SendQueue, TerminationSignals
 from deploy.triton_adapter import (
     LogprobsEncoder,
     ParameterError,
@@ -359,6 +361,58 @@ def test_cancel_watcher_drains_when_the_model_unloads() -> None:
     assert broken.poll_once() == ["d"]  # the server going away counts as not ready
 
 
+def test_cancel_watcher_drains_on_a_termination_signal_without_asking_readiness() -> None:
+    """A signal to the stub drains every request at once, and readiness is never asked after it (once the
+    server is exiting, Triton 2.51's readiness call can crash the stub: deploy/README.md)."""
+    signum: list[int] = []
+    asked: list[float] = []
+
+    def ready() -> bool:
+        asked.append(time.monotonic())
+        assert not signum, "readiness asked after the termination signal"
+        return True
+
+    cancelled: list[str] = []
+    w = CancelWatcher(lambda h: False, cancelled.append, model_ready=ready, ready_period_s=0.0,
+                      terminated=lambda: signum[0] if signum else None)
+    for rid in ("a", "b"):
+        w.add(rid, rid)
+        w.arm(rid)
+    assert w.poll_once() == [] and not w.draining and len(asked) == 1
+    signum.append(signal.SIGTERM)
+    assert sorted(w.poll_once()) == ["a", "b"] and w.draining
+    w.add("c", "c")
+    w.arm("c")
+    assert w.poll_once() == ["c"] and len(asked) == 1 and sorted(cancelled) == ["a", "b", "c"]
+
+
+def test_termination_signals_are_seen_from_another_thread_and_uninstalled() -> None:
+    before = {sig: signal.getsignal(sig) for sig in TerminationSignals.SIGNALS}
+    sigs = TerminationSignals()
+    assert sigs.install()
+    try:
+        assert sigs.received() is None
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored by the process: only recorded
+        seen: list[int | None] = []
+        t = threading.Thread(target=lambda: seen.append(sigs.received()))
+        t.start()
+        t.join(5)
+        assert seen == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt either; the first signal stays the answer
+        time.sleep(0.01)
+        assert sigs.received() == signal.SIGTERM
+    finally:
+        sigs.uninstall()
+    assert {sig: signal.getsignal(sig) for sig in TerminationSignals.SIGNALS} == before
+    assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd was cleared
+
+    elsewhere: list[bool] = []
+    t = threading.Thread(target=lambda: elsewhere.append(TerminationSignals().install()))
+    t.start()
+    t.join(5)
+    assert elsewhere == [False]  # signal handlers can only be set on the main thread
+
+
 def test_cancel_watcher_thread_polls() -> None:
     hit = threading.Event()
     w = CancelWatcher(lambda h: True, lambda rid: hit.set(), period_s=0.01).start()
@@ -676,6 +730,33 @@ def test_model_py_streams_rejects_and_cancels(model) -> None:
     endless.cancelled = True  # the watcher notices within ~50 ms and cancels it in the engine
     assert endless.sender.done.wait(30)
     assert endless.sender.responses[-1][0].outputs["finish_reason"][0] == b"cancelled"
+
+
+def test_model_py_drains_its_streams_on_sigterm(model) -> None:
+    """SIGTERM to the stub process (deploy.triton.TritonServer.stop sends it before the server's): the stream in
+    flight gets its final "cancelled" response, and the model never asks Triton for its readiness again."""
+    import triton_python_backend_utils as pb
+
+    asked: list[bool] = []
+    pb.is_model_ready = lambda name, version="": asked.append(True) or True
+    endless = _Request(input_ids=np.array([5, 6, 7], dtype=np.int32), stream=np.array([True]),
+                       sampling_parameters=_bytes(b'{"ignore_eos": true, "max_tokens": 400}'))
+    model.execute([endless])
+    deadline = time.monotonic() + 30
+    while not endless.sender.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)  # the model's handler records it; the test process carries on
+    assert endless.sender.done.wait(30)
+    final = endless.sender.responses[-1][0].outputs
+    assert final["finish_reason"][0] == b"cancelled"
+    assert len(endless.sender.responses) < 400
+    n = len(asked)
+    late = _Request(input_ids=np.array([5, 6], dtype=np.int32), stream=np.array([True]),
+                    sampling_parameters=_bytes(b'{"ignore_eos": true, "max_tokens": 400}'))
+    model.execute([late])  # arriving during the shutdown: cancelled too
+    assert late.sender.done.wait(30)
+    assert late.sender.responses[-1][0].outputs["finish_reason"][0] == b"cancelled"
+    assert len(asked) == n
 
 
 def test_model_py_sends_logprobs_and_prompt_length(model) -> None:

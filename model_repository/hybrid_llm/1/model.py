@@ -27,7 +27,7 @@ for _entry in reversed([p for p in os.environ.get("HYBRID_LLM_SYS_PATH", "").spl
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from deploy.heap_debug import HeapMonitor  # noqa: E402
-from deploy.inflight import CancelWatcher, SendQueue  # noqa: E402
+from deploy.inflight import CancelWatcher, SendQueue, TerminationSignals  # noqa: E402
 from deploy.triton_adapter import (  # noqa: E402
     LogprobsEncoder,
     Reply,
@@ -98,9 +98,14 @@ class TritonPythonModel:
         # sent without waiting for the engine's device wait).
         if os.environ.get("HYBRID_LLM_SWITCH_INTERVAL"):
             sys.setswitchinterval(float(os.environ["HYBRID_LLM_SWITCH_INTERVAL"]))
+        # Shutdown with requests in flight (deploy/README.md): SIGTERM / SIGINT sent to this stub drains them
+        # without asking Triton anything; model readiness is the fallback when only the server got the signal.
+        self.signals = TerminationSignals()
+        self.signals.install()
         self.watcher = CancelWatcher(lambda request: request.is_cancelled(), self.engine.cancel,
                                      period_s=float(os.environ.get("HYBRID_LLM_WATCH_PERIOD") or 0.05),
-                                     model_ready=lambda: pb_utils.is_model_ready(name, version)).start()
+                                     model_ready=lambda: pb_utils.is_model_ready(name, version),
+                                     terminated=self.signals.received).start()
         self.metrics = TritonMetrics(pb_utils, self.engine.stats, {"model": name, "version": version},
                                      period_s=float(os.environ.get("HYBRID_LLM_METRICS_PERIOD") or 0.5),
                                      heap=None if self.heap is None else self.heap.stats).start()
@@ -176,4 +181,5 @@ class TritonPythonModel:
         self.metrics.stop()
         if self.heap is not None:
             self.heap.stop()
+        self.signals.uninstall()
         log.info("finalize: done")
