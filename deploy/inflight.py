@@ -196,12 +196,13 @@ class CancelWatcher:
     "cancelled" response and the unload proceeds. Two ways to see it, checked on every round:
 
     * ``terminated()`` (optional, :meth:`TerminationSignals.received`): SIGTERM / SIGINT reached the stub
-      (``deploy.triton.TritonServer.stop`` signals the server's process group; ``tini -g`` does the same).
+      (``deploy.triton.TritonServer.stop`` signals the stubs before the server; ``tini -g`` signals the whole
+      process group; Ctrl-C in a terminal reaches the stubs too).
       Nothing is asked of Triton, and no readiness call is made after it.
     * ``model_ready()`` (optional), every ``ready_period_s`` while requests are in flight: the fallback when
       only the server got the signal, or the model is unloaded through the repository API. Once the server
       is exiting, that call fails, and Triton 2.51's Python backend has a race on that failure path (the
-      stub reads the error text after it let the server free it): about 1 such call in 4 crashed the stub
+      stub reads the error text after it let the server free it): the stub crashed in 5 of 25 such shutdowns
       on the 2-core machine (deploy/README.md, "Shutdown with requests in flight"). Hence the signal first.
     """
 
