@@ -129,18 +129,27 @@ def shm_regions() -> set[str]:
 
 
 def child_stubs(server_pid: int) -> dict[int, str]:
-    """Python-backend stub processes whose parent is ``server_pid``: pid -> their shm region name."""
-    out: dict[int, str] = {}
+    """Python-backend stub processes descended from ``server_pid`` (its children, or its grandchildren when the
+    server runs under a launcher such as compute-sanitizer): pid -> their shm region name."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != server_pid:
-                continue
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
+    out: dict[int, str] = {}
+    for pid in parents:
+        up, hops = parents.get(pid), 0
+        while up is not None and up != server_pid and up > 1 and hops < 8:
+            up, hops = parents.get(up), hops + 1
+        if up != server_pid:
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
         if argv and argv[0].endswith(b"triton_python_backend_stub"):
-            out[int(stat.parent.name)] = next((a.decode() for a in argv if a.startswith(SHM_PREFIX.encode())), "")
+            out[pid] = next((a.decode() for a in argv if a.startswith(SHM_PREFIX.encode())), "")
     return out
 
 
