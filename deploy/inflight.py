@@ -202,7 +202,7 @@ class CancelWatcher:
     * ``model_ready()`` (optional), every ``ready_period_s`` while requests are in flight: the fallback when
       only the server got the signal, or the model is unloaded through the repository API. Once the server
       is exiting, that call fails, and Triton 2.51's Python backend has a race on that failure path (the
-      stub reads the error text after it let the server free it): the stub crashed in 5 of 25 such shutdowns
+      stub reads the error text after it let the server free it): the stub crashed in 5-7 of 25 such shutdowns
       on the 2-core machine (deploy/README.md, "Shutdown with requests in flight"). Hence the signal first.
     """
 

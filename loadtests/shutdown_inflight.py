@@ -1,8 +1,8 @@
 """Shutdown with a stream in flight, repeated: ``python -m loadtests.shutdown_inflight [--runs 20] [--mode both]``.
 
-Each run starts tritonserver on the default bundle (``deploy.triton.TritonServer``; built in ``--work`` if
-missing), opens ``--streams`` greedy gRPC streams of 450 tokens (default 1), reads the first token of each, then
-stops the server and records how it ended:
+Each run starts tritonserver on the default model (``deploy.triton.TritonServer``; built with the builder's
+defaults in ``--work`` if missing, as ``make serve`` builds it), opens ``--streams`` greedy gRPC streams of 450
+tokens (default 1), reads the first token of each, then stops the server and records how it ended:
 
 * ``clean``: every stream got its final "cancelled" response, the server exited 0 and left no shared memory;
 * ``exit 1``: Triton's exit timeout expired (the model never unloaded; the client got no final response);
@@ -32,17 +32,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 def _bundle(work: Path) -> Path:
-    from builder.bundle import BuildOptions, build_bundle
-    from builder.default_model import write_default_checkpoint
+    """The default model built with the builder's defaults under ``work`` (``make serve``'s engine)."""
+    from deploy.__main__ import build_default_engine
 
     work = work.resolve()  # engine_dir is resolved against the model repository otherwise
-    ckpt, bundle = work / "checkpoint", work / "bundle"
-    if not (ckpt / "config.json").exists():
-        write_default_checkpoint(ckpt, progress=lambda _m: None)
-    if not (bundle / "manifest.json").exists():
-        build_bundle(ckpt, bundle, BuildOptions(max_batch_size=16, max_input_len=384, max_seq_len=512,
-                                                max_num_tokens=256), progress=lambda _m: None)
-    return bundle
+    if not (work / "bundle" / "manifest.json").exists():
+        build_default_engine(work / "bundle", work / "checkpoint")
+    return work / "bundle"
 
 
 def _stub_exit_signal(pid: int) -> int | None:
