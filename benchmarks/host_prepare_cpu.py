@@ -63,6 +63,7 @@ def stub_backend(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, *, 
     be.table_stride = -(-max_seq_len // page_size)
     be.in_layout = InputLayout(be.T_max, be.R_max, be.table_stride)
     be.host_in = SimpleNamespace(array=np.zeros(be.in_layout.nbytes, np.uint8), ptr=0)
+    be._host_in_spare = SimpleNamespace(array=np.zeros(be.in_layout.nbytes, np.uint8), ptr=0)  # prepare_ahead's
     be.state_layout = StateLayout.for_model(cfg, max_batch)
     be.num_pages = num_pages
     be.sink_page = num_pages

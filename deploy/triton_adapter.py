@@ -35,7 +35,7 @@ from hybrid_runtime.ops.base import parse_device
 from hybrid_runtime.runner import PACKED_WEIGHTS
 from hybrid_runtime.sampler import TokenLogprobs
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
-from hybrid_runtime.serving import MULTI_BLOCK_MODES, Event, GenerationRequest, RuntimeOptions
+from hybrid_runtime.serving import ASYNC_SCHEDULING_MODES, MULTI_BLOCK_MODES, Event, GenerationRequest, RuntimeOptions
 
 DEFAULT_ENGINE_DIR = "../../engines/default"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -118,6 +118,7 @@ _PARAMETERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "heap_trim_interval_s": (_seconds_at_least_0, "seconds >= 0 such as 60 (0 = never return freed heap memory)"),
     "warmup": (_boolean, "true or false"),
     "packed_weights": (_choice(PACKED_WEIGHTS), f"one of {', '.join(PACKED_WEIGHTS)}"),
+    "async_scheduling": (_choice(ASYNC_SCHEDULING_MODES), f"one of {', '.join(ASYNC_SCHEDULING_MODES)}"),
     "heap_debug_dir": (str, "a directory for heap snapshots (empty = heap debugging off)"),
     "heap_snapshot_period_s": (_int_at_least(1), "an integer >= 1 (seconds between heap snapshots)"),
 }
@@ -142,6 +143,7 @@ class ModelParameters:
     heap_debug_dir: Path | None = None  # set: tracemalloc on, heap gauges, snapshots (deploy.heap_debug)
     heap_snapshot_period_s: int = 300
     packed_weights: str = "auto"
+    async_scheduling: str = "auto"
 
     def runtime_options(self, instance_kind: str = "CPU", instance_device_id: int = 0) -> RuntimeOptions:
         """The runtime's options for one model instance (``instance_kind`` / ``instance_device_id``: Triton's
@@ -152,7 +154,7 @@ class ModelParameters:
                               device=instance_device(self.device, instance_kind, instance_device_id),
                               gpu_memory_fraction=self.gpu_memory_fraction,
                               heap_trim_interval_s=self.heap_trim_interval_s, warmup=self.warmup,
-                              packed_weights=self.packed_weights)
+                              packed_weights=self.packed_weights, async_scheduling=self.async_scheduling)
 
 
 def instance_device(device: str, instance_kind: str, instance_device_id: int) -> str:

@@ -48,8 +48,10 @@ COUNTERS = {
     "graph_replays": ("cuda_graph_replays_total", "Decode steps replayed from a CUDA graph, by graph "
                       "(b<bucket>x<chunks per sequence>)", "graph"),
     "decode_eager": ("decode_eager_steps_total", "Decode steps of a cuda bundle launched eagerly, by reason", "reason"),
-    "step_seconds": ("engine_step_seconds_total", "Wall time of engine steps by phase (run, sample, events)",
-                     "phase"),
+    "async_steps": ("async_steps_total", "Decode steps prepared while the step before them ran (async_scheduling), "
+                    "by outcome: launched, or dropped and scheduled afresh", "outcome"),
+    "step_seconds": ("engine_step_seconds_total", "Wall time of engine steps by phase, from launch to tokens handed "
+                     "out (run, sample, events; with async scheduling a step overlaps the one before it)", "phase"),
     "heap_trims": ("heap_trims_total", "glibc malloc_trim calls of the engine thread (heap_trim_interval_s)", None),
     "heap_trim_seconds": ("heap_trim_seconds_total", "Time spent in the engine thread's malloc_trim calls", None),
 }

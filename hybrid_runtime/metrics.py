@@ -56,7 +56,9 @@ class Metrics:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.steps = Counter[str]()
-        self.step_seconds = Counter[str]()  # wall time of whole steps (run + sample + postprocess) by phase
+        # wall time of whole steps (launch to tokens handed out: run + sample + postprocess) by phase; with async
+        # scheduling a step launched ahead overlaps the one before it
+        self.step_seconds = Counter[str]()
         self.step_tokens = Counter[str]()  # tokens processed by phase (prompt tokens / decoded tokens)
         self.finished = Counter[str]()  # by finish reason
         self.rejected = Counter[str]()  # validation errors by code
@@ -67,6 +69,9 @@ class Metrics:
         self.cuda_graphs_captured = 0
         self.graph_replays = Counter[str]()
         self.decode_eager = Counter[str]()
+        # async scheduling: decode steps prepared while the step before ran, "launched" or "dropped" (an EOS or
+        # stop token, an arrival or a cancel in the meantime: the step was scheduled afresh)
+        self.async_steps = Counter[str]()
         # glibc malloc_trim calls of the engine thread (RuntimeOptions.heap_trim_interval_s) and their time
         self.heap_trims = 0
         self.heap_trim_seconds = 0.0
@@ -93,6 +98,7 @@ class Metrics:
                 "cuda_graphs_captured": self.cuda_graphs_captured,
                 "graph_replays": dict(self.graph_replays),
                 "decode_eager": dict(self.decode_eager),
+                "async_steps": dict(self.async_steps),
                 "heap_trims": self.heap_trims,
                 "heap_trim_seconds": self.heap_trim_seconds,
                 "ttft": {"n": self.ttft.n, "sum": self.ttft.total, "buckets": list(self.ttft.counts)},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,18 @@ from .ops.dispatcher import DecodeAttentionDispatcher
 from .pipeline import plan_segments
 from .state_cache import StateCache
 
-__all__ = ["ModelRunner", "SampleRow", "SeqStep", "StepResult"]  # SeqStep lives in ops.base
+__all__ = ["InFlight", "ModelRunner", "SampleRow", "SeqStep", "StepResult"]  # SeqStep lives in ops.base
 
 log = logging.getLogger("hybrid_runtime.runner")
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step :meth:`ModelRunner.launch` enqueued: the backend's context, and on host backends (which run the
+    step inside ``launch``) its result already."""
+
+    ctx: Any
+    result: StepResult | None = None
 
 
 TRT_PATHS = ("auto", "device", "host")
@@ -210,6 +220,47 @@ class ModelRunner:
         on the GPU backend)."""
         ctx = self.backend.prepare(phase, steps, rows, want_logits)
         return self.backend.execute(ctx, self._forward)
+
+    # ---- split steps (the serving loop's async scheduling) -------------------------------------
+    def launch(self, phase: Phase, steps: list[SeqStep], rows: Sequence[SampleRow]) -> InFlight:
+        """:meth:`step` in two halves: this one enqueues the step on a backend that runs asynchronously (a cuda
+        bundle: upload, graph replay, download) and returns; :meth:`collect` waits for its :class:`StepResult`.
+        On a host backend the step runs here, whole."""
+        ctx = self.backend.prepare(phase, steps, rows, False)
+        return self._launch(ctx)
+
+    def _launch(self, ctx: Any) -> InFlight:
+        launch = getattr(self.backend, "launch", None)
+        if launch is None:
+            return InFlight(ctx, self.backend.execute(ctx, self._forward))
+        launch(ctx, self._forward)
+        return InFlight(ctx)
+
+    def collect(self, step: InFlight) -> StepResult:
+        """The result of a :meth:`launch`ed step (waits for the device). Call once per launch, in launch order."""
+        if step.result is not None:
+            return step.result
+        return self.backend.finish(step.ctx)  # type: ignore[attr-defined]
+
+    @property
+    def supports_ahead(self) -> bool:
+        """Whether the backend can prepare a decode step before its token ids are known (:meth:`prepare_ahead`)."""
+        return bool(getattr(self.backend, "supports_ahead", False))
+
+    def prepare_ahead(self, steps: list[SeqStep], rows: Sequence[SampleRow]) -> Any:
+        """Prepare the DECODE step after the one in flight (host work only; the step in flight keeps running):
+        ``steps``' token ids are placeholders that :meth:`launch_ahead` replaces. Only where
+        :attr:`supports_ahead`; the context goes to exactly one of :meth:`launch_ahead` / :meth:`abandon`."""
+        return self.backend.prepare_ahead(Phase.DECODE, steps, rows)  # type: ignore[attr-defined]
+
+    def launch_ahead(self, ctx: Any, token_ids: Sequence[int]) -> InFlight:
+        """Launch a :meth:`prepare_ahead` step with its token ids (``[sequences]``, step order)."""
+        self.backend.patch_ids(ctx, np.asarray(token_ids, np.int64))  # type: ignore[attr-defined]
+        return self._launch(ctx)
+
+    def abandon(self, ctx: Any) -> None:
+        """Throw away a :meth:`prepare_ahead` step that will not run (its metric counts are taken back)."""
+        self.backend.abandon(ctx)  # type: ignore[attr-defined]
 
     def _forward(self, ctx: Any) -> Any:
         """The one pipeline: segments and their exits' operators, then the head (backend tensors)."""

@@ -144,6 +144,31 @@ class Scheduler:
         self._last = Phase.DECODE
         return Batch(Phase.DECODE, decoding, steps)
 
+    def schedule_ahead(self, batch: Batch, finishing: set[str]) -> Batch | None:
+        """The decode step that follows ``batch`` while ``batch`` still runs (async scheduling, serving.py), or
+        None when the next step is not a plain continuation: ``batch`` is not a DECODE step, a request waits for
+        admission, a running sequence is still in prefill, or every sequence finishes.
+
+        ``finishing``: request ids whose token from ``batch`` is their last by length (max_tokens / max_seq_len:
+        known before the token is). Each remaining sequence decodes the token ``batch`` is drawing, not yet in
+        ``output_ids``: its position is ``num_tokens`` and its ``token_ids`` a placeholder ``[0]`` that the caller
+        replaces once the token is known (or throws the step away). The pages for that position are allocated
+        here, within the sequence's reservation, exactly as :meth:`schedule` would allocate them one step later.
+        """
+        if batch.phase != Phase.DECODE or self.waiting:
+            return None
+        if any(s.in_prefill for s in self.running) or len(self.running) != len(batch.seqs):
+            return None
+        seqs = [s for s in batch.seqs if s.state == SeqState.RUNNING and s.request_id not in finishing]
+        if not seqs:
+            return None
+        steps = []
+        for s in seqs:
+            self.pages.allocate(s.request_id, s.num_tokens + 1)
+            steps.append(SeqStep(s.slot, self.pages.table_view(s.request_id), s.num_tokens, [0]))
+        self._last = Phase.DECODE
+        return Batch(Phase.DECODE, seqs, steps)
+
     def advance(self, batch: Batch) -> None:
         """Record that ``batch`` ran: prefill chunks are now in the cache."""
         if batch.phase == Phase.PREFILL:

@@ -30,7 +30,7 @@ from .host_memory import HeapTrimmer
 from .kv_cache import KVLayout
 from .metrics import Metrics
 from .ops.base import SeqStep, parse_device
-from .runner import PACKED_WEIGHTS, ModelRunner
+from .runner import PACKED_WEIGHTS, InFlight, ModelRunner
 from .sampler import TokenLogprobs, make_rng
 from .sampling import RequestValidationError, SamplingParams
 from .scheduler import Batch, Scheduler, Sequence
@@ -53,6 +53,12 @@ def _fault_from_env() -> tuple[str, int] | None:
     return kind, int(at)
 
 MULTI_BLOCK_MODES = ("auto", "on", "off")
+# Async scheduling: while a decode step runs on the device, the engine thread prepares the next one (same
+# sequences, token ids patched in once the step's are known) and, once it is launched, handles the finished
+# step's tokens (detokenisation, stop strings, events) while the device runs it. "auto" = on where the backend
+# can prepare a step ahead (cuda bundles), off elsewhere; "on" also runs the lookahead's bookkeeping on a host
+# backend (no overlap there: tests); "off" = one step at a time.
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,8 @@ class RuntimeOptions:
     # experts | all); "off" dequantises them at load; "auto" = "experts" for a GPTQ cuda bundle (the same outputs
     # as "off"), else "off". Measured on the H200: benchmarks/results/gpu_decode_step_quant_h200.md (35B-A3B, int4).
     packed_weights: str = "auto"
+    # ASYNC_SCHEDULING_MODES: prepare the next decode step while this one runs on the device (cuda bundles).
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device != "auto":
@@ -102,6 +110,9 @@ class RuntimeOptions:
             raise ConfigError(f"profile_pinning={self.profile_pinning!r}: choose one of {', '.join(PINNING_MODES)}")
         if self.packed_weights not in PACKED_WEIGHTS:
             raise ConfigError(f"packed_weights={self.packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
+        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
+            raise ConfigError(f"async_scheduling={self.async_scheduling!r}: choose one of "
+                              f"{', '.join(ASYNC_SCHEDULING_MODES)}")
         if not 0.0 <= self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a number in [0, 1] (0 = the "
                               f"bundle's KV page count, no budget)")
@@ -161,6 +172,26 @@ class _Live:
     logprobs: list[TokenLogprobs] | None = None  # None: the request asked for none
 
 
+@dataclass(slots=True)
+class _Flight:
+    """A step on the device: its batch, the requests of its logit rows (in order), the runner's handle."""
+
+    batch: Batch
+    lives: list[_Live]
+    step: InFlight
+    t0: float
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """The decode step prepared while the one before it runs (async scheduling), not launched yet."""
+
+    batch: Batch
+    lives: list[_Live]
+    rows: list[SampleRow]
+    ctx: object | None  # the backend's prepared context (None on a host backend: prepared at launch)
+
+
 class ServingEngine:
     """Loads a bundle and serves requests from its own engine thread."""
 
@@ -208,6 +239,11 @@ class ServingEngine:
         self.fatal: BaseException | None = None
         self._steps_run = 0
         self._fault = _fault_from_env()
+        self.async_scheduling = (opts.async_scheduling == "on" or
+                                 (opts.async_scheduling == "auto" and self.runner.supports_ahead))
+        if self.async_scheduling:
+            log.info("async scheduling on: the next decode step is prepared while this one runs%s",
+                     "" if self.runner.supports_ahead else " (host backend: bookkeeping only, no overlap)")
         if self._fault is not None:
             log.warning("TEST fault injection armed: a %r fault at engine step %d (%s)", *self._fault, FAULT_ENV)
 
@@ -412,13 +448,17 @@ class ServingEngine:
 
     # ---- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        pending: _Flight | None = None  # the step the device is running (async scheduling: launched ahead)
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.scheduler.running and not self.scheduler.waiting)
-                batch = self.scheduler.schedule()
+                if pending is None:
+                    self._drain(block=not self.scheduler.running and not self.scheduler.waiting)
+                    batch = self.scheduler.schedule()
+                    if batch is not None:
+                        pending = self._launch(batch)
+                if pending is not None:
+                    pending = self._complete(pending, self.async_scheduling)
                 self._update_gauges()
-                if batch is not None:
-                    self._step(batch)
                 if self._trimmer.maybe_trim():
                     with self.metrics.lock:
                         self.metrics.heap_trims, self.metrics.heap_trim_seconds = \
@@ -427,6 +467,11 @@ class ServingEngine:
             log.exception("engine thread died")
             self.fatal = e
         finally:
+            if pending is not None:  # stopped with a step on the device: let it end before anything is freed
+                try:
+                    self.runner.collect(pending.step)
+                except Exception:
+                    log.debug("the step in flight at shutdown failed", exc_info=True)
             self._drain(block=False)
             for live in list(self._live.values()):
                 self._final(live, "cancelled" if self.fatal is None else "error",
@@ -476,38 +521,146 @@ class ServingEngine:
             self.metrics.prompt_tokens += len(ids)
 
     def _step(self, batch: Batch) -> None:
-        t0 = time.perf_counter()
-        need = [s for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
-        lives = [self._live[s.request_id] for s in need]
-        rows = [SampleRow(lv.seq.params, lv.rng, lv.seed, len(lv.seq.prompt_ids) + len(lv.seq.output_ids),
-                          lv.seq.params.logprobs) for lv in lives]
+        """Run one step to the end, its tokens handled (the warm-up's synchronous steps)."""
+        flight = self._launch(batch)
+        if flight is not None:
+            self._complete(flight, ahead=False)
+
+    def _count_step(self) -> None:
+        """Engine steps are numbered for the test-only fault injection (FAULT_ENV)."""
         if self._fault is not None and self._steps_run == self._fault[1]:
             self.runner.backend.inject_fault(self._fault[0])  # type: ignore[attr-defined]
         self._steps_run += 1
+
+    def _sample_rows(self, lives: list[_Live], ahead: int = 0) -> list[SampleRow]:
+        """The sampling rows of ``lives``' next tokens (``ahead``: tokens drawn before it not yet in output_ids)."""
+        return [SampleRow(lv.seq.params, lv.rng, lv.seed, len(lv.seq.prompt_ids) + len(lv.seq.output_ids) + ahead,
+                          lv.seq.params.logprobs) for lv in lives]
+
+    def _launch(self, batch: Batch) -> _Flight | None:
+        """Enqueue ``batch`` on the device (a host backend runs it here). None when it failed at once: a device
+        lost stops the engine, any other error fails the batch's sequences only."""
+        t0 = time.perf_counter()
+        lives = [self._live[s.request_id] for s, st in zip(batch.seqs, batch.steps) if st.need_logits]
+        rows = self._sample_rows(lives)
+        self._count_step()
         try:
-            result = self.runner.step(batch.phase, batch.steps, rows)
-        except DeviceLost as e:  # nothing runs on this device again: fail everything, stop (on_fatal)
+            return _Flight(batch, lives, self.runner.launch(batch.phase, batch.steps, rows), t0)
+        except Exception as e:
+            self._step_failed(batch, e)
+            return None
+
+    def _step_failed(self, batch: Batch, e: Exception) -> None:
+        if isinstance(e, DeviceLost):  # nothing runs on this device again: fail everything, stop (on_fatal)
             log.critical("%s step lost the device; failing all %d request(s) in flight and stopping: %s",
                          batch.phase.name, len(self._live), e)
             self.fatal = e
             self._stop.set()
             return
-        except Exception as e:  # e.g. a decode batch no attention plan fits: fail these, keep serving
-            log.error("%s step failed for %d sequences: %s", batch.phase.name, len(batch.seqs), e)
-            for seq in batch.seqs:
-                self._final(self._live[seq.request_id], "error", f"{type(e).__name__}: {e}")
-            return
+        # e.g. a decode batch no attention plan fits: fail these, keep serving
+        log.error("%s step failed for %d sequences: %s", batch.phase.name, len(batch.seqs), e)
+        for seq in batch.seqs:
+            live = self._live.get(seq.request_id)
+            if live is not None and live.seq is seq:
+                self._final(live, "error", f"{type(e).__name__}: {e}")
+
+    def _complete(self, flight: _Flight, ahead: bool) -> _Flight | None:
+        """Wait for ``flight`` and hand its tokens to their requests. With ``ahead`` (async scheduling), the next
+        decode step is prepared while the device runs this one and launched before the tokens are handled;
+        returns it (the step now in flight), or None when the next step must be scheduled afresh."""
+        nxt = self._plan_ahead(flight) if ahead else None
+        try:
+            result = self.runner.collect(flight.step)
+        except Exception as e:
+            self._drop_ahead(nxt)
+            self._step_failed(flight.batch, e)
+            return None
+        batch = flight.batch
         self.scheduler.advance(batch)
-        if lives:
+        tokens = result.tokens.tolist()
+        launched, failed = None, None
+        if nxt is not None:
+            try:
+                launched = self._launch_ahead(nxt, flight, tokens)
+            except Exception as e:  # reported after this step's tokens are handed out
+                failed = e
+        if flight.lives:
             now = time.perf_counter()
-            lps = result.logprobs or [None] * len(lives)
-            for live, tok, lp in zip(lives, result.tokens.tolist(), lps):
-                self._on_token(live, int(tok), now, lp)
+            lps = result.logprobs or [None] * len(flight.lives)
+            for live, tok, lp in zip(flight.lives, tokens, lps):
+                # a request finished while its step ran (a stop string one step earlier, a cancel, a client
+                # gone: async scheduling) has no use for this token; its slot and pages were freed between
+                # steps, and nothing reuses them before this step is collected (schedule_ahead)
+                if self._live.get(live.seq.request_id) is live:
+                    self._on_token(live, int(tok), now, lp)
         phase = batch.phase.name.lower()
         with self.metrics.lock:
             self.metrics.steps[phase] += 1
-            self.metrics.step_seconds[phase] += time.perf_counter() - t0
+            self.metrics.step_seconds[phase] += time.perf_counter() - flight.t0
             self.metrics.step_tokens[phase] += sum(len(st.token_ids) for st in batch.steps)
+            if nxt is not None:
+                self.metrics.async_steps["launched" if launched is not None else "dropped"] += 1
+        if failed is not None:
+            self._step_failed(nxt.batch, failed)  # type: ignore[union-attr]
+            return None
+        if launched is not None:
+            self._drain(block=False)  # arrivals and cancels while the device runs the next step
+        return launched
+
+    def _plan_ahead(self, flight: _Flight) -> _Ahead | None:
+        """The decode step after ``flight`` (a decode step on the device), prepared now: the same sequences but
+        those its token finishes by length, one position on, token ids to be patched in. None when the next
+        step is not that (a prefill, an admission, a finished batch) or the backend refused it (the normal path
+        then schedules it and reports the error)."""
+        if flight.batch.phase != Phase.DECODE or not self._inbox.empty():
+            return None
+        lim = self.manifest.limits.max_seq_len
+        finishing = {lv.seq.request_id for lv in flight.lives
+                     if len(lv.seq.output_ids) + 1 >= lv.seq.params.max_tokens or lv.seq.num_tokens + 1 >= lim}
+        batch = self.scheduler.schedule_ahead(flight.batch, finishing)
+        if batch is None:
+            return None
+        lives = [self._live[s.request_id] for s in batch.seqs]
+        rows = self._sample_rows(lives, ahead=1)
+        ctx = None
+        if self.runner.supports_ahead:
+            try:
+                ctx = self.runner.prepare_ahead(batch.steps, rows)
+            except Exception as e:
+                log.debug("decode step not prepared ahead (%s); it is scheduled after this one", e)
+                return None
+        return _Ahead(batch, lives, rows, ctx)
+
+    def _drop_ahead(self, nxt: _Ahead | None) -> None:
+        if nxt is not None and nxt.ctx is not None:
+            self.runner.abandon(nxt.ctx)
+
+    def _launch_ahead(self, nxt: _Ahead, flight: _Flight, tokens: list[int]) -> _Flight | None:
+        """Launch ``nxt`` with the token ids ``flight`` drew, unless one of them stops its sequence (an EOS or
+        stop token: the step is dropped and scheduled afresh) or a request arrived or was cancelled meanwhile.
+        Stop strings are matched after the launch: such a sequence's row is computed and its token dropped. A failed
+        launch raises (the caller fails the step's sequences once the tokens before it are handed out)."""
+        drawn = {id(lv): t for lv, t in zip(flight.lives, tokens)}
+        ids = []
+        for lv in nxt.lives:
+            t = drawn[id(lv)]
+            p = lv.seq.params
+            if len(lv.seq.output_ids) + 1 > p.min_tokens and (t in lv.eos or t in p.stop_token_ids):
+                self._drop_ahead(nxt)
+                return None
+            ids.append(t)
+        if not self._inbox.empty():
+            self._drop_ahead(nxt)
+            return None
+        t0 = time.perf_counter()
+        self._count_step()
+        if nxt.ctx is not None:
+            step = self.runner.launch_ahead(nxt.ctx, ids)
+        else:  # a host backend: the step runs here
+            for st, t in zip(nxt.batch.steps, ids):
+                st.token_ids[0] = t
+            step = self.runner.launch(Phase.DECODE, nxt.batch.steps, nxt.rows)
+        return _Flight(nxt.batch, nxt.lives, step, t0)
 
     def _on_token(self, live: _Live, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         seq, p = live.seq, live.seq.params

@@ -238,6 +238,11 @@ class CudaCtx:
     prefill: PrefillPlan | None = None  # the prefill-attention kernel's plan (prefill steps, when it runs)
     prefill_tables: int = 0  # byte offset of its page tables in the step upload (its work list is at attn)
     prefill_stride: int = 0
+    host_in: Any = None  # the pinned buffer its inputs were packed into (prepare_ahead alternates two)
+    counters: tuple[Counter, ...] | None = None  # prepare_ahead: the counters before it, for abandon()
+    launched: bool = False
+    t0: float = 0.0
+    host_logits: np.ndarray | None = None
 
 
 def _linear_weight(w: Any, name: str) -> DeviceArray | PackedLinear:
@@ -449,6 +454,8 @@ class CudaBackend:
         self.inp = self.dev.empty((self.in_layout.nbytes,), "uint8")
         self.out = self.dev.empty((self.out_layout.nbytes,), "uint8")
         self.host_in = self.dev.pinned(self.in_layout.nbytes)
+        # prepare_ahead packs the next step here while the current one (from host_in) may not be uploaded yet
+        self._host_in_spare = self.dev.pinned(self.in_layout.nbytes)
         self.host_out = self.dev.pinned(self.out_layout.nbytes)
         self._alloc_arena()
         self.sampler = DeviceSampler(self.dev, self.sampling, self.R_max, cfg.vocab_size)
@@ -897,7 +904,7 @@ class CudaBackend:
                             attn_padded=padded)
         upload = pack(self.in_layout, self.host_in.array, inputs)
         ctx = CudaCtx(phase, n, n_real, S, R, R_real, 1 if lens is None else max(lens), plan_, batch, len(attn_lens),
-                      rows, want_logits, upload, graph, want_top)
+                      rows, want_logits, upload, graph, want_top, host_in=self.host_in)
         if packed is not None:
             self.prefill_plans += 1
             ctx.prefill, ctx.prefill_stride = pplan, packed.table_stride
@@ -1322,9 +1329,58 @@ class CudaBackend:
         """None while the device works; the sticky error that poisoned its context otherwise."""
         return self.dev.health()
 
+    # Async scheduling (serving.py): the next decode step is prepared while this one runs, launched once its
+    # token ids are known (patch_ids), or thrown away (abandon).
+    supports_ahead = True
+
+    def prepare_ahead(self, phase: Phase, steps: list[SeqStep], rows: Sequence[SampleRow] | None) -> CudaCtx:
+        """:meth:`prepare` of the step after the one in flight, whose token ids are placeholders: packed into the
+        other pinned input buffer (the step in flight may not have been uploaded yet), with the metric counters it
+        touches remembered so that :meth:`abandon` can take its counts back."""
+        counters = (self.graph_stats.replays.copy(), self.graph_stats.eager.copy(), self.dispatcher.plans.copy(),
+                    self.dispatcher.fallbacks.copy(), self.dispatcher.errors.copy())
+        self.host_in, self._host_in_spare = self._host_in_spare, self.host_in
+        ctx = self.prepare(phase, steps, rows, False)
+        ctx.counters = counters
+        return ctx
+
+    def patch_ids(self, ctx: CudaCtx, ids: np.ndarray) -> None:
+        """Write the decode step's token ids (``[n_real]``, one per sequence, in step order) over the placeholders
+        :meth:`prepare_ahead` packed. ValueError for a count or id :meth:`prepare` would have refused."""
+        if ctx.phase != Phase.DECODE or ctx.launched or len(ids) != ctx.n_real:
+            raise ValueError(f"patch_ids: {len(ids)} ids for a {ctx.phase.name} step of {ctx.n_real} sequences"
+                             f"{' (already launched)' if ctx.launched else ''}")
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token id outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        L = self.in_layout
+        ctx.host_in.array.view(np.uint8)[L.ids:L.ids + 4 * len(ids)].view(np.int32)[:] = ids
+
+    def abandon(self, ctx: CudaCtx) -> None:
+        """Forget a step :meth:`prepare_ahead` made and nobody launched: its metric counts are taken back."""
+        if ctx.launched or ctx.counters is None:
+            return
+        g, d = self.graph_stats, self.dispatcher
+        g.replays, g.eager, d.plans, d.fallbacks, d.errors = ctx.counters
+        ctx.counters = None
+
     def execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
+        """:meth:`launch`, then :meth:`finish`."""
+        self.launch(ctx, forward)
+        return self.finish(ctx)
+
+    def launch(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> None:
+        """Enqueue the step: the upload, the graph replay (or the eager kernels and the sampler), the download of
+        the sampled ids. Returns without waiting for the device (:meth:`finish` waits)."""
+        self._guarded(self._launch_step, ctx, forward)
+
+    def finish(self, ctx: CudaCtx) -> StepResult:
+        """Wait for a launched step and unpack its sampled ids (and logprobs, logits)."""
+        return self._guarded(self._finish_step, ctx)
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return self._execute(ctx, forward)
+            return fn(*args)
         except DeviceLost:
             raise
         except Exception as e:
@@ -1337,14 +1393,16 @@ class CudaBackend:
 
     def _upload(self, ctx: CudaCtx) -> None:
         """The step's one host-to-device copy: the packed inputs (pinned) to the input region."""
-        self.dev.copy_htod(self.inp.ptr, self.host_in.array[:ctx.upload_bytes])
+        host = ctx.host_in if ctx.host_in is not None else self.host_in
+        self.dev.copy_htod(self.inp.ptr, host.array[:ctx.upload_bytes])
 
-    def _execute(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> StepResult:
+    def _launch_step(self, ctx: CudaCtx, forward: Callable[[CudaCtx], Any]) -> None:
         dev = self.dev
+        ctx.launched, ctx.counters = True, None
         if self._fault is not None:
             fault, self._fault = self._fault, None
             self._inject(fault)
-        t0 = time.perf_counter()
+        ctx.t0 = time.perf_counter()
         self._upload(ctx)
         if ctx.graph is not None:
             ctx.graph.launch()
@@ -1354,14 +1412,16 @@ class CudaBackend:
             self._sample(ctx, logits)
         if ctx.rows is not None and ctx.R:
             dev.copy_dtoh(self.host_out.ptr, self.out.ptr, self.out_layout.used(ctx.R, ctx.want_top))
-        host_logits = None
         if ctx.want_logits:
-            host_logits = np.empty((ctx.R_real, self.cfg.vocab_size), np.float32)
+            ctx.host_logits = np.empty((ctx.R_real, self.cfg.vocab_size), np.float32)
             if ctx.R_real:
                 assert logits is not None
-                dev.copy_dtoh(host_logits.ctypes.data, logits.ptr, host_logits.nbytes)
-        dev.synchronize()
-        self.timings["step"] += time.perf_counter() - t0
+                dev.copy_dtoh(ctx.host_logits.ctypes.data, logits.ptr, ctx.host_logits.nbytes)
+
+    def _finish_step(self, ctx: CudaCtx) -> StepResult:
+        self.dev.synchronize()
+        self.timings["step"] += time.perf_counter() - ctx.t0
+        host_logits, ctx.host_logits = ctx.host_logits, None
         if ctx.rows is None or ctx.R == 0:
             return StepResult(np.zeros(0, np.int64), [None] * len(ctx.rows or ()), host_logits)
         tok, lp, ti, tl = self.out_layout.unpack(self.host_out.array, ctx.R)

@@ -266,6 +266,10 @@ class TrtDeviceBackend(CudaBackend):
                                 cuda=DeviceCudaApi(self.dev),
                                 bindings=lambda si, _spec: sb.bindings(si, self.seg_addresses))
 
+    # The upload region is one pinned buffer (ids and positions in front of the packed inputs): no second one
+    # for a step prepared while another runs, so no async scheduling (serving.py runs steps one by one).
+    supports_ahead = False
+
     # ------------------------------------------------------------------ one step
 
     def prepare(self, phase: Phase, steps: list[Any], rows: Any, want_logits: bool) -> CudaCtx:
