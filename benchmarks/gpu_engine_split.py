@@ -2,13 +2,15 @@
 
 ``python3 -m benchmarks.gpu_engine_split [--layers 40] [--concurrency 1 16 64] [--new 64]`` (device script):
 builds the Qwen3.5-35B-A3B-shaped ``cuda`` bundle of ``benchmarks.gpu_serve`` (dummy bf16 weights generated on
-the GPU), starts a ServingEngine in this process and, per concurrency ``c``, submits ``c`` greedy requests of 32
-prompt tokens and ``--new`` new tokens at once. It wraps the engine thread's pieces and prints, over the decode
-steps of ``c`` rows: the whole ``_step`` (what a token's inter-token latency is made of), the backend's
-``prepare`` (validation, packing of the upload, plan and graph choice: host only), ``execute`` (upload, graph
-replay, synchronise, download, unpack: GPU time plus a little host) and ``_on_token`` per token (detokenisation,
-stop strings, the event, metrics) times ``c``. What ``prepare`` and ``_on_token`` take is the host work an
-engine that overlapped it with the previous step's GPU work would hide.
+the GPU), starts a ServingEngine in this process with ``async_scheduling="off"`` (one step at a time, so that the
+pieces add up; ``benchmarks.gpu_async_sched`` compares it with async scheduling) and, per concurrency ``c``,
+submits ``c`` greedy requests of 32 prompt tokens and ``--new`` new tokens at once. It wraps the engine thread's
+pieces and prints, over the decode steps of ``c`` rows: the whole step (``_launch`` + ``_complete``: what a
+token's inter-token latency is made of), the backend's ``prepare`` (validation, packing of the upload, plan and
+graph choice: host only), ``execute`` (``launch`` + ``finish``: upload, graph replay, synchronise, download,
+unpack: GPU time plus a little host) and ``_on_token`` per token (detokenisation, stop strings, the event,
+metrics) times ``c``. What ``prepare`` and ``_on_token`` take is the host work an engine that overlapped it with
+the previous step's GPU work would hide.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def main() -> None:
     from hybrid_runtime.serving import GenerationRequest, RuntimeOptions, ServingEngine, generate
 
     bundle = build(a.root, a.layers, max(a.concurrency), 2048)
-    eng = ServingEngine(bundle, RuntimeOptions()).start()
+    eng = ServingEngine(bundle, RuntimeOptions(async_scheduling="off")).start()
     times: dict[Any, list[float]] = collections.defaultdict(list)
 
     def wrap(obj: Any, name: str, key: str) -> None:
@@ -51,16 +53,19 @@ def main() -> None:
 
     be = eng.runner.backend
     wrap(be, "prepare", "prepare")
-    wrap(be, "execute", "execute")
+    wrap(be, "launch", "launch")
+    wrap(be, "finish", "finish")
     wrap(eng, "_on_token", "on_token")
-    step = eng._step
+    complete = eng._complete
 
-    def timed_step(batch: Any) -> None:
-        t = time.perf_counter()
-        step(batch)
-        times[("step", batch.phase.name, len(batch.steps))].append(time.perf_counter() - t)
+    def timed_complete(flight: Any, ahead: bool) -> Any:  # from the step's launch (flight.t0) to its tokens handled
+        try:
+            return complete(flight, ahead)
+        finally:
+            b = flight.batch
+            times[("step", b.phase.name, len(b.steps))].append(time.perf_counter() - flight.t0)
 
-    eng._step = timed_step  # type: ignore[method-assign]
+    eng._complete = timed_complete  # type: ignore[method-assign]
     try:
         generate(eng, [GenerationRequest("warm", prompt_ids=tuple(_ids(0, 0, 4)),
                                          params=SamplingParams(max_tokens=2))])
@@ -77,7 +82,8 @@ def main() -> None:
                 print(f"| {c} | 0 | - | - | - | - | - | - |")
                 continue
             med = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
-            st, pr, ex = med(full), med(times["prepare"]), med(times["execute"])
+            st, pr = med(full), med(times["prepare"])
+            ex = med([a + b for a, b in zip(times["launch"], times["finish"])])
             tok = c * med(times["on_token"])
             rest = st - pr - ex - tok
             print(f"| {c} | {len(full)} | {st:.0f} | {pr:.0f} | {ex:.0f} | {tok:.0f} | {rest:.0f} | "
