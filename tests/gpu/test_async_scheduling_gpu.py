@@ -83,6 +83,10 @@ def _serve(bundle: Path, mode: str, reqs: list[GenerationRequest]) -> tuple[dict
         assert three.wait(60)
         eng.cancel("cancel-me")
         assert done.wait(300)
+        # alone, a decoding request always has its next step prepared ahead: its stop token drops one (whatever
+        # the timing of the batch above)
+        finals["solo-stoptok"] = generate(eng, [GenerationRequest("solo-stoptok", prompt="The weather today", params=(
+            SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=reqs[-3].params.stop_token_ids)))])[0]
         deadline = time.monotonic() + 20
         while eng.stats()["slots_in_use"] or eng.stats()["kv_pages_in_use"] or eng.stats()["requests_running"]:
             assert time.monotonic() < deadline, eng.stats()
@@ -102,13 +106,14 @@ def test_async_scheduling_on_the_gpu_gives_the_tokens_of_one_step_at_a_time(cuda
     reqs = _workload(base.output_ids[7], base.text.strip()[4:7])
     off, off_stats, _ = _serve(cuda_bundle, "off", reqs)
     on, on_stats, cancelled = _serve(cuda_bundle, "auto", reqs)
-    for r in reqs:
+    for r in (*reqs, GenerationRequest("solo-stoptok")):
         a, b = off[r.request_id], on[r.request_id]
         assert (b.finish_reason, b.output_ids, b.text) == (a.finish_reason, a.output_ids, a.text), r.request_id
         assert len(b.logprobs) == len(a.logprobs)
         for x, y in zip(a.logprobs, b.logprobs):  # the same device computation: the same floats
             assert x == y, r.request_id
     assert on["stoptok"].finish_reason == "stop" and on["stopstr"].finish_reason == "stop"
+    assert on["solo-stoptok"].finish_reason == "stop"
     assert [e.final for e in cancelled].count(True) == 1 and cancelled[-1].finish_reason == "cancelled"
     steps = on_stats["async_steps"]
     print(f"[async] async_steps {steps}; graph replays on {on_stats['graph_replays']}; "

@@ -113,7 +113,10 @@ def _workload(tok_stop: int, text_stop: str) -> list[GenerationRequest]:
     return out
 
 
-def _run(bundle: Path, mode: str, reqs: list[GenerationRequest], stagger: bool) -> tuple[dict[str, Event], dict]:
+def _run(bundle: Path, mode: str, reqs: list[GenerationRequest], stagger: bool,
+         solo: tuple[GenerationRequest, ...] = ()) -> tuple[dict[str, Event], dict]:
+    """``reqs`` submitted together (``stagger``: in groups), then each of ``solo`` alone: a lone decoding request
+    always has its next step prepared ahead, so a stop token there always drops one (timing-independent)."""
     eng = ServingEngine(bundle, RuntimeOptions(async_scheduling=mode)).start()
     counters: dict[int, list[int]] = {}  # the device sampler's (seed, counter) key of every row drawn
     launch = eng.runner.launch
@@ -142,6 +145,8 @@ def _run(bundle: Path, mode: str, reqs: list[GenerationRequest], stagger: bool) 
             if stagger and i % 5 == 4:
                 time.sleep(0.05)  # arrivals while sequences decode: steps ahead are dropped for them
         assert done.wait(120)
+        for r in solo:
+            finals[r.request_id] = generate(eng, [r])[0]
         deadline = time.monotonic() + 10
         while eng.stats()["slots_in_use"] or eng.stats()["kv_pages_in_use"]:
             assert time.monotonic() < deadline, eng.stats()
@@ -160,9 +165,11 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(default_bundle:
     assert not eng.async_scheduling
     eng.shutdown()
     reqs = _workload(base.output_ids[6], base.text.strip()[4:7])
-    off, off_stats = _run(default_bundle, "off", reqs, stagger=True)
-    on, on_stats = _run(default_bundle, "on", reqs, stagger=True)
-    for r in reqs:
+    solo = (GenerationRequest("solo-stoptok", prompt="The weather today", params=SamplingParams(
+        max_tokens=20, ignore_eos=True, stop_token_ids=(base.output_ids[6],))),)
+    off, off_stats = _run(default_bundle, "off", reqs, stagger=True, solo=solo)
+    on, on_stats = _run(default_bundle, "on", reqs, stagger=True, solo=solo)
+    for r in (*reqs, *solo):
         a, b = off[r.request_id], on[r.request_id]
         assert (b.finish_reason, b.output_ids, b.text, b.logprobs) == (a.finish_reason, a.output_ids, a.text,
                                                                          a.logprobs), r.request_id
@@ -170,9 +177,11 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(default_bundle:
     assert {"stop", "length"} <= reasons
     assert on["stoptok"].finish_reason == "stop" and len(on["stoptok-min"].output_ids) > 12
     assert on["stopstr"].finish_reason == "stop"
+    assert on["solo-stoptok"].finish_reason == "stop"
+    assert len(on["solo-stoptok"].output_ids) == base.output_ids.index(base.output_ids[6]) + 1
     assert off_stats.get("async_steps", {}) == {}
     steps = on_stats["async_steps"]
-    assert steps.get("launched", 0) > 10 and steps.get("dropped", 0) >= 1, steps
+    assert steps.get("launched", 0) > 10 and steps.get("dropped", 0) >= 1, steps  # solo-stoptok's stop at least
     assert on_stats["tokens_generated"] == off_stats["tokens_generated"]
 
 
