@@ -614,9 +614,8 @@ class ServingEngine:
         then schedules it and reports the error)."""
         if flight.batch.phase != Phase.DECODE or not self._inbox.empty():
             return None
-        lim = self.manifest.limits.max_seq_len
         finishing = {lv.seq.request_id for lv in flight.lives
-                     if len(lv.seq.output_ids) + 1 >= lv.seq.params.max_tokens or lv.seq.num_tokens + 1 >= lim}
+                     if self._at_length(lv, len(lv.seq.output_ids) + 1, lv.seq.num_tokens + 1)}
         batch = self.scheduler.schedule_ahead(flight.batch, finishing)
         if batch is None:
             return None
@@ -644,8 +643,7 @@ class ServingEngine:
         ids = []
         for lv in nxt.lives:
             t = drawn[id(lv)]
-            p = lv.seq.params
-            if len(lv.seq.output_ids) + 1 > p.min_tokens and (t in lv.eos or t in p.stop_token_ids):
+            if self._stop_token(lv, t, len(lv.seq.output_ids) + 1):
                 self._drop_ahead(nxt)
                 return None
             ids.append(t)
@@ -672,11 +670,11 @@ class ServingEngine:
             (self.metrics.itl if live.t_last else self.metrics.ttft).observe(now - (live.t_last or live.t_submit))
         live.t_last = now
         n = len(seq.output_ids)
-        stop_tok = n > p.min_tokens and (tok in live.eos or tok in p.stop_token_ids)
+        stop_tok = self._stop_token(live, tok, n)
         text, hit = ("", False) if stop_tok else live.stops.feed(live.detok.push(tok))
         if hit and n <= p.min_tokens:
             hit = False  # stop strings count only after min_tokens
-        done = stop_tok or hit or n >= p.max_tokens or seq.num_tokens >= self.manifest.limits.max_seq_len
+        done = stop_tok or hit or self._at_length(live, n, seq.num_tokens)
         if done and not hit:
             text += live.stops.feed(live.detok.flush())[0] + live.stops.flush()
         if text or not done:
@@ -687,6 +685,17 @@ class ServingEngine:
                 return
         if done:
             self._final(live, "stop" if stop_tok or hit else "length")
+
+    @staticmethod
+    def _stop_token(live: _Live, tok: int, n: int) -> bool:
+        """Whether ``tok``, the request's ``n``-th output token, ends it (EOS or a stop token, past min_tokens)."""
+        p = live.seq.params
+        return n > p.min_tokens and (tok in live.eos or tok in p.stop_token_ids)
+
+    def _at_length(self, live: _Live, n: int, total: int) -> bool:
+        """Whether a request with ``n`` output tokens and ``total`` tokens in all has reached its length
+        (max_tokens, or the bundle's max_seq_len)."""
+        return n >= live.seq.params.max_tokens or total >= self.manifest.limits.max_seq_len
 
     def _final(self, live: _Live, reason: str, error: str | None = None) -> None:
         """Send the one final event, then release the slot and pages (we are between steps)."""
