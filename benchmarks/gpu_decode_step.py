@@ -227,9 +227,9 @@ def main() -> int:
     ap.add_argument("--fused-router", default="on", choices=("on", "off"),
                     help="CudaBackend fused_router: the decode router GEMM + routing as one launch (<= 16 rows)")
     ap.add_argument("--fused-gdn", default="on",
-                    help="comma-separated CudaBackend fused_gdn_decode modes for the 40-layer rows: on (= auto: the "
-                         "cluster kernel, 1 launch per GDN layer, on sm_90+, else the pair), cluster, pair (2 "
-                         "launches), off (4 launches); graphs are recaptured for each")
+                    help="comma-separated CudaBackend fused_gdn_decode modes for the 40-layer rows: on (= auto: "
+                         "by the step's rows, backend.gdn_decode_path), cluster, cluster_head (1 launch per GDN "
+                         "layer, sm_90+), pair (2 launches), off (4 launches); graphs are recaptured for each")
     ap.add_argument("--dense-decode", default="on",
                     help="comma-separated: on (decode GEMMs of <= 16 rows on dense_decode.cu's kernel), on:MB (only "
                          "products of at most MB MiB of weights: the larger, e.g. lm_head, stay on cuBLASLt), off "
@@ -241,8 +241,8 @@ def main() -> int:
             ap.error(f"--dense-decode {d!r}: on, on:MB or off")
     fused_modes = [f for f in args.fused_gdn.split(",") if f]
     for f in fused_modes:
-        if f not in ("on", "auto", "cluster", "pair", "off"):
-            ap.error(f"--fused-gdn {f!r}: on, auto, cluster, pair or off")
+        if f not in ("on", "auto", "cluster", "cluster_head", "pair", "off"):
+            ap.error(f"--fused-gdn {f!r}: on, auto, cluster, cluster_head, pair or off")
     fused_modes = ["auto" if f == "on" else f for f in fused_modes]
     import torch
 
@@ -309,10 +309,10 @@ def main() -> int:
             log("this GDN shape has no fused decode kernels: the fused rows run the four launches")
         for ci, (mode, gmode, dense) in enumerate(combos):
             fused = gmode != "off" and be.gdn_k is not None and be.gdn_k.fused_decode_ok
-            cluster = fused and gmode in ("auto", "cluster") and be.gdn_k.cluster_decode_ok
 
-            def configure(mode: str = mode, fused: bool = fused, cluster: bool = cluster, dense: str = dense) -> None:
-                be.moe_decode, be.fused_gdn_decode, be.gdn_cluster_decode = mode, fused, cluster
+            def configure(mode: str = mode, fused: bool = fused, gmode: str = gmode, dense: str = dense) -> None:
+                be.moe_decode, be.fused_gdn_decode = mode, fused
+                be.gdn_decode = gmode if fused else "off"
                 be.dense = None if dense == "off" else dense_k
                 be.dense_max_bytes = int(float(dense[3:]) * 2**20) if dense.startswith("on:") else None
 
@@ -323,8 +323,7 @@ def main() -> int:
                 configure()
                 be.capture_graphs(runner._forward, buckets=args.batches)
             configure()
-            gdn_label = ("cluster (1 launch/layer)" if cluster else "fused pair (2 launches/layer)" if fused
-                         else "4 launches/layer")
+            gdn_label = gmode if fused else "4 launches/layer"
             dense_label = "cuBLASLt" if dense == "off" or dense_k is None else \
                 ("dense_decode" if dense == "on" else f"dense_decode <= {dense[3:]} MiB")
             for B in args.batches:

@@ -1,5 +1,6 @@
 """A GDN layer's decode on the GPU, the three ways the ``cuda`` backend can run it, against the copy bandwidth
-measured in the same run: one clustered launch (``gdn_decode_cluster``), the fused pair (``gdn_conv_gates_decode`` +
+measured in the same run: one clustered launch (``gdn_decode_cluster``: 128-thread CTAs, clusters of 8;
+``gdn_decode_cluster_head``: a CTA per value head, clusters of 2), the fused pair (``gdn_conv_gates_decode`` +
 ``gdn_decode_norm``), the four launches (``gdn_gates``, ``gdn_conv_decode``, ``gdn_decode``, ``gated_rmsnorm``).
 
     python3 -m benchmarks.gpu_gdn_decode [--batches 1 8 64] [--layers 30] [--out FILE]
@@ -26,7 +27,7 @@ from benchmarks.gpu_common import log, measure_copy_bandwidth, time_graph, write
 
 NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
 EPS = 1e-6
-PATHS = ("cluster", "pair", "four")
+PATHS = ("cluster", "cluster_head", "pair", "four")
 
 
 def bench_batch(dev: Any, B: int, layers: int, rng: np.random.Generator, bw: float) -> tuple[float, dict]:
@@ -58,9 +59,10 @@ def bench_batch(dev: Any, B: int, layers: int, rng: np.random.Generator, bw: flo
 
     def step(path: str, i: int) -> None:
         c = caches[i % layers]
-        if path == "cluster":
+        if path in ("cluster", "cluster_head"):
             gdn.cluster_decode(c.conv[0], c.recurrent[0], sl.ptr, p.ptr, P, w, B, p.ptr, P, C + vd, C + vd + NV,
-                               nea.ptr, dtb.ptr, p.ptr + 4 * C, P, norm.ptr, EPS, o.ptr, core_ptr=core.ptr)
+                               nea.ptr, dtb.ptr, p.ptr + 4 * C, P, norm.ptr, EPS, o.ptr, core_ptr=core.ptr,
+                               head=path == "cluster_head")
         elif path == "pair":
             gdn.conv_gates_decode(c.conv[0], sl.ptr, p.ptr, P, w, x.ptr, B, p.ptr, P, C + vd, C + vd + NV,
                                   nea.ptr, dtb.ptr, g.ptr, beta.ptr)
@@ -80,8 +82,8 @@ def bench_batch(dev: Any, B: int, layers: int, rng: np.random.Generator, bw: flo
 
     state = layout.recurrent_row_bytes + layout.conv_row_bytes
     floor = B * (2 * state + 4 * (C + vd)) / bw
-    t = {path: time_graph(dev, lambda i, path=path: step(path, i), layers) for path in PATHS
-         if path != "cluster" or gdn.cluster_decode_ok}
+    ok = {"cluster": gdn.cluster_decode_ok, "cluster_head": gdn.cluster_head_decode_ok}
+    t = {path: time_graph(dev, lambda i, path=path: step(path, i), layers) for path in PATHS if ok.get(path, True)}
     log(f"B={B}: floor {floor * 1e6:.1f} us, " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in t.items()))
     return floor, t
 
@@ -111,14 +113,13 @@ def main(argv: list[str] | None = None) -> int:
              f"`python3 -m benchmarks.gpu_gdn_decode --batches {' '.join(map(str, args.batches))} --layers "
              f"{args.layers}` on {torch.cuda.get_device_name(0)}; copy bandwidth measured in this run "
              f"{bw / 1e12:.2f} TB/s. Per layer, {args.layers} layers chained in one captured graph (us).", "",
-             "| batch | floor (us) | cluster: 1 launch | x floor | pair: 2 launches | x floor | four launches | "
-             "x floor | cluster / pair |", "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | floor (us) | cluster (128-thread CTAs) | x floor | cluster_head (a CTA per value head) | "
+             "x floor | pair: 2 launches | x floor | four launches | x floor | cluster / pair | cluster_head / pair |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for B, floor, t in rows:
-        cl = t.get("cluster")
-        cells = [f"{cl * 1e6:.2f} | {cl / floor:.2f}" if cl else "- | -"]
-        cells += [f"{t[k] * 1e6:.2f} | {t[k] / floor:.2f}" for k in ("pair", "four")]
-        ratio = f"{cl / t['pair']:.3f}" if cl else "-"
-        lines.append(f"| {B} | {floor * 1e6:.2f} | " + " | ".join(cells) + f" | {ratio} |")
+        cells = [f"{t[k] * 1e6:.2f} | {t[k] / floor:.2f}" if k in t else "- | -" for k in PATHS]
+        ratios = [f"{t[k] / t['pair']:.3f}" if k in t else "-" for k in ("cluster", "cluster_head")]
+        lines.append(f"| {B} | {floor * 1e6:.2f} | " + " | ".join(cells + ratios) + " |")
     write_report(args.out, lines)
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import threading
 import weakref
 from collections import Counter
@@ -494,24 +495,34 @@ class GraphCaptureError(CudaError):
 
 class CudaGraph:
     """One instantiated CUDA graph captured from ``fn()`` on ``device``'s stream (thread-local capture mode:
-    a forbidden call on this thread fails the capture instead of corrupting it)."""
+    a forbidden call on this thread fails the capture instead of corrupting it).
+
+    Python's cyclic garbage collector is paused during the capture: a collection there runs the finalizers of
+    whatever unreachable device buffers it finds (``cuMemFree``, not allowed while this thread captures), which
+    invalidated the capture of an unrelated launch (seen once in a GPU test: a decode graph refused with
+    ``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`` after an earlier case's backends became garbage)."""
 
     def __init__(self, device: CudaDevice, fn: Callable[[], Any]) -> None:
         drv = bindings()
         self.device = device
         device.activate()
         mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        call("cuStreamBeginCapture", drv.cuStreamBeginCapture, device.stream, mode)
-        graph = None
+        gc_was_on = gc.isenabled()
+        gc.disable()
         try:
-            fn()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                res = drv.cuStreamEndCapture(device.stream)
-                if isinstance(res, tuple) and len(res) > 1 and res[1] is not None:
-                    drv.cuGraphDestroy(res[1])
-            raise
-        graph = call("cuStreamEndCapture", drv.cuStreamEndCapture, device.stream)
+            call("cuStreamBeginCapture", drv.cuStreamBeginCapture, device.stream, mode)
+            try:
+                fn()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    res = drv.cuStreamEndCapture(device.stream)
+                    if isinstance(res, tuple) and len(res) > 1 and res[1] is not None:
+                        drv.cuGraphDestroy(res[1])
+                raise
+            graph = call("cuStreamEndCapture", drv.cuStreamEndCapture, device.stream)
+        finally:
+            if gc_was_on:
+                gc.enable()
         try:
             self.exec = call("cuGraphInstantiate", drv.cuGraphInstantiate, graph, 0)
             self.num_nodes = int(call("cuGraphGetNodes", drv.cuGraphGetNodes, graph, 0)[1])

@@ -98,20 +98,30 @@ def fused_decode_fits(dk: int, dv: int) -> bool:
 CLUSTER_MAX = 8  # CTAs per cluster of gdn_decode_cluster (the portable cluster size)
 
 
-def cluster_size(nk: int, nv: int, dv: int) -> int:
-    """CTAs per cluster of ``gdn_decode_cluster`` (GCL in gdn.cu): one per 32 value columns of each of a key
-    head's ``nv / nk`` value heads."""
-    return (nv // nk) * (dv // 32)
+CLUSTER_KERNELS = {False: "gdn_decode_cluster", True: "gdn_decode_cluster_head"}
 
 
-def cluster_decode_fits(nk: int, nv: int, dk: int, dv: int) -> bool:
-    """Whether a head shape has ``gdn_decode_cluster`` (gdn.cu compiles it under the same rule, GDN_CLUSTER): the
-    fused pair's shapes, whole 32-column groups, at most :data:`CLUSTER_MAX` CTAs a cluster, and the key head's
-    ``2 dk`` q / k conv channels shared evenly, at most 96 per CTA (its 128 threads also take 32 v channels)."""
+def cluster_size(nk: int, nv: int, dv: int, head: bool = False) -> int:
+    """CTAs per cluster of ``gdn_decode_cluster`` (GCL1 in gdn.cu: one per 32 value columns of each of a key head's
+    ``nv / nk`` value heads) or, ``head``, of ``gdn_decode_cluster_head`` (GCLH: one per value head)."""
+    return (nv // nk) * (1 if head else dv // 32)
+
+
+def cluster_threads(dv: int, head: bool = False) -> int:
+    """Threads of a cluster kernel's CTA: 128 (one 32-column group), ``head``: 128 per group of the value head."""
+    return fused_threads(dv) if head else 128
+
+
+def cluster_decode_fits(nk: int, nv: int, dk: int, dv: int, head: bool = False) -> bool:
+    """Whether a head shape has ``gdn_decode_cluster`` (``head``: ``gdn_decode_cluster_head``; gdn.cu compiles them
+    under the same rules, GDN_CLUSTER / GDN_CLUSTER_HEAD): the fused pair's shapes, whole 32-column groups, at most
+    :data:`CLUSTER_MAX` CTAs a cluster, and the key head's ``2 dk`` q / k conv channels shared evenly, at most what
+    a CTA's threads leave after its v channels (one a thread)."""
     if nk <= 0 or nv % nk or dv % 32 or not fused_decode_fits(dk, dv):
         return False
-    gcl = cluster_size(nk, nv, dv)
-    return 1 <= gcl <= CLUSTER_MAX and (2 * dk) % gcl == 0 and 2 * dk // gcl + 32 <= 128
+    gcl = cluster_size(nk, nv, dv, head)
+    v_channels = dv if head else 32
+    return 1 <= gcl <= CLUSTER_MAX and (2 * dk) % gcl == 0 and 2 * dk // gcl + v_channels <= cluster_threads(dv, head)
 
 
 def fused_threads(dv: int) -> int:
@@ -208,7 +218,9 @@ class CudaGdn:
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DOT={DT_CODES[out_dtype]}", f"-DDK={dk}",
                                            f"-DDV={dv}", f"-DKW={self.K}", f"-DGR={nv // nk}"), device.arch)
         self.fused_decode_ok = fused_decode_fits(dk, dv)
-        self.cluster_decode_ok = cluster_decode_fits(nk, nv, dk, dv) and device.compute_capability >= (9, 0)
+        sm90 = device.compute_capability >= (9, 0)
+        self.cluster_decode_ok = cluster_decode_fits(nk, nv, dk, dv) and sm90
+        self.cluster_head_decode_ok = cluster_decode_fits(nk, nv, dk, dv, head=True) and sm90
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
         optin = device.limits.max_shared_mem_optin
 
@@ -345,20 +357,22 @@ class CudaGdn:
     def cluster_decode(self, conv: DeviceArray, rec: DeviceArray, slots_ptr: int, u_ptr: int, u_stride: int,
                        conv_w: DeviceArray, B: int, p_ptr: int, p_stride: int, off_b: int, off_a: int,
                        neg_exp_a_ptr: int, dt_bias_ptr: int, z_ptr: int, z_stride: int, norm_w_ptr: int, eps: float,
-                       o_ptr: int, core_ptr: int = 0) -> None:
+                       o_ptr: int, core_ptr: int = 0, head: bool = False) -> None:
         """The whole decode step of a GDN layer in one launch (``gdn_decode_cluster``, PDL; grid ``(GCL, nk, B)``
-        in clusters of :func:`cluster_size` CTAs of 128 threads), slots on the device and checked: u rows of
-        ``u_stride`` elements (act dtype); the gates from the float32 projection row ``p + b * p_stride`` (b at
+        in clusters of :func:`cluster_size` CTAs of 128 threads; ``head``: ``gdn_decode_cluster_head``, a CTA of
+        :func:`fused_threads` threads per value head, clusters of ``nv / nk``), slots on the device and checked: u
+        rows of ``u_stride`` elements (act dtype); the gates from the float32 projection row ``p + b * p_stride`` (b at
         column ``off_b + j``, a at ``off_a + j``) with neg_exp_a / dt_bias float32 ``[nv]``; z float32 rows of
         ``z_stride`` elements; the norm weight float32 ``[dv]``. Writes the conv windows and the recurrent state in
         place, o ``[B, nv*dv]`` (``out_dtype``) and, when ``core_ptr`` is given, the core ``[B, nv*dv]`` (act
         dtype): what :meth:`conv_gates_decode` + :meth:`delta_norm_decode` write there, bit for bit (it writes no x,
-        g or beta). Needs ``cluster_decode_ok``."""
-        if not self.cluster_decode_ok:
-            raise ValueError(f"no cluster decode kernel for nk={self.nk}, nv={self.nv}, dk={self.dk}, dv={self.dv} "
-                             f"on {self.device.arch} (cluster_decode_fits, sm_90+)")
-        self.module.kernel("gdn_decode_cluster").launch(
-            self.device, (cluster_size(self.nk, self.nv, self.dv), self.nk, B), (128, 1, 1), 0,
+        g or beta). Needs ``cluster_decode_ok`` (``head``: ``cluster_head_decode_ok``)."""
+        if not (self.cluster_head_decode_ok if head else self.cluster_decode_ok):
+            raise ValueError(f"no cluster decode kernel ({CLUSTER_KERNELS[head]}) for nk={self.nk}, nv={self.nv}, "
+                             f"dk={self.dk}, dv={self.dv} on {self.device.arch} (cluster_decode_fits, sm_90+)")
+        self.module.kernel(CLUSTER_KERNELS[head]).launch(
+            self.device, (cluster_size(self.nk, self.nv, self.dv, head), self.nk, B),
+            (cluster_threads(self.dv, head), 1, 1), 0,
             [("ptr", u_ptr), ("i64", u_stride), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row),
              ("ptr", slots_ptr), ("ptr", p_ptr), ("i64", p_stride), ("i32", off_b), ("i32", off_a),
              ("ptr", neg_exp_a_ptr), ("ptr", dt_bias_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", z_ptr),

@@ -1,5 +1,6 @@
-"""``gdn_decode_cluster`` (a GDN layer's whole decode step in one clustered launch) against the fused pair
-(``gdn_conv_gates_decode`` + ``gdn_decode_norm``) it replaces on sm_90+, on the GPU.
+"""``gdn_decode_cluster`` and ``gdn_decode_cluster_head`` (a GDN layer's whole decode step in one clustered launch:
+128-thread CTAs, or one CTA per value head) against the fused pair (``gdn_conv_gates_decode`` +
+``gdn_decode_norm``) they replace on sm_90+, on the GPU.
 
 Kernels: identical copies of the same state through both, B = 1, 3, 16, 64 rows on scattered slots (padding rows
 on the sink), three steps in a row, the backend's build (float32 u and core, o in float32 / bfloat16), head shapes
@@ -8,9 +9,9 @@ key head of 128) and 8 one-group CTAs (8 value heads of 32 per key head, conv K 
 core and o **bit-identical** (the cluster kernel runs the pair's arithmetic, in the same order); the same in a
 captured CUDA graph replayed step after step. A shape outside the rule has no cluster kernel and the call says so.
 
-Backend: ``CudaBackend(fused_gdn_decode="cluster")`` vs ``"pair"`` on the same bundle, graphs captured,
-teacher-forced: one kernel fewer per GDN layer in every decode graph, the same prefill bits, and bit-identical decode
-logits and state.
+Backend: ``CudaBackend(fused_gdn_decode="cluster" / "cluster_head" / "auto")`` vs ``"pair"`` on the same bundle,
+graphs captured, teacher-forced: one kernel fewer per GDN layer in every decode graph of a cluster build, the same
+prefill bits, and bit-identical decode logits and state.
 
     pytest -m gpu tests/gpu/test_gdn_decode_cluster_gpu.py
 """
@@ -46,8 +47,12 @@ def dev():
     return d
 
 
+KINDS = ("pair", "cluster", "cluster_head")
+
+
 class Layer:
-    """One GDN layer with two identical state caches: ``pair`` runs the fused pair, ``cluster`` the one launch."""
+    """One GDN layer with identical state caches: ``pair`` runs the fused pair, ``cluster`` / ``cluster_head`` the
+    one launch of either build."""
 
     def __init__(self, dev, shape: Shape, num_slots: int, out: str, seed: int) -> None:
         from hybrid_runtime.cuda.gdn import CudaGdn
@@ -60,11 +65,11 @@ class Layer:
         conv_np, rec_np = self.layout.allocate()
         conv_np[:] = self.rng.standard_normal(conv_np.shape, np.float32)
         rec_np[:] = 0.1 * self.rng.standard_normal(rec_np.shape, np.float32)
-        self.caches = {k: DeviceStateCache(dev, self.layout, layers=[0]) for k in ("pair", "cluster")}
+        self.caches = {k: DeviceStateCache(dev, self.layout, layers=[0]) for k in KINDS}
         for c in self.caches.values():
             c.upload_layer(0, conv_np, rec_np)
         self.gdn = CudaGdn(dev, self.layout, shape.nk, act_dtype="float32", out_dtype=out)
-        assert self.gdn.fused_decode_ok and self.gdn.cluster_decode_ok
+        assert self.gdn.fused_decode_ok and self.gdn.cluster_decode_ok and self.gdn.cluster_head_decode_ok
         s = shape
         self.w = dev.upload((0.5 * self.rng.standard_normal((s.C, s.K))).astype(np.float32))
         self.nea = dev.upload((-np.exp(0.3 * self.rng.standard_normal(s.nv))).astype(np.float32))
@@ -92,17 +97,21 @@ class Layer:
         else:
             self.gdn.cluster_decode(c.conv[0], c.recurrent[0], slots_ptr, p_ptr, self.stride, self.w, B, p_ptr,
                                     self.stride, C + vd, C + vd + nv, self.nea.ptr, self.dtb.ptr, p_ptr + 4 * C,
-                                    self.stride, self.norm.ptr, EPS, buf["o"].ptr, core_ptr=buf["core"].ptr)
+                                    self.stride, self.norm.ptr, EPS, buf["o"].ptr, core_ptr=buf["core"].ptr,
+                                    head=kind == "cluster_head")
 
     def check(self, tag: str, bufs: dict, live: np.ndarray) -> None:
         d = self.dev
         keep = np.arange(self.layout.rows) != self.layout.sink  # padding rows race on the sink
-        for k in ("core", "o"):
-            a, b = d.download(bufs["pair"][k]), d.download(bufs["cluster"][k])
-            assert np.isfinite(b[live]).all(), f"{tag}: {k} not finite"
-            assert same_bits(a[live], b[live]), f"{tag}: {k} differs"
-        for a, b in zip(self.caches["pair"].download_layer(0), self.caches["cluster"].download_layer(0)):
-            assert same_bits(a[keep], b[keep]), f"{tag}: state differs"
+        for kind in bufs:
+            if kind == "pair":
+                continue
+            for k in ("core", "o"):
+                a, b = d.download(bufs["pair"][k]), d.download(bufs[kind][k])
+                assert np.isfinite(b[live]).all(), f"{tag}: {kind} {k} not finite"
+                assert same_bits(a[live], b[live]), f"{tag}: {kind} {k} differs"
+            for a, b in zip(self.caches["pair"].download_layer(0), self.caches[kind].download_layer(0)):
+                assert same_bits(a[keep], b[keep]), f"{tag}: {kind} state differs"
 
 
 def _slots(rng: np.random.Generator, B: int, num_slots: int, sink: int) -> np.ndarray:
@@ -125,13 +134,14 @@ def test_cluster_kernel_gives_the_pairs_bits(dev, shape_name: str, out: str, B: 
         p_np = rng.standard_normal((B, lay.stride)).astype(np.float32)
         p_np[0, lay.s.C + lay.s.nv * lay.s.dv + lay.s.nv] = 25.0  # a + dt_bias > 20: softplus' linear branch
         p, sl = dev.upload(p_np), dev.upload(slots.astype(np.int32))
-        bufs = {k: lay.buffers(B) for k in ("pair", "cluster")}
-        for kind in ("pair", "cluster"):
+        bufs = {k: lay.buffers(B) for k in KINDS}
+        for kind in KINDS:
             lay.launch(kind, p.ptr, sl.ptr, B, bufs[kind])
         lay.check(f"{shape_name}/{out}/B={B}/step {step}", bufs, slots != lay.layout.sink)
 
 
-def test_cluster_kernel_in_a_graph_replays_the_pairs_bits(dev) -> None:
+@pytest.mark.parametrize("kind", ["cluster", "cluster_head"])
+def test_cluster_kernel_in_a_graph_replays_the_pairs_bits(dev, kind: str) -> None:
     """Captured in a CUDA graph and replayed step after step (the state carried from replay to replay) against
     eager launches of the pair on the copy."""
     from hybrid_runtime.cuda.driver import CudaGraph
@@ -141,12 +151,12 @@ def test_cluster_kernel_in_a_graph_replays_the_pairs_bits(dev) -> None:
     slots = np.array([5, 0, 7, 2], np.int64)  # no padding row: every row is compared
     p = dev.upload(np.random.default_rng(2).standard_normal((B, lay.stride)).astype(np.float32))
     sl = dev.upload(slots.astype(np.int32))
-    bufs = {k: lay.buffers(B) for k in ("pair", "cluster")}
+    bufs = {k: lay.buffers(B) for k in ("pair", kind)}
     live = np.ones(B, bool)
-    lay.launch("cluster", p.ptr, sl.ptr, B, bufs["cluster"])  # eager first: loads the kernel outside the capture
+    lay.launch(kind, p.ptr, sl.ptr, B, bufs[kind])  # eager first: loads the kernel outside the capture
     lay.launch("pair", p.ptr, sl.ptr, B, bufs["pair"])
     lay.check("eager", bufs, live)
-    graph = CudaGraph(dev, lambda: lay.launch("cluster", p.ptr, sl.ptr, B, bufs["cluster"]))
+    graph = CudaGraph(dev, lambda: lay.launch(kind, p.ptr, sl.ptr, B, bufs[kind]))
     try:
         for step in (1, 2):
             graph.launch()
@@ -163,12 +173,13 @@ def test_a_shape_outside_the_rule_has_no_cluster_kernel(dev) -> None:
     s = Shape(nk=1, nv=4, dk=16, dv=12, K=3)  # 12 columns: no whole 32-column group
     layout = StateLayout(4, (s.K - 1, s.C), (s.nv, s.dk, s.dv))
     g = CudaGdn(dev, layout, s.nk, act_dtype="float32")
-    assert g.fused_decode_ok and not g.cluster_decode_ok
+    assert g.fused_decode_ok and not g.cluster_decode_ok and not g.cluster_head_decode_ok
     conv = dev.empty((layout.rows, s.K - 1, s.C), "float32")
     rec = dev.empty((layout.rows, s.nv, s.dk, s.dv), "float32")
     w = dev.empty((s.C, s.K), "float32")
-    with pytest.raises(ValueError, match="no cluster decode kernel"):
-        g.cluster_decode(conv, rec, 0, 0, s.C, w, 1, 0, s.C, 0, 0, 0, 0, 0, 0, 0, EPS, 0)
+    for head in (False, True):
+        with pytest.raises(ValueError, match="no cluster decode kernel"):
+            g.cluster_decode(conv, rec, 0, 0, s.C, w, 1, 0, s.C, 0, 0, 0, 0, 0, 0, 0, EPS, 0, head=head)
 
 
 # ---------------------------------------------------------------------------------------- the whole backend
@@ -179,14 +190,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gdn_cluster")
 
 
+@pytest.mark.parametrize("mode", ["cluster", "cluster_head", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["default_model", "heads_128"])
 def test_backend_cluster_decode_gives_the_pairs_logits(dev, root: Path, default_checkpoint: Path, case: str,
-                                                       dtype: str) -> None:
+                                                       dtype: str, mode: str) -> None:
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
-    from hybrid_runtime.cuda.backend import CudaBackend
+    from hybrid_runtime.cuda.backend import CudaBackend, gdn_decode_path
     from hybrid_runtime.runner import ModelRunner
 
     gpu_b = _bundle(root, case, dtype, default_checkpoint)
@@ -194,16 +206,19 @@ def test_backend_cluster_decode_gives_the_pairs_logits(dev, root: Path, default_
     L = len(m.model.linear_layers)
     assert L > 0
     runners, backends = [], []
-    for mode in ("pair", "cluster"):
-        be = CudaBackend(gpu_b, m, device="cuda", fused_gdn_decode=mode)
-        assert be.fused_gdn_decode and be.gdn_cluster_decode == (mode == "cluster")
+    for gmode in ("pair", mode):
+        be = CudaBackend(gpu_b, m, device="cuda", fused_gdn_decode=gmode)
+        assert be.fused_gdn_decode and be.gdn_decode == gmode
         r = ModelRunner(gpu_b, m, backend=be)
         be.capture_graphs(r._forward)
         runners.append(r)
         backends.append(be)
     two, one = (b.graph_stats.captured for b in backends)
     assert two and two.keys() == one.keys()
-    assert all(two[k] - one[k] == L for k in two), (two, one)
+    k_ = backends[1].gdn_k
+    for k in two:  # (bucket, blocks): one launch fewer per GDN layer where the bucket runs a cluster build
+        fewer = gdn_decode_path(mode, k[0], k_.cluster_decode_ok, k_.cluster_head_decode_ok) != "pair"
+        assert two[k] - one[k] == (L if fewer else 0), (k, two, one)
     rng = np.random.default_rng(31)
     prompts = [rng.integers(3, m.model.vocab_size, int(n)).tolist() for n in (5, 37, 20, 61, 9)]
     slots = [0, 3, 5, 1, 7]

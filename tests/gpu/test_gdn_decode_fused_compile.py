@@ -78,11 +78,12 @@ def test_cluster_kernel_compiles_where_the_host_rule_says(variant: tuple[int, ..
 
     dk, dv = variant[2], variant[3]
     ent = _entries(compile_log(source("gdn.cu"), "gdn.cu", _opts(*variant, gr=gr), "sm_90"))
-    assert ("gdn_decode_cluster" in ent) == cluster_decode_fits(1, gr, dk, dv), (variant, gr)
-    if "gdn_decode_cluster" in ent:
-        check_log(ent["gdn_decode_cluster"])
-        regs = int(re.search(r"Used (\d+) registers", ent["gdn_decode_cluster"]).group(1))  # type: ignore
-        assert regs <= 64, f"gdn_decode_cluster {variant} gr={gr}: {regs} registers"
+    for name, head in (("gdn_decode_cluster", False), ("gdn_decode_cluster_head", True)):
+        assert (name in ent) == cluster_decode_fits(1, gr, dk, dv, head), (name, variant, gr)
+        if name in ent:
+            check_log(ent[name])
+            regs = int(re.search(r"Used (\d+) registers", ent[name]).group(1))  # type: ignore[union-attr]
+            assert regs <= 64, f"{name} {variant} gr={gr}: {regs} registers"
 
 
 def test_cluster_host_rule_is_the_kernels() -> None:
@@ -92,12 +93,14 @@ def test_cluster_host_rule_is_the_kernels() -> None:
     for dk in (8, 16, 32, 64, 96, 128, 192):
         for dv in (12, 32, 64, 96, 128, 160):
             for gr in (1, 2, 3, 4, 8, 16):
-                gcl = gr * (dv // 32)
-                want = (dv % 32 == 0 and fused_decode_fits(dk, dv) and gcl <= CLUSTER_MAX and (2 * dk) % gcl == 0
-                        and 2 * dk // gcl + 32 <= 128)
-                assert cluster_decode_fits(3, 3 * gr, dk, dv) == want, (dk, dv, gr)
-                if want:
-                    assert cluster_size(3, 3 * gr, dv) == gcl
+                for head in (False, True):  # gdn.cu: GCL1 / GCLH, the threads 128 / 128 GFCG, v channels 32 / DV
+                    gcl = gr * (1 if head else dv // 32)
+                    nt, nc = (128 * (dv // 32), dv) if head else (128, 32)
+                    want = (dv % 32 == 0 and fused_decode_fits(dk, dv) and gcl <= CLUSTER_MAX
+                            and (2 * dk) % gcl == 0 and 2 * dk // gcl + nc <= nt)
+                    assert cluster_decode_fits(3, 3 * gr, dk, dv, head) == want, (dk, dv, gr, head)
+                    if want:
+                        assert cluster_size(3, 3 * gr, dv, head) == gcl
     assert cluster_decode_fits(16, 32, 128, 128) and cluster_size(16, 32, 128) == 8  # Qwen3.5 / Qwen3-Next
     assert cluster_decode_fits(2, 4, 32, 32) and cluster_size(2, 4, 32) == 2  # the default model
     assert not cluster_decode_fits(2, 3, 32, 32)  # nv not a multiple of nk
@@ -249,8 +252,9 @@ def test_ptx_waits_before_dependent_access_and_pins_the_rounding(variant: tuple[
     from hybrid_runtime.cuda.gdn import cluster_decode_fits
 
     ptx = _ptx("gdn.cu", _opts(*variant))
-    cluster = ("gdn_decode_cluster",) if cluster_decode_fits(1, 2, variant[2], variant[3]) else ()
-    assert bool(cluster) == (variant[3] >= 32)
+    cluster = tuple(name for name, head in (("gdn_decode_cluster", False), ("gdn_decode_cluster_head", True))
+                    if cluster_decode_fits(1, 2, variant[2], variant[3], head))
+    assert len(cluster) == (2 if variant[3] >= 32 else 0)
     for k in ("gdn_conv_gates_decode", "gdn_decode_norm", *cluster):  # launched as programmatic dependents
         body = _entry(ptx, k)
         waits = [i for i, line in enumerate(body) if line.startswith("griddepcontrol.wait")]
@@ -258,10 +262,10 @@ def test_ptx_waits_before_dependent_access_and_pins_the_rounding(variant: tuple[
         before = body[: waits[-1]]  # the text up to the main path's wait (an early-exit path waits before it)
         bad = [line for line in before if re.match(r"(@!?%p\d+\s+)?(st|atom|red)\.global", line)]
         assert bad == [], f"{k} writes global memory before griddepcontrol.wait: {bad}"
-        if k in ("gdn_decode_norm", "gdn_decode_cluster"):
+        if k in ("gdn_decode_norm", *cluster):
             loads = [line for line in before if re.match(r"(@!?%p\d+\s+)?ld\.global(?!\.nc)", line)]
             assert loads, f"{k}: the state is not read before the wait"
-        if k == "gdn_decode_cluster":  # distributed shared memory only after the cluster barriers' first round
+        if k in cluster:  # distributed shared memory only after the cluster barriers' first round
             first = next(i for i, line in enumerate(body) if line.startswith("barrier.cluster.wait"))
             assert not [line for line in body[:first] if "shared::cluster" in line], k
             assert sum(line.startswith("barrier.cluster.arrive") for line in body) == 3, k
@@ -421,6 +425,7 @@ def _gdn_on_fakes(log: list[dict[str, Any]], nk: int, nv: int, dk: int, dv: int,
     g.act_dtype, g.out_dtype, g.prefill_mode, g.chunk = "float32", "bfloat16", "chunked", 16
     g.fused_decode_ok = fused_decode_fits(dk, dv)
     g.cluster_decode_ok = cluster_decode_fits(nk, nv, dk, dv)
+    g.cluster_head_decode_ok = cluster_decode_fits(nk, nv, dk, dv, head=True)
     g.conv_row = layout.conv_row_bytes // layout.itemsize
     g.rec_row = layout.recurrent_row_bytes // layout.itemsize
     return g
@@ -467,23 +472,27 @@ def test_fused_launches_match_the_kernel_signatures(shape: tuple[int, ...]) -> N
         assert [k for k, _ in rec_["args"]] == _kernel_params(rec_["kernel"]) and not rec_["pdl"]
 
 
+@pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("shape", [(16, 32, 128, 128, 4), (2, 4, 64, 64, 4), (4, 4, 128, 128, 4)])
-def test_cluster_launch_matches_the_kernel_signature(shape: tuple[int, ...]) -> None:
-    from hybrid_runtime.cuda.gdn import cluster_size
+def test_cluster_launch_matches_the_kernel_signature(shape: tuple[int, ...], head: bool) -> None:
+    from hybrid_runtime.cuda.gdn import CLUSTER_KERNELS, cluster_size, fused_threads
 
     nk, nv, dk, dv, K = shape
     log: list[dict[str, Any]] = []
     g = _gdn_on_fakes(log, *shape)
-    assert g.cluster_decode_ok
+    assert g.cluster_decode_ok and g.cluster_head_decode_ok
     conv, rec = g.device.empty((9, K - 1, g.C), "float32"), g.device.empty((9, nv, dk, dv), "float32")
     cw = g.device.empty((g.C, K), "float32")
     B = 3
     g.cluster_decode(conv, rec, 100, 200, g.C + 40, cw, B, 210, g.C + 50, g.C + 10, g.C + 10 + nv, 400, 500, 240,
-                     g.C + 60, 800, 1e-6, 900, core_ptr=1000)
+                     g.C + 60, 800, 1e-6, 900, core_ptr=1000, head=head)
     (cl,) = log
-    assert cl["kernel"] == "gdn_decode_cluster" and cl["pdl"] and cl["smem"] == 0
-    assert cl["grid"] == (cluster_size(nk, nv, dv), nk, B) and cl["block"] == (128, 1, 1)
+    assert cl["kernel"] == CLUSTER_KERNELS[head] and cl["pdl"] and cl["smem"] == 0
+    assert cl["grid"] == (cluster_size(nk, nv, dv, head), nk, B)
+    assert cl["block"] == ((fused_threads(dv) if head else 128), 1, 1)
+    assert cluster_size(nk, nv, dv, head) == (nv // nk) * (1 if head else dv // 32)
     assert [k for k, _ in cl["args"]] == _kernel_params("gdn_decode_cluster")
+    assert _kernel_params("gdn_decode_cluster_head") == _kernel_params("gdn_decode_cluster")
     names = ("u", "u_stride", "conv_w", "conv", "conv_row", "slots", "p", "p_stride", "off_b", "off_a", "neg_exp_a",
              "dt_bias", "rec", "rec_row", "z", "z_stride", "norm_w", "eps", "o", "core", "B", "NK")
     a = dict(zip(names, (v for _, v in cl["args"])))
@@ -555,7 +564,7 @@ class _FakeBackend:
         self.state = SimpleNamespace(conv=conv, recurrent=rec)
         self.gdn_ws = None
         self.fused_gdn_decode = fused and self.gdn_k.fused_decode_ok
-        self.gdn_cluster_decode = cluster and self.fused_gdn_decode and self.gdn_k.cluster_decode_ok
+        self.gdn_decode = ("cluster" if cluster else "pair") if self.fused_gdn_decode else "off"
         self._profile = None
 
     def _gemm(self, x: Any, weight: Any, out: Any, residual: Any = None, bias: Any = None,
@@ -601,7 +610,8 @@ def _run(be: _FakeBackend, phase: Any, n: int) -> Iterator[dict[str, Any]]:
 
 
 GDN_KERNELS = {"gdn_gates", "gated_rmsnorm", "gdn_conv_decode", "gdn_decode", "gdn_conv_gates_decode",
-               "gdn_decode_norm", "gdn_decode_cluster", "gdn_conv_prefill", "gdn_conv_window", "gdn_prefill"}
+               "gdn_decode_norm", "gdn_decode_cluster", "gdn_decode_cluster_head", "gdn_conv_prefill",
+               "gdn_conv_window", "gdn_prefill"}
 
 
 def test_backend_decode_launches_two_gdn_kernels_per_layer() -> None:
@@ -622,6 +632,38 @@ def test_backend_decode_launches_two_gdn_kernels_per_layer() -> None:
     be = _FakeBackend(cfg, True, cluster=True)  # prefill: unchanged
     names = [r["kernel"] for r in _run(be, Phase.PREFILL, 10) if r["kernel"] in GDN_KERNELS]
     assert names == ["gdn_gates", "gdn_conv_prefill", "gdn_conv_window", "gdn_prefill", "gated_rmsnorm"] * L
+
+
+def test_gdn_decode_path_follows_mode_rows_and_builds() -> None:
+    from hybrid_runtime.cuda.backend import GDN_AUTO_LARGE, GDN_CLUSTER_MAX_ROWS, gdn_decode_path
+
+    small, large = GDN_CLUSTER_MAX_ROWS, GDN_CLUSTER_MAX_ROWS + 1
+    assert gdn_decode_path("auto", 1, True, True) == gdn_decode_path("auto", small, True, True) == "cluster"
+    assert gdn_decode_path("auto", large, True, True) == GDN_AUTO_LARGE
+    assert gdn_decode_path("auto", 1, False, True) == "pair"  # no 128-thread build: the pair
+    for n in (1, small, large, 64):
+        assert gdn_decode_path("off", n, True, True) == "off"
+        assert gdn_decode_path("pair", n, True, True) == "pair"
+        assert gdn_decode_path("cluster", n, True, True) == "cluster"
+        assert gdn_decode_path("cluster_head", n, True, True) == "cluster_head"
+        assert gdn_decode_path("cluster", n, False, True) == "pair"
+        assert gdn_decode_path("cluster_head", n, True, False) == "pair"
+
+
+def test_backend_auto_picks_the_gdn_kernels_by_rows() -> None:
+    from hybrid_runtime.cuda.backend import GDN_AUTO_LARGE, GDN_CLUSTER_MAX_ROWS
+    from hybrid_runtime.engine import Phase
+
+    cfg = _gdn_config()
+    L = len(cfg.linear_layers)
+    want_large = {"pair": ["gdn_conv_gates_decode", "gdn_decode_norm"], "cluster_head": ["gdn_decode_cluster_head"],
+                  "cluster": ["gdn_decode_cluster"]}[GDN_AUTO_LARGE]
+    for n, want in ((1, ["gdn_decode_cluster"]), (GDN_CLUSTER_MAX_ROWS, ["gdn_decode_cluster"]),
+                    (GDN_CLUSTER_MAX_ROWS + 1, want_large), (16, want_large)):
+        be = _FakeBackend(cfg, True)
+        be.gdn_decode = "auto"
+        names = [r["kernel"] for r in _run(be, Phase.DECODE, n) if r["kernel"] in GDN_KERNELS]
+        assert names == want * L, (n, names)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -481,6 +481,60 @@ def test_device_waiting_is_set_only_while_synchronize_blocks(monkeypatch: pytest
     assert not dev.waiting.is_set()
 
 
+def test_graph_capture_pauses_the_garbage_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While ``CudaGraph`` captures, no cyclic collection runs (its finalizers would free device memory, which
+    invalidates the capture); the collector is back on after a capture, also after one that fails, and stays off
+    for a caller that had turned it off."""
+    import gc
+    import types
+
+    from hybrid_runtime.cuda import driver
+
+    events: list[str] = []
+
+    class Cycle:  # garbage only a cyclic collection finds; its finalizer stands for a DeviceBuffer's cuMemFree
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            events.append("free")
+
+    drv = types.SimpleNamespace(
+        CUstreamCaptureMode=types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=2),
+        cuStreamBeginCapture=lambda stream, mode: (events.append("begin") or 0,),
+        cuStreamEndCapture=lambda stream: (events.append("end") or 0, "graph"),
+        cuGraphInstantiate=lambda graph, flags: (0, "exec"), cuGraphGetNodes=lambda graph, n: (0, None, 3),
+        cuGraphDestroy=lambda graph: (0,))
+    monkeypatch.setattr(driver, "bindings", lambda: drv)
+    dev = types.SimpleNamespace(stream=0, activate=lambda: None)
+
+    def body() -> None:
+        Cycle()
+        gc.collect(generation=0) if gc.isenabled() else None  # what an allocation-triggered collection would do
+        events.append("launch")
+        assert not gc.isenabled()
+
+    assert gc.isenabled()
+    g = driver.CudaGraph(dev, body)  # type: ignore[arg-type]
+    assert g.num_nodes == 3 and gc.isenabled()
+    assert events == ["begin", "launch", "end"]  # nothing freed inside the capture
+    gc.collect()
+    assert events[-1] == "free"
+
+    def failing() -> None:
+        raise RuntimeError("launch refused")
+
+    with pytest.raises(RuntimeError):
+        driver.CudaGraph(dev, failing)  # type: ignore[arg-type]
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        driver.CudaGraph(dev, body)  # type: ignore[arg-type]
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_tune_nbits_decode_times_each_packed_shape_once() -> None:
     """CudaBackend.tune_nbits_decode hands NBitsDecode.tune the packed-only linears grouped by (N, K, bits), only
     those the kernel takes, with one scratch x wide enough for every k_in (16-byte rows) and the 1 / max-bucket row

@@ -459,35 +459,42 @@ extern "C" __global__ void __launch_bounds__(NTF) gdn_decode_norm(const float* _
 
 // ------------------------------------------------------------------------------------------------
 // The whole GDN decode of a layer in ONE launch: conv + gates + delta rule + gated RMSNorm (what the fused pair
-// gdn_conv_gates_decode + gdn_decode_norm compute, with their bits), on sm_90 thread-block clusters.
-// grid (GCL, NK, B), 128 threads, one cluster of GCL = GR * GFCG CTAs per (key head kh, sequence b), GR = NV / NK
-// (-DGR) value heads per key head, GFCG = DV / 32 column groups per value head. CTA r = blockIdx.x (its cluster
-// rank) owns value head h = kh * GR + r / GFCG and its state columns j0 = 32 (r % GFCG) .. j0 + 31: gdn_decode's
-// CTA, so delta_cols gives gdn_decode's (and gdn_decode_norm's) state and core bits.
+// gdn_conv_gates_decode + gdn_decode_norm compute, with their bits), on sm_90 thread-block clusters. Two builds:
+//   gdn_decode_cluster       CTAs of 128 threads (one 32-column group), clusters of GCL1 = GR * GFCG CTAs
+//   gdn_decode_cluster_head  CTAs of GFCG * 128 threads (a whole value head, gdn_decode_norm's CTA), clusters of
+//                            GCLH = GR CTAs
+// (GR = NV / NK value heads per key head, -DGR; GFCG = DV / 32 column groups per value head). grid (GCL, NK, B):
+// one cluster per (key head kh, sequence b). CTA r = blockIdx.x (its cluster rank) owns value head
+// h = kh * GR + r / CPH (CPH = GFCG / GG CTAs per head, GG groups per CTA) and columns j0c .. j0c + 32 GG - 1,
+// j0c = 32 GG (r % CPH); its group cg (128 threads) runs delta_cols on columns j0c + 32 cg .. + 31: gdn_decode's
+// CTA, so the state and core bits are gdn_decode's (and gdn_decode_norm's).
 //   conv: every conv channel of the cluster belongs to exactly one thread, which reads its window and writes it
-//     back (no CTA reads a window another writes): thread t < GQK the q / k channel r * GQK + t of kh (GQK =
-//     2 DK / GCL), t - GQK < 32 the v channel of column j0 + t - GQK of head h. Outputs into shared memory.
-//   gates: thread 127 computes head h's g and beta (gdn_gate, fused.cu's expressions) into shared memory.
-//   cluster barrier; each CTA gathers kh's q and k (all GCL CTAs' conv outputs) through distributed shared memory;
-//   delta_cols on its 32 columns, the core to shared memory cs (and to core [B, NV*DV] in T when core != 0);
+//     back (no CTA reads a window another writes): thread tid < GQK the q / k channel r * GQK + tid of kh (GQK =
+//     2 DK / GCL), tid - GQK < 32 GG the v channel of column j0c + tid - GQK of head h. Outputs to shared memory.
+//   gates: the CTA's last thread computes head h's g and beta (gdn_gate, fused.cu's expressions).
+//   cluster barrier; each CTA gathers kh's q and k (all the cluster's conv outputs) through distributed shared
+//   memory; delta_cols per group, the core to shared memory cs (and to core [B, NV*DV] in T when core != 0);
 //   cluster barrier; warp 0 sums the head's squares in gdn_decode_norm's order (lane l: columns l, l + 32, ... from
-//   the head's GFCG CTAs, then warp_sum), o = core * rs * w * silu(z) for its 32 columns; a last cluster barrier so
-//   that no CTA exits while another may still read its shared memory.
+//   whichever CTA holds them, then warp_sum); o = core * rs * w * silu(z) for the CTA's columns; a last cluster
+//   barrier so that no CTA exits while another may still read its shared memory.
 // Before griddepcontrol.wait (PDL) only loads: the state columns, the conv windows and weights, the norm weight
-// (nothing earlier in the step writes them, `slots` is a step input: as the fused pair). Needs sm_90, FUSED_OK,
-// DV % 32 == 0, GCL <= 8 (the portable cluster size), 2 DK % GCL == 0 and GQK + 32 <= 128 (the host checks the
-// same rule: hybrid_runtime/cuda/gdn.py cluster_decode_fits).
+// (nothing earlier in the step writes them, `slots` is a step input: as the fused pair). Compiled where sm_90,
+// FUSED_OK, DV % 32 == 0, GCL <= 8 (the portable cluster size), 2 DK % GCL == 0 and GQK + 32 GG <= 128 GG (the
+// host checks the same rule: hybrid_runtime/cuda/gdn.py cluster_decode_fits).
 // ------------------------------------------------------------------------------------------------
-#if defined(GR) && FUSED_OK && DV % 32 == 0
+#if defined(GR) && FUSED_OK && DV % 32 == 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GFCG (DV / 32)
-#define GCL (GR * GFCG)
-#define GQK (2 * DK / GCL)
-#if GCL <= 8 && (2 * DK) % GCL == 0 && GQK + 32 <= 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GCL1 (GR * GFCG)
+#define GCLH (GR)
+#if GCL1 <= 8 && (2 * DK) % GCL1 == 0 && 2 * DK / GCL1 + 32 <= 128
 #define GDN_CLUSTER 1
+#endif
+#if GCLH <= 8 && (2 * DK) % GCLH == 0 && 2 * DK / GCLH + DV <= 128 * GFCG
+#define GDN_CLUSTER_HEAD 1
 #endif
 #endif
 
-#ifdef GDN_CLUSTER
+#if defined(GDN_CLUSTER) || defined(GDN_CLUSTER_HEAD)
 __device__ __forceinline__ void cluster_barrier() {  // every thread of every CTA of the cluster
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -502,23 +509,24 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
   return v;
 }
 
-extern "C" __global__ void __cluster_dims__(GCL, 1, 1) __launch_bounds__(128)
-    gdn_decode_cluster(const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w,
-                       float* __restrict__ conv, long long conv_row, const int* __restrict__ slots,
-                       const float* __restrict__ p, long long p_stride, int off_b, int off_a,
-                       const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
-                       float* __restrict__ rec, long long rec_row, const float* __restrict__ z, long long z_stride,
-                       const float* __restrict__ norm_w, float eps, TO* __restrict__ o, T* __restrict__ core, int B,
-                       int NK) {
-  const int r = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+template <int GG>  // 128-thread column groups per CTA: 1, or GFCG (a whole value head)
+__device__ __forceinline__ void gdn_decode_cluster_body(
+    const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w, float* __restrict__ conv,
+    long long conv_row, const int* __restrict__ slots, const float* __restrict__ p, long long p_stride, int off_b,
+    int off_a, const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias, float* __restrict__ rec,
+    long long rec_row, const float* __restrict__ z, long long z_stride, const float* __restrict__ norm_w, float eps,
+    TO* __restrict__ o, T* __restrict__ core, int B, int NK) {
+  constexpr int NT = GG * 128, CPH = GFCG / GG, CL = GR * CPH, QK = 2 * DK / CL, NC = GG * 32;
+  const int r = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, cg = tid >> 7, t = tid & 127;
   const int NV = NK * GR, C = 2 * NK * DK + NV * DV;
-  const int hr = r / GFCG, h = kh * GR + hr, j0 = (r % GFCG) * 32;
-  __shared__ float qk_out[GQK];  // this CTA's q / k conv outputs (the cluster reads them)
+  const int hr = r / CPH, h = kh * GR + hr, j0c = (r % CPH) * NC, j0 = j0c + cg * 32;
+  __shared__ float qk_out[QK];   // this CTA's q / k conv outputs (the cluster reads them)
   __shared__ float qk[2 * DK];   // kh's q | k, gathered
-  __shared__ float vs[32];       // this CTA's v columns
+  __shared__ float vs[NC];       // this CTA's v columns
   __shared__ float gbs[2][GR];   // g, beta of kh's value heads (entry hr: head h)
-  __shared__ DeltaSmem sm;
-  __shared__ float cs[32];       // this CTA's core columns (the head's CTAs read them)
+  __shared__ DeltaSmem sm[GG];
+  __shared__ float cs[NC];       // this CTA's core columns (the head's CTAs read them)
+  __shared__ float rs_s;
   if (b >= B) {  // the whole cluster (one b): no barrier is left waiting
     pdl_enter();
     return;
@@ -527,44 +535,74 @@ extern "C" __global__ void __cluster_dims__(GCL, 1, 1) __launch_bounds__(128)
   float4 st[RM];
   delta_state_load(S, j0, t, st);
   int ch = -1;
-  if (t < GQK) {
-    const int qc = r * GQK + t;
+  if (tid < QK) {
+    const int qc = r * QK + tid;
     ch = qc < DK ? kh * DK + qc : NK * DK + kh * DK + (qc - DK);
-  } else if (t < GQK + 32) {
-    ch = 2 * NK * DK + h * DV + j0 + (t - GQK);
+  } else if (tid < QK + NC) {
+    ch = 2 * NK * DK + h * DV + j0c + (tid - QK);
   }
   ConvChannel cc;
   if (ch >= 0) conv_decode_load(conv_w, conv, conv_row, slots, b, ch, C, cc);
-  const float wv = t < 32 ? norm_w[j0 + t] : 0.f;  // a weight: static
+  const float wv = tid < NC ? norm_w[j0c + tid] : 0.f;  // a weight: static
   pdl_enter();
-  const float zv = t < 32 ? z[(size_t)b * z_stride + h * DV + j0 + t] : 0.f;
+  const float zv = tid < NC ? z[(size_t)b * z_stride + h * DV + j0c + tid] : 0.f;
   if (ch >= 0) {
     const float xo = conv_decode_value(u, b, ch, u_stride, C, cc);
-    if (t < GQK)
-      qk_out[t] = xo;
+    if (tid < QK)
+      qk_out[tid] = xo;
     else
-      vs[t - GQK] = xo;
+      vs[tid - QK] = xo;
   }
-  if (t == 127)  // head h's gates (kh's heads from index 0: gdn_gate's j = hr)
+  if (tid == NT - 1)  // head h's gates (kh's heads from index 0: gdn_gate's j = hr)
     gdn_gate(p + (size_t)b * p_stride, off_b + kh * GR, off_a + kh * GR, neg_exp_a + kh * GR, dt_bias + kh * GR,
              gbs[0], gbs[1], hr);
   cluster_barrier();
-  for (int i = t; i < 2 * DK; i += 128) qk[i] = ld_cluster(&qk_out[i % GQK], (unsigned)(i / GQK));
+  for (int i = tid; i < 2 * DK; i += NT) qk[i] = ld_cluster(&qk_out[i % QK], (unsigned)(i / QK));
   __syncthreads();
-  delta_cols<true>(qk, qk + DK, vs, &gbs[0][hr], &gbs[1][hr], S, j0, t, sm,
-                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs, st);
+  delta_cols<true>(qk, qk + DK, vs + cg * 32, &gbs[0][hr], &gbs[1][hr], S, j0, t, sm[cg],
+                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs + cg * 32, st);
   cluster_barrier();
-  if (t < 32) {
+  if (tid < 32) {
     float ss = 0.f;
 #pragma unroll
-    for (int m = 0; m < GFCG; ++m) {
-      const float v = ld_cluster(&cs[t], (unsigned)(hr * GFCG + m));
+    for (int m = 0; m < GFCG; ++m) {  // column tid + 32 m: group m % GG of the head's CTA m / GG
+      const float v = CPH == 1 ? cs[m * 32 + tid] : ld_cluster(&cs[(m % GG) * 32 + tid], (unsigned)(hr * CPH + m / GG));
       ss += v * v;
     }
     const float rs = rsqrtf(__fdiv_rn(warp_sum(ss), (float)DV) + eps);
-    store_out(o + ((size_t)b * NV + h) * DV + j0 + t, cs[t] * rs * wv * silu(zv));
+    if (tid == 0) rs_s = rs;
   }
+  __syncthreads();
+  if (tid < NC) store_out(o + ((size_t)b * NV + h) * DV + j0c + tid, cs[tid] * rs_s * wv * silu(zv));
   cluster_barrier();
+}
+#endif
+
+#ifdef GDN_CLUSTER
+extern "C" __global__ void __cluster_dims__(GCL1, 1, 1) __launch_bounds__(128)
+    gdn_decode_cluster(const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w,
+                       float* __restrict__ conv, long long conv_row, const int* __restrict__ slots,
+                       const float* __restrict__ p, long long p_stride, int off_b, int off_a,
+                       const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
+                       float* __restrict__ rec, long long rec_row, const float* __restrict__ z, long long z_stride,
+                       const float* __restrict__ norm_w, float eps, TO* __restrict__ o, T* __restrict__ core, int B,
+                       int NK) {
+  gdn_decode_cluster_body<1>(u, u_stride, conv_w, conv, conv_row, slots, p, p_stride, off_b, off_a, neg_exp_a,
+                             dt_bias, rec, rec_row, z, z_stride, norm_w, eps, o, core, B, NK);
+}
+#endif
+
+#ifdef GDN_CLUSTER_HEAD
+extern "C" __global__ void __cluster_dims__(GCLH, 1, 1) __launch_bounds__(GFCG * 128)
+    gdn_decode_cluster_head(const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w,
+                            float* __restrict__ conv, long long conv_row, const int* __restrict__ slots,
+                            const float* __restrict__ p, long long p_stride, int off_b, int off_a,
+                            const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
+                            float* __restrict__ rec, long long rec_row, const float* __restrict__ z,
+                            long long z_stride, const float* __restrict__ norm_w, float eps, TO* __restrict__ o,
+                            T* __restrict__ core, int B, int NK) {
+  gdn_decode_cluster_body<GFCG>(u, u_stride, conv_w, conv, conv_row, slots, p, p_stride, off_b, off_a, neg_exp_a,
+                                dt_bias, rec, rec_row, z, z_stride, norm_w, eps, o, core, B, NK);
 }
 #endif
 
