@@ -9,8 +9,8 @@ random bf16 weights generated on the device straight into the runtime's layout (
 machine's disk nor its host memory comfortably); KV pages and GDN states filled with random values; greedy
 sampling. Per (batch, context): the step as served (``ModelRunner.step``: pack + one upload + graph replay +
 one download, wall clock) and the graph replayed back to back (GPU time, CUDA events, no host work).
-``--moe-decode`` and ``--fused-gdn cluster,pair,off`` (a GDN layer's decode as one clustered launch, as the fused
-pair, as four launches) repeat the 40-layer rows under each combination, graphs recaptured.
+``--moe-decode`` and ``--fused-gdn on,off`` (the fused GDN decode pair, 2 launches per GDN layer, against the
+four launches) repeat the 40-layer rows under each combination, graphs recaptured.
 
 Floor = the bytes a step must read over the copy bandwidth measured in this run (a device-to-device copy,
 bytes read + written): every non-expert weight, the expected distinct routed experts of the batch
@@ -227,9 +227,9 @@ def main() -> int:
     ap.add_argument("--fused-router", default="on", choices=("on", "off"),
                     help="CudaBackend fused_router: the decode router GEMM + routing as one launch (<= 16 rows)")
     ap.add_argument("--fused-gdn", default="on",
-                    help="comma-separated CudaBackend fused_gdn_decode modes for the 40-layer rows: on (= auto: "
-                         "by the step's rows, backend.gdn_decode_path), cluster, cluster_head (1 launch per GDN "
-                         "layer, sm_90+), pair (2 launches), off (4 launches); graphs are recaptured for each")
+                    help="comma-separated on/off: the 40-layer rows with the fused GDN decode pair (CudaBackend "
+                         "fused_gdn_decode: 2 launches per GDN layer) and/or the four launches per layer; graphs are "
+                         "recaptured for each")
     ap.add_argument("--dense-decode", default="on",
                     help="comma-separated: on (decode GEMMs of <= 16 rows on dense_decode.cu's kernel), on:MB (only "
                          "products of at most MB MiB of weights: the larger, e.g. lm_head, stay on cuBLASLt), off "
@@ -239,11 +239,7 @@ def main() -> int:
     for d in dense_modes:
         if d != "off" and d != "on" and not (d.startswith("on:") and d[3:].replace(".", "", 1).isdigit()):
             ap.error(f"--dense-decode {d!r}: on, on:MB or off")
-    fused_modes = [f for f in args.fused_gdn.split(",") if f]
-    for f in fused_modes:
-        if f not in ("on", "auto", "cluster", "cluster_head", "pair", "off"):
-            ap.error(f"--fused-gdn {f!r}: on, auto, cluster, cluster_head, pair or off")
-    fused_modes = ["auto" if f == "on" else f for f in fused_modes]
+    fused_modes = [{"on": True, "off": False}[f] for f in args.fused_gdn.split(",") if f]
     import torch
 
     from hybrid_runtime.cuda.backend import moe_path
@@ -305,14 +301,13 @@ def main() -> int:
         rows = []
         combos = [(mode, fused, dense) for dense in dense_modes for fused in fused_modes for mode in moe_modes]
         dense_k = be.dense
-        if any(f != "off" for f in fused_modes) and not (be.gdn_k is not None and be.gdn_k.fused_decode_ok):
+        if True in fused_modes and not (be.gdn_k is not None and be.gdn_k.fused_decode_ok):
             log("this GDN shape has no fused decode kernels: the fused rows run the four launches")
-        for ci, (mode, gmode, dense) in enumerate(combos):
-            fused = gmode != "off" and be.gdn_k is not None and be.gdn_k.fused_decode_ok
+        for ci, (mode, fused, dense) in enumerate(combos):
+            fused = fused and be.gdn_k is not None and be.gdn_k.fused_decode_ok
 
-            def configure(mode: str = mode, fused: bool = fused, gmode: str = gmode, dense: str = dense) -> None:
+            def configure(mode: str = mode, fused: bool = fused, dense: str = dense) -> None:
                 be.moe_decode, be.fused_gdn_decode = mode, fused
-                be.gdn_decode = gmode if fused else "off"
                 be.dense = None if dense == "off" else dense_k
                 be.dense_max_bytes = int(float(dense[3:]) * 2**20) if dense.startswith("on:") else None
 
@@ -323,13 +318,13 @@ def main() -> int:
                 configure()
                 be.capture_graphs(runner._forward, buckets=args.batches)
             configure()
-            gdn_label = gmode if fused else "4 launches/layer"
+            gdn_label = "fused (2 launches/layer)" if fused else "4 launches/layer"
             dense_label = "cuBLASLt" if dense == "off" or dense_k is None else \
                 ("dense_decode" if dense == "on" else f"dense_decode <= {dense[3:]} MiB")
             for B in args.batches:
                 for ctx in args.contexts:
                     r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mode == moe_modes[0]
-                                    and gmode == fused_modes[0])
+                                    and fused == fused_modes[0])
                     fl = floor_bytes(cfg, be.w, B, ctx)
                     r.update(fl)
                     r["floor"] = fl["total"] / bw

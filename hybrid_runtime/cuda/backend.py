@@ -100,28 +100,6 @@ MOE_ROWS_PER_CTA = 16  # ops/cuda/fused.cu: 8 warps x MOE_RPW (2) rows
 MOE_DECODE_MODES = ("auto", "tensor_cores", "cuda_cores", "mma_decode")
 
 
-# CudaBackend(fused_gdn_decode=...): how decode steps run a GDN layer (True = "auto", False = "off")
-GDN_DECODE_MODES = ("auto", "cluster", "cluster_head", "pair", "off")
-# "auto": decode steps of at most this many rows run gdn_decode_cluster (one launch per GDN layer, 128-thread
-# CTAs in clusters), larger ones GDN_AUTO_LARGE (benchmarks/results/gpu_decode_step_notes.md, stop 46)
-GDN_CLUSTER_MAX_ROWS = 4
-GDN_AUTO_LARGE = "pair"
-
-
-def gdn_decode_path(mode: str, n: int, cluster_ok: bool, head_ok: bool) -> str:
-    """The kernels a decode step of ``n`` rows runs a GDN layer with, given the backend's ``mode`` (a
-    :data:`GDN_DECODE_MODES` entry, "off" where the shape has no fused pair) and which cluster builds the shape and
-    device have: "cluster" (gdn_decode_cluster), "cluster_head" (gdn_decode_cluster_head), "pair"
-    (gdn_conv_gates_decode + gdn_decode_norm) or "off" (the four launches). Every path gives the same bits, so the
-    choice may follow the batch size without breaking batch invariance."""
-    ok = {"cluster": cluster_ok, "cluster_head": head_ok, "pair": True}
-    if mode == "off":
-        return "off"
-    if mode == "auto":
-        mode = "cluster" if n <= GDN_CLUSTER_MAX_ROWS else GDN_AUTO_LARGE
-    return mode if ok.get(mode, False) else "pair"
-
-
 def moe_path(prefill: bool, n: int, tensor_cores: bool, decode_mode: str = "auto") -> str:
     """Which routed-expert kernels a step of ``n`` token rows runs: ``"tensor_cores"`` (``cuda/moe_prefill.py``:
     device routing, a tile list and grouped GEMMs; each touched expert's weights are streamed once per step),
@@ -314,7 +292,7 @@ class CudaBackend:
                  gemv_decode: bool = False, progress: Callable[[str], None] | None = None,
                  gpu_memory_fraction: float | None = None, moe_decode: str = "auto",
                  batch_invariant_attention: bool = True, fused_router: bool = True,
-                 fused_gdn_decode: bool | str = True, dense_decode: bool | DenseKnobs = True,
+                 fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
                  dense_decode_max_mb: float | None = None, keep_packed: bool = False,
                  packed_linears: bool = False, packed_experts: bool = False,
                  packed_moe_prefill: bool = True) -> None:
@@ -493,25 +471,13 @@ class CudaBackend:
         self.gdn_k = (CudaGdn(self.dev, self.state_layout, cfg.linear_num_key_heads, act_dtype="float32",
                               precision=gdn_precision, out_dtype=self.dtype)
                       if cfg.linear_layers else None)
-        # Decode steps run a GDN layer's gdn_gates + conv + delta rule + gated_rmsnorm as ONE clustered kernel on
-        # sm_90+ where the head shape has it (gdn_decode_cluster, gdn_decode_cluster_head), as two kernels
-        # (gdn_conv_gates_decode, gdn_decode_norm) where it has those (dk, dv <= 128), else as four launches:
-        # cuda/gdn.py. The same bits every way. fused_gdn_decode: True / "auto" (by the step's rows:
-        # gdn_decode_path), "cluster" / "cluster_head" (that kernel at every size where it exists, else the pair;
-        # the log says so), "pair", False / "off" (the four launches); benchmarks compare. Prefill is the same
-        # either way. The effective values:
-        mode = {True: "auto", False: "off"}.get(fused_gdn_decode, fused_gdn_decode)  # type: ignore[call-overload]
-        if mode not in GDN_DECODE_MODES:
-            raise ValueError(f"fused_gdn_decode {fused_gdn_decode!r}: True, False or one of {GDN_DECODE_MODES}")
-        self.fused_gdn_decode = bool(mode != "off" and self.gdn_k is not None and self.gdn_k.fused_decode_ok)
-        self.gdn_decode = mode if self.fused_gdn_decode else "off"  # gdn_decode_path's mode
-        if mode != "off" and self.gdn_k is not None and not self.fused_gdn_decode:
+        # Decode steps run a GDN layer's gdn_gates + conv + delta rule + gated_rmsnorm as two kernels
+        # (gdn_conv_gates_decode, gdn_decode_norm: cuda/gdn.py) where the head shape has them (dk, dv <= 128);
+        # False: the four launches (benchmarks compare). Prefill is the same either way. The effective value:
+        self.fused_gdn_decode = bool(fused_gdn_decode and self.gdn_k is not None and self.gdn_k.fused_decode_ok)
+        if fused_gdn_decode and self.gdn_k is not None and not self.fused_gdn_decode:
             log.info("GDN decode runs four launches per layer: no fused kernel for dk=%d, dv=%d", self.gdn_k.dk,
                      self.gdn_k.dv)
-        elif mode in ("cluster", "cluster_head") and self.gdn_k is not None and not (
-                self.gdn_k.cluster_head_decode_ok if mode == "cluster_head" else self.gdn_k.cluster_decode_ok):
-            log.info("GDN decode runs two launches per layer: no %s kernel for nk=%d, nv=%d, dk=%d, dv=%d on %s",
-                     mode, self.gdn_k.nk, self.gdn_k.nv, self.gdn_k.dk, self.gdn_k.dv, self.dev.arch)
         # the chunked delta rule's workspace (w, u, Aqk, scales of a step's tokens), one for every GDN layer,
         # a static buffer: allocated before the memory plan shares out what is left
         self.gdn_ws = (self.dev.empty((self.gdn_k.workspace_bytes(self.T_max, self.R_max),), "uint8")
@@ -1090,23 +1056,15 @@ class CudaBackend:
         slots = self._ptr(self.in_layout.slots)
         with self._prof("gdn"):
             if ctx.phase == Phase.DECODE and self.fused_gdn_decode:
-                # gdn_gates, conv, delta rule and gated_rmsnorm in one launch (the cluster kernel) or two: the gates
-                # from p = [u | z | b | a] (u = p.col(0, C): its rows are p's), o into the buffer the gated_rmsnorm
-                # op hands on (the core is written too, so this piece's output stays the core)
+                # gdn_gates, conv, delta rule and gated_rmsnorm in two launches: the gates from p = [u | z | b | a]
+                # (u = p.col(0, C): its rows are p's), o into the buffer the gated_rmsnorm op hands on (the core is
+                # written too, so this piece's output stays the core)
                 cfg = self.cfg
                 C, vd, nv, dv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
                 z = out["z"]
                 assert u.dtype == z.dtype == "float32" and z.ptr == u.ptr + 4 * C and z.ld == u.ld
                 la = f"layers.{layer}.linear_attn."
                 o = A.mat("o", n, nv * dv, dense=True)
-                path = gdn_decode_path(self.gdn_decode, n, self.gdn_k.cluster_decode_ok,
-                                       self.gdn_k.cluster_head_decode_ok)
-                if path in ("cluster", "cluster_head"):
-                    self.gdn_k.cluster_decode(conv, rec, slots, u.ptr, u.ld, conv_w, n, u.ptr, u.ld, C + vd,
-                                              C + vd + nv, self.w[la + "neg_exp_a"].ptr, self.w[la + "dt_bias"].ptr,
-                                              z.ptr, z.ld, self.w[la + "norm"].ptr, cfg.rms_norm_eps, o.ptr,
-                                              core_ptr=core.ptr, head=path == "cluster_head")
-                    return core
                 self.gdn_k.conv_gates_decode(conv, slots, u.ptr, u.ld, conv_w, x.ptr, n, u.ptr, u.ld, C + vd,
                                              C + vd + nv, self.w[la + "neg_exp_a"].ptr, self.w[la + "dt_bias"].ptr,
                                              g.ptr, beta.ptr)

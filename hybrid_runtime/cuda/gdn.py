@@ -42,14 +42,6 @@ stream, against the buffers of a :class:`~hybrid_runtime.cuda.state.DeviceStateC
   launched as programmatic dependents (PDL) and wait for the previous kernel before touching memory. Available
   when :func:`fused_decode_fits` (``dk, dv <= 128``: at most 512 threads per CTA); ``fused_decode_ok`` says.
 
-* :meth:`CudaGdn.cluster_decode`: the same four steps (conv, gates, delta rule, gated RMSNorm) in ONE launch,
-  ``gdn_decode_cluster`` (sm_90 thread-block clusters, PDL): one cluster of ``(nv/nk) * dv/32`` CTAs of 128 threads
-  per key head of a sequence, each CTA ``gdn_decode``'s 32 state columns of one value head; the cluster shares
-  the key head's q / k through distributed shared memory (each conv window is read and written by one thread) and
-  each value head's sum of squares for the norm. The same bits as the pair, one kernel boundary and the x / g /
-  beta round trips through global memory fewer, and 4x the pair's CTAs per step (the state streams through more
-  SMs). Available when :func:`cluster_decode_fits` and the device is sm_90+; ``cluster_decode_ok`` says.
-
 Inputs: u ``[N, C]`` (float16 / bfloat16 / float32 activations), g and beta ``[N, nv]`` float32, conv_w
 ``[C, K]`` float32. Output o ``[N, nv*dv]`` in the activation dtype. Slots are checked on the host
 (``ops.gdn._check_slots``: in range, live ones distinct) and every launch is validated against the
@@ -93,35 +85,6 @@ FUSED_MAX_DV = 128  # ... at most 4 groups of 128 threads (512), registers for d
 def fused_decode_fits(dk: int, dv: int) -> bool:
     """Whether a head shape has the fused decode pair (gdn.cu compiles ``gdn_decode_norm`` under the same rule)."""
     return dk <= FUSED_MAX_DK and dv <= FUSED_MAX_DV
-
-
-CLUSTER_MAX = 8  # CTAs per cluster of gdn_decode_cluster (the portable cluster size)
-
-
-CLUSTER_KERNELS = {False: "gdn_decode_cluster", True: "gdn_decode_cluster_head"}
-
-
-def cluster_size(nk: int, nv: int, dv: int, head: bool = False) -> int:
-    """CTAs per cluster of ``gdn_decode_cluster`` (GCL1 in gdn.cu: one per 32 value columns of each of a key head's
-    ``nv / nk`` value heads) or, ``head``, of ``gdn_decode_cluster_head`` (GCLH: one per value head)."""
-    return (nv // nk) * (1 if head else dv // 32)
-
-
-def cluster_threads(dv: int, head: bool = False) -> int:
-    """Threads of a cluster kernel's CTA: 128 (one 32-column group), ``head``: 128 per group of the value head."""
-    return fused_threads(dv) if head else 128
-
-
-def cluster_decode_fits(nk: int, nv: int, dk: int, dv: int, head: bool = False) -> bool:
-    """Whether a head shape has ``gdn_decode_cluster`` (``head``: ``gdn_decode_cluster_head``; gdn.cu compiles them
-    under the same rules, GDN_CLUSTER / GDN_CLUSTER_HEAD): the fused pair's shapes, whole 32-column groups, at most
-    :data:`CLUSTER_MAX` CTAs a cluster, and the key head's ``2 dk`` q / k conv channels shared evenly, at most what
-    a CTA's threads leave after its v channels (one a thread)."""
-    if nk <= 0 or nv % nk or dv % 32 or not fused_decode_fits(dk, dv):
-        return False
-    gcl = cluster_size(nk, nv, dv, head)
-    v_channels = dv if head else 32
-    return 1 <= gcl <= CLUSTER_MAX and (2 * dk) % gcl == 0 and 2 * dk // gcl + v_channels <= cluster_threads(dv, head)
 
 
 def fused_threads(dv: int) -> int:
@@ -216,11 +179,8 @@ class CudaGdn:
             raise ValueError(f"output dtype {out_dtype} not in {sorted(DT_CODES)}")
         self.act_dtype, self.out_dtype, self.prefill_mode = act_dtype, out_dtype, prefill_mode
         self.module = load_module(SOURCE, (f"-DDT={DT_CODES[act_dtype]}", f"-DOT={DT_CODES[out_dtype]}", f"-DDK={dk}",
-                                           f"-DDV={dv}", f"-DKW={self.K}", f"-DGR={nv // nk}"), device.arch)
+                                           f"-DDV={dv}", f"-DKW={self.K}"), device.arch)
         self.fused_decode_ok = fused_decode_fits(dk, dv)
-        sm90 = device.compute_capability >= (9, 0)
-        self.cluster_decode_ok = cluster_decode_fits(nk, nv, dk, dv) and sm90
-        self.cluster_head_decode_ok = cluster_decode_fits(nk, nv, dk, dv, head=True) and sm90
         # Chunked prefill: both kernels need more than the default 48 KB of shared memory (opted in here).
         optin = device.limits.max_shared_mem_optin
 
@@ -353,31 +313,6 @@ class CudaGdn:
             [("ptr", x_ptr), ("ptr", g_ptr), ("ptr", beta_ptr), ("ptr", slots_ptr), ("ptr", rec.ptr),
              ("i64", self.rec_row), ("ptr", z_ptr), ("i64", z_stride), ("ptr", norm_w_ptr), ("f32", eps),
              ("ptr", o_ptr), ("ptr", core_ptr), ("i32", B), ("i32", self.nk), ("i32", self.nv)], pdl=True)
-
-    def cluster_decode(self, conv: DeviceArray, rec: DeviceArray, slots_ptr: int, u_ptr: int, u_stride: int,
-                       conv_w: DeviceArray, B: int, p_ptr: int, p_stride: int, off_b: int, off_a: int,
-                       neg_exp_a_ptr: int, dt_bias_ptr: int, z_ptr: int, z_stride: int, norm_w_ptr: int, eps: float,
-                       o_ptr: int, core_ptr: int = 0, head: bool = False) -> None:
-        """The whole decode step of a GDN layer in one launch (``gdn_decode_cluster``, PDL; grid ``(GCL, nk, B)``
-        in clusters of :func:`cluster_size` CTAs of 128 threads; ``head``: ``gdn_decode_cluster_head``, a CTA of
-        :func:`fused_threads` threads per value head, clusters of ``nv / nk``), slots on the device and checked: u
-        rows of ``u_stride`` elements (act dtype); the gates from the float32 projection row ``p + b * p_stride`` (b at
-        column ``off_b + j``, a at ``off_a + j``) with neg_exp_a / dt_bias float32 ``[nv]``; z float32 rows of
-        ``z_stride`` elements; the norm weight float32 ``[dv]``. Writes the conv windows and the recurrent state in
-        place, o ``[B, nv*dv]`` (``out_dtype``) and, when ``core_ptr`` is given, the core ``[B, nv*dv]`` (act
-        dtype): what :meth:`conv_gates_decode` + :meth:`delta_norm_decode` write there, bit for bit (it writes no x,
-        g or beta). Needs ``cluster_decode_ok`` (``head``: ``cluster_head_decode_ok``)."""
-        if not (self.cluster_head_decode_ok if head else self.cluster_decode_ok):
-            raise ValueError(f"no cluster decode kernel ({CLUSTER_KERNELS[head]}) for nk={self.nk}, nv={self.nv}, "
-                             f"dk={self.dk}, dv={self.dv} on {self.device.arch} (cluster_decode_fits, sm_90+)")
-        self.module.kernel(CLUSTER_KERNELS[head]).launch(
-            self.device, (cluster_size(self.nk, self.nv, self.dv, head), self.nk, B),
-            (cluster_threads(self.dv, head), 1, 1), 0,
-            [("ptr", u_ptr), ("i64", u_stride), ("ptr", conv_w.ptr), ("ptr", conv.ptr), ("i64", self.conv_row),
-             ("ptr", slots_ptr), ("ptr", p_ptr), ("i64", p_stride), ("i32", off_b), ("i32", off_a),
-             ("ptr", neg_exp_a_ptr), ("ptr", dt_bias_ptr), ("ptr", rec.ptr), ("i64", self.rec_row), ("ptr", z_ptr),
-             ("i64", z_stride), ("ptr", norm_w_ptr), ("f32", eps), ("ptr", o_ptr), ("ptr", core_ptr), ("i32", B),
-             ("i32", self.nk)], pdl=True)
 
     # ------------------------------------------------------------------ prefill
 

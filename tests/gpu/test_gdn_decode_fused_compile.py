@@ -34,9 +34,8 @@ VARIANTS = [(0, ot, dk, dv, kw) for ot in (0, 1, 2) for dk, dv, kw in ((128, 128
 VARIANTS += [(1, 1, 128, 128, 4), (2, 2, 128, 128, 4), (0, 2, 8, 8, 4), (0, 2, 32, 32, 4), (2, 2, 16, 12, 1)]
 
 
-def _opts(dt: int, ot: int, dk: int, dv: int, kw: int, gr: int = 2) -> tuple[str, ...]:
-    """gdn.cu's options; ``gr`` value heads per key head (CudaGdn passes nv // nk)."""
-    return (f"-DDT={dt}", f"-DOT={ot}", f"-DDK={dk}", f"-DDV={dv}", f"-DKW={kw}", f"-DGR={gr}")
+def _opts(dt: int, ot: int, dk: int, dv: int, kw: int) -> tuple[str, ...]:
+    return (f"-DDT={dt}", f"-DOT={ot}", f"-DDK={dk}", f"-DDV={dv}", f"-DKW={kw}")
 
 
 def _entries(log: str) -> dict[str, str]:
@@ -65,45 +64,6 @@ def test_fused_decode_kernels_compile_without_spills(variant: tuple[int, ...]) -
     dv = variant[3]
     assert regs * fused_threads(dv) <= 65536, "one gdn_decode_norm CTA must fit an SM's register file"
     print(f"{variant}: gdn_decode_norm {regs} registers x {fused_threads(dv)} threads")
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("gr", [1, 2, 4, 8])
-def test_cluster_kernel_compiles_where_the_host_rule_says(variant: tuple[int, ...], gr: int) -> None:
-    """gdn_decode_cluster exists in an sm_90 build exactly where cluster_decode_fits (nk = 1, nv = gr), without
-    spilling, at most 64 registers (8 CTAs of 128 threads an SM)."""
-    nvrtc_or_skip()
-    from hybrid_runtime.cuda.gdn import cluster_decode_fits
-    from hybrid_runtime.cuda.kernels import compile_log, source
-
-    dk, dv = variant[2], variant[3]
-    ent = _entries(compile_log(source("gdn.cu"), "gdn.cu", _opts(*variant, gr=gr), "sm_90"))
-    for name, head in (("gdn_decode_cluster", False), ("gdn_decode_cluster_head", True)):
-        assert (name in ent) == cluster_decode_fits(1, gr, dk, dv, head), (name, variant, gr)
-        if name in ent:
-            check_log(ent[name])
-            regs = int(re.search(r"Used (\d+) registers", ent[name]).group(1))  # type: ignore[union-attr]
-            assert regs <= 64, f"{name} {variant} gr={gr}: {regs} registers"
-
-
-def test_cluster_host_rule_is_the_kernels() -> None:
-    """cluster_decode_fits == gdn.cu's GDN_CLUSTER conditions, and the sizes the kernel's macros give."""
-    from hybrid_runtime.cuda.gdn import CLUSTER_MAX, cluster_decode_fits, cluster_size, fused_decode_fits
-
-    for dk in (8, 16, 32, 64, 96, 128, 192):
-        for dv in (12, 32, 64, 96, 128, 160):
-            for gr in (1, 2, 3, 4, 8, 16):
-                for head in (False, True):  # gdn.cu: GCL1 / GCLH, the threads 128 / 128 GFCG, v channels 32 / DV
-                    gcl = gr * (1 if head else dv // 32)
-                    nt, nc = (128 * (dv // 32), dv) if head else (128, 32)
-                    want = (dv % 32 == 0 and fused_decode_fits(dk, dv) and gcl <= CLUSTER_MAX
-                            and (2 * dk) % gcl == 0 and 2 * dk // gcl + nc <= nt)
-                    assert cluster_decode_fits(3, 3 * gr, dk, dv, head) == want, (dk, dv, gr, head)
-                    if want:
-                        assert cluster_size(3, 3 * gr, dv, head) == gcl
-    assert cluster_decode_fits(16, 32, 128, 128) and cluster_size(16, 32, 128) == 8  # Qwen3.5 / Qwen3-Next
-    assert cluster_decode_fits(2, 4, 32, 32) and cluster_size(2, 4, 32) == 2  # the default model
-    assert not cluster_decode_fits(2, 3, 32, 32)  # nv not a multiple of nk
 
 
 def test_a_head_outside_the_rule_has_no_fused_kernel() -> None:
@@ -249,30 +209,21 @@ def test_ptx_waits_before_dependent_access_and_pins_the_rounding(variant: tuple[
     the conv windows, weights and slots, which no earlier kernel of the step writes) - never store or do atomics -
     and gdn_decode_norm does issue its state loads there (the point of the split)."""
     nvrtc_or_skip()
-    from hybrid_runtime.cuda.gdn import cluster_decode_fits
-
     ptx = _ptx("gdn.cu", _opts(*variant))
-    cluster = tuple(name for name, head in (("gdn_decode_cluster", False), ("gdn_decode_cluster_head", True))
-                    if cluster_decode_fits(1, 2, variant[2], variant[3], head))
-    assert len(cluster) == (2 if variant[3] >= 32 else 0)
-    for k in ("gdn_conv_gates_decode", "gdn_decode_norm", *cluster):  # launched as programmatic dependents
+    for k in ("gdn_conv_gates_decode", "gdn_decode_norm"):  # launched as programmatic dependents
         body = _entry(ptx, k)
         waits = [i for i, line in enumerate(body) if line.startswith("griddepcontrol.wait")]
         assert waits, f"{k} never waits for the kernel before it"
         before = body[: waits[-1]]  # the text up to the main path's wait (an early-exit path waits before it)
         bad = [line for line in before if re.match(r"(@!?%p\d+\s+)?(st|atom|red)\.global", line)]
         assert bad == [], f"{k} writes global memory before griddepcontrol.wait: {bad}"
-        if k in ("gdn_decode_norm", *cluster):
+        if k == "gdn_decode_norm":
             loads = [line for line in before if re.match(r"(@!?%p\d+\s+)?ld\.global(?!\.nc)", line)]
             assert loads, f"{k}: the state is not read before the wait"
-        if k in cluster:  # distributed shared memory only after the cluster barriers' first round
-            first = next(i for i, line in enumerate(body) if line.startswith("barrier.cluster.wait"))
-            assert not [line for line in body[:first] if "shared::cluster" in line], k
-            assert sum(line.startswith("barrier.cluster.arrive") for line in body) == 3, k
         assert any(line.startswith("griddepcontrol.launch_dependents") for line in body)
     for k in ("gdn_conv_decode", "gdn_decode"):  # launched normally (CudaGdn.decode, the four-launch path)
         assert not any("griddepcontrol" in line for line in _entry(ptx, k))
-    for k in (*DECODE_KERNELS, *cluster):
+    for k in DECODE_KERNELS:
         assert _contractible(_entry(ptx, k)) == [], k
     fptx = _ptx("fused.cu", (f"-DDT={variant[1]}",))
     for k in ("gdn_gates", "gated_rmsnorm"):  # the kernels the fused pair must match bit for bit
@@ -386,7 +337,6 @@ class _FakeDevice:
     """Hands out increasing fake addresses (256-byte aligned); nothing is allocated."""
 
     ordinal = 0
-    arch = "sm_90"
 
     def __init__(self) -> None:
         self.next = 1 << 24
@@ -415,7 +365,7 @@ def _kernel_params(name: str) -> list[str]:
 
 
 def _gdn_on_fakes(log: list[dict[str, Any]], nk: int, nv: int, dk: int, dv: int, K: int, slots: int = 8) -> Any:
-    from hybrid_runtime.cuda.gdn import CudaGdn, cluster_decode_fits, fused_decode_fits
+    from hybrid_runtime.cuda.gdn import CudaGdn, fused_decode_fits
     from hybrid_runtime.state_cache import StateLayout
 
     layout = StateLayout(slots, (K - 1, 2 * nk * dk + nv * dv), (nv, dk, dv))
@@ -424,8 +374,6 @@ def _gdn_on_fakes(log: list[dict[str, Any]], nk: int, nv: int, dk: int, dv: int,
     g.nk, g.nv, g.dk, g.dv, g.K, g.C = nk, nv, dk, dv, K, layout.conv_shape[1]
     g.act_dtype, g.out_dtype, g.prefill_mode, g.chunk = "float32", "bfloat16", "chunked", 16
     g.fused_decode_ok = fused_decode_fits(dk, dv)
-    g.cluster_decode_ok = cluster_decode_fits(nk, nv, dk, dv)
-    g.cluster_head_decode_ok = cluster_decode_fits(nk, nv, dk, dv, head=True)
     g.conv_row = layout.conv_row_bytes // layout.itemsize
     g.rec_row = layout.recurrent_row_bytes // layout.itemsize
     return g
@@ -472,49 +420,6 @@ def test_fused_launches_match_the_kernel_signatures(shape: tuple[int, ...]) -> N
         assert [k for k, _ in rec_["args"]] == _kernel_params(rec_["kernel"]) and not rec_["pdl"]
 
 
-@pytest.mark.parametrize("head", [False, True])
-@pytest.mark.parametrize("shape", [(16, 32, 128, 128, 4), (2, 4, 64, 64, 4), (4, 4, 128, 128, 4)])
-def test_cluster_launch_matches_the_kernel_signature(shape: tuple[int, ...], head: bool) -> None:
-    from hybrid_runtime.cuda.gdn import CLUSTER_KERNELS, cluster_size, fused_threads
-
-    nk, nv, dk, dv, K = shape
-    log: list[dict[str, Any]] = []
-    g = _gdn_on_fakes(log, *shape)
-    assert g.cluster_decode_ok and g.cluster_head_decode_ok
-    conv, rec = g.device.empty((9, K - 1, g.C), "float32"), g.device.empty((9, nv, dk, dv), "float32")
-    cw = g.device.empty((g.C, K), "float32")
-    B = 3
-    g.cluster_decode(conv, rec, 100, 200, g.C + 40, cw, B, 210, g.C + 50, g.C + 10, g.C + 10 + nv, 400, 500, 240,
-                     g.C + 60, 800, 1e-6, 900, core_ptr=1000, head=head)
-    (cl,) = log
-    assert cl["kernel"] == CLUSTER_KERNELS[head] and cl["pdl"] and cl["smem"] == 0
-    assert cl["grid"] == (cluster_size(nk, nv, dv, head), nk, B)
-    assert cl["block"] == ((fused_threads(dv) if head else 128), 1, 1)
-    assert cluster_size(nk, nv, dv, head) == (nv // nk) * (1 if head else dv // 32)
-    assert [k for k, _ in cl["args"]] == _kernel_params("gdn_decode_cluster")
-    assert _kernel_params("gdn_decode_cluster_head") == _kernel_params("gdn_decode_cluster")
-    names = ("u", "u_stride", "conv_w", "conv", "conv_row", "slots", "p", "p_stride", "off_b", "off_a", "neg_exp_a",
-             "dt_bias", "rec", "rec_row", "z", "z_stride", "norm_w", "eps", "o", "core", "B", "NK")
-    a = dict(zip(names, (v for _, v in cl["args"])))
-    assert (a["u"], a["u_stride"], a["conv_w"], a["conv"], a["conv_row"], a["slots"]) == (200, g.C + 40, cw.ptr,
-                                                                                          conv.ptr, g.conv_row, 100)
-    assert (a["p"], a["p_stride"], a["off_b"], a["off_a"], a["neg_exp_a"], a["dt_bias"]) == (210, g.C + 50, g.C + 10,
-                                                                                            g.C + 10 + nv, 400, 500)
-    assert (a["rec"], a["rec_row"], a["z"], a["z_stride"], a["norm_w"]) == (rec.ptr, g.rec_row, 240, g.C + 60, 800)
-    assert (a["eps"], a["o"], a["core"], a["B"], a["NK"]) == (1e-6, 900, 1000, B, nk)
-
-
-def test_cluster_decode_refuses_shapes_outside_the_rule() -> None:
-    log: list[dict[str, Any]] = []
-    g = _gdn_on_fakes(log, 1, 4, 16, 12, 3)  # 12 value columns: the pair, no cluster kernel
-    assert g.fused_decode_ok and not g.cluster_decode_ok
-    conv, rec = g.device.empty((9, 2, g.C), "float32"), g.device.empty((9, 4, 16, 12), "float32")
-    with pytest.raises(ValueError, match="no cluster decode kernel"):
-        g.cluster_decode(conv, rec, 1, 2, g.C, g.device.empty((g.C, 3), "float32"), 1, 2, g.C, 0, 0, 3, 4, 5, 6, 7,
-                         1e-6, 8)
-    assert log == []
-
-
 def test_fused_decode_refuses_shapes_outside_the_rule() -> None:
     log: list[dict[str, Any]] = []
     g = _gdn_on_fakes(log, 1, 2, 128, 160, 4)
@@ -532,7 +437,7 @@ class _FakeBackend:
     _op, gdn, segment, _alloc_arena, _arena_shapes, _launch, _prof, _ptr = (
         _B._op, _B.gdn, _B.segment, _B._alloc_arena, _B._arena_shapes, _B._launch, _B._prof, _B._ptr)
 
-    def __init__(self, cfg: Any, fused: bool, dtype: str = "bfloat16", cluster: bool = False) -> None:
+    def __init__(self, cfg: Any, fused: bool, dtype: str = "bfloat16") -> None:
         from hybrid_runtime.cuda.driver import DeviceArray
         from hybrid_runtime.cuda.stepio import InputLayout
         from hybrid_runtime.pipeline import plan_segments
@@ -564,7 +469,6 @@ class _FakeBackend:
         self.state = SimpleNamespace(conv=conv, recurrent=rec)
         self.gdn_ws = None
         self.fused_gdn_decode = fused and self.gdn_k.fused_decode_ok
-        self.gdn_decode = ("cluster" if cluster else "pair") if self.fused_gdn_decode else "off"
         self._profile = None
 
     def _gemm(self, x: Any, weight: Any, out: Any, residual: Any = None, bias: Any = None,
@@ -610,8 +514,7 @@ def _run(be: _FakeBackend, phase: Any, n: int) -> Iterator[dict[str, Any]]:
 
 
 GDN_KERNELS = {"gdn_gates", "gated_rmsnorm", "gdn_conv_decode", "gdn_decode", "gdn_conv_gates_decode",
-               "gdn_decode_norm", "gdn_decode_cluster", "gdn_decode_cluster_head", "gdn_conv_prefill",
-               "gdn_conv_window", "gdn_prefill"}
+               "gdn_decode_norm", "gdn_conv_prefill", "gdn_conv_window", "gdn_prefill"}
 
 
 def test_backend_decode_launches_two_gdn_kernels_per_layer() -> None:
@@ -627,68 +530,6 @@ def test_backend_decode_launches_two_gdn_kernels_per_layer() -> None:
         assert names == per_layer[fused] * L
     assert per_layer[True] == ["gdn_conv_gates_decode", "gdn_decode_norm"]
     assert per_layer[False] == ["gdn_gates", "gdn_conv_decode", "gdn_decode", "gated_rmsnorm"]
-    be = _FakeBackend(cfg, True, cluster=True)
-    assert [r["kernel"] for r in _run(be, Phase.DECODE, 4) if r["kernel"] in GDN_KERNELS] == ["gdn_decode_cluster"] * L
-    be = _FakeBackend(cfg, True, cluster=True)  # prefill: unchanged
-    names = [r["kernel"] for r in _run(be, Phase.PREFILL, 10) if r["kernel"] in GDN_KERNELS]
-    assert names == ["gdn_gates", "gdn_conv_prefill", "gdn_conv_window", "gdn_prefill", "gated_rmsnorm"] * L
-
-
-def test_gdn_decode_path_follows_mode_rows_and_builds() -> None:
-    from hybrid_runtime.cuda.backend import GDN_AUTO_LARGE, GDN_CLUSTER_MAX_ROWS, gdn_decode_path
-
-    small, large = GDN_CLUSTER_MAX_ROWS, GDN_CLUSTER_MAX_ROWS + 1
-    assert gdn_decode_path("auto", 1, True, True) == gdn_decode_path("auto", small, True, True) == "cluster"
-    assert gdn_decode_path("auto", large, True, True) == GDN_AUTO_LARGE
-    assert gdn_decode_path("auto", 1, False, True) == "pair"  # no 128-thread build: the pair
-    for n in (1, small, large, 64):
-        assert gdn_decode_path("off", n, True, True) == "off"
-        assert gdn_decode_path("pair", n, True, True) == "pair"
-        assert gdn_decode_path("cluster", n, True, True) == "cluster"
-        assert gdn_decode_path("cluster_head", n, True, True) == "cluster_head"
-        assert gdn_decode_path("cluster", n, False, True) == "pair"
-        assert gdn_decode_path("cluster_head", n, True, False) == "pair"
-
-
-def test_backend_auto_picks_the_gdn_kernels_by_rows() -> None:
-    from hybrid_runtime.cuda.backend import GDN_AUTO_LARGE, GDN_CLUSTER_MAX_ROWS
-    from hybrid_runtime.engine import Phase
-
-    cfg = _gdn_config()
-    L = len(cfg.linear_layers)
-    want_large = {"pair": ["gdn_conv_gates_decode", "gdn_decode_norm"], "cluster_head": ["gdn_decode_cluster_head"],
-                  "cluster": ["gdn_decode_cluster"]}[GDN_AUTO_LARGE]
-    for n, want in ((1, ["gdn_decode_cluster"]), (GDN_CLUSTER_MAX_ROWS, ["gdn_decode_cluster"]),
-                    (GDN_CLUSTER_MAX_ROWS + 1, want_large), (16, want_large)):
-        be = _FakeBackend(cfg, True)
-        be.gdn_decode = "auto"
-        names = [r["kernel"] for r in _run(be, Phase.DECODE, n) if r["kernel"] in GDN_KERNELS]
-        assert names == want * L, (n, names)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_backend_cluster_decode_reads_and_writes_what_the_pair_did(dtype: str) -> None:
-    """Per layer, the cluster launch's pointers are the pair's: u / p = the projection rows and their stride, the
-    gate columns and weights, the layer's conv and recurrent state, z, the norm weight and eps, o and the core."""
-    from hybrid_runtime.engine import Phase
-
-    cfg = _gdn_config()
-    n, L = 4, len(cfg.linear_layers)
-    runs = {}
-    for cluster in (False, True):
-        be = _FakeBackend(cfg, True, dtype, cluster=cluster)
-        runs[cluster] = [r for r in _run(be, Phase.DECODE, n) if r["kernel"] in GDN_KERNELS]
-    assert len(runs[False]) == 2 * L and len(runs[True]) == L
-    for li in range(L):
-        cg = [v for _, v in runs[False][2 * li]["args"]]
-        dn = [v for _, v in runs[False][2 * li + 1]["args"]]
-        cl = [v for _, v in runs[True][li]["args"]]
-        # u, u_stride, conv_w, conv, conv_row, slots | p, p_stride, off_b, off_a, neg_exp_a, dt_bias
-        assert cl[:6] == [cg[0], cg[8], cg[1], cg[2], cg[3], cg[4]]
-        assert cl[6:12] == cg[9:15]
-        # rec, rec_row, z, z_stride, norm_w, eps, o, core, B | NK
-        assert cl[12:21] == [dn[4], dn[5], dn[6], dn[7], dn[8], dn[9], dn[10], dn[11], dn[12]]
-        assert cl[21] == dn[13] == cfg.linear_num_key_heads and cl[20] == n
     for fused in (True, False):  # prefill: the same launches whatever the flag
         be = _FakeBackend(cfg, fused)
         names = [r["kernel"] for r in _run(be, Phase.PREFILL, 10) if r["kernel"] in GDN_KERNELS]

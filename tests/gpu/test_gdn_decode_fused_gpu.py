@@ -7,7 +7,7 @@ the bundle dtype: float32, bfloat16, float16), head shapes 128 x 128 (Qwen3.5), 
 g, beta, the conv output, conv and recurrent state and the core bit-identical; o within 1e-5 relative (float32)
 or one ulp (16-bit); both within the usual tolerance of the numpy operators.
 
-Backend: ``CudaBackend(fused_gdn_decode="pair")`` vs ``False`` on the same bundle, graphs captured, teacher-forced:
+Backend: ``CudaBackend(fused_gdn_decode=True)`` vs ``False`` on the same bundle, graphs captured, teacher-forced:
 2 kernels fewer per GDN layer in every decode graph, the same prefill bits, decode logits within float32 /
 bf16 rounding, and the decode profile without gdn_gates / gated_rmsnorm launches.
 
@@ -308,9 +308,9 @@ def test_backend_fused_decode_matches_four_launches(root: Path, default_checkpoi
     L = len(m.model.linear_layers)
     assert L > 0
     runners, backends = [], []
-    for fused in (False, True):  # the pair ("pair": on sm_90+ True would run the cluster kernel instead)
-        be = CudaBackend(gpu_b, m, device="cuda", fused_gdn_decode="pair" if fused else False)
-        assert be.fused_gdn_decode == fused and not be.gdn_cluster_decode
+    for fused in (False, True):
+        be = CudaBackend(gpu_b, m, device="cuda", fused_gdn_decode=fused)
+        assert be.fused_gdn_decode == fused
         r = ModelRunner(gpu_b, m, backend=be)
         be.capture_graphs(r._forward)
         runners.append(r)

@@ -115,21 +115,15 @@ __device__ __forceinline__ void conv_decode_load(const float* __restrict__ conv_
 #pragma unroll
   for (int j = 0; j < KW; ++j) ch.w[j] = conv_w[(size_t)c * KW + j];
 }
-// The channel's output silu(conv) (returned) and its window moved on by one input (written back).
-__device__ __forceinline__ float conv_decode_value(const T* __restrict__ u, int b, int c, long long u_stride,
-                                                   int C, ConvChannel& ch) {
+__device__ __forceinline__ void conv_decode_finish(const T* __restrict__ u, float* __restrict__ x_out, int b, int c,
+                                                   int C, long long u_stride, ConvChannel& ch) {
   ch.xs[KW - 1] = to_f32(u[(size_t)b * u_stride + c]);
   float acc = 0.f;
 #pragma unroll
   for (int j = 0; j < KW; ++j) acc += ch.w[j] * ch.xs[j];
-  const float xo = silu(acc);
+  x_out[(size_t)b * C + c] = silu(acc);
 #pragma unroll
   for (int j = 0; j < KW - 1; ++j) ch.win[(long long)j * C] = ch.xs[j + 1];
-  return xo;
-}
-__device__ __forceinline__ void conv_decode_finish(const T* __restrict__ u, float* __restrict__ x_out, int b, int c,
-                                                   int C, long long u_stride, ConvChannel& ch) {
-  x_out[(size_t)b * C + c] = conv_decode_value(u, b, c, u_stride, C, ch);
 }
 __device__ __forceinline__ void conv_decode_channel(const T* __restrict__ u, const float* __restrict__ conv_w,
                                                     float* __restrict__ conv, long long conv_row,
@@ -256,12 +250,10 @@ struct DeltaSmem {
 };
 
 // Columns j0 .. j0+31 of value head h of sequence b, by the 128 threads t = 0..127 of one group (t = the thread's
-// index in its group: 4 whole warps; sm: the group's own shared memory). S: the head's state [DK, DV]; qb / kb: the
-// post-conv q and k of the head's key head [DK]; vb: its v from column j0 on [32]; gp / bp: its g and beta (global
-// or shared memory: x's row, or gdn_decode_cluster's gathered copies); out: the head's o [DV] (T). Has block-wide
-// barriers: every thread of the CTA calls it, the same number of times. Row group 0 writes o of its 4 columns
-// j .. j+3 (j = j0 + (t & 7) * 4, where j < DV): to out (TO_SMEM false: gdn_decode), or to cs[j - j0] in shared
-// memory (cs: the group's 32 columns) and, when out != 0, to out as well (TO_SMEM: gdn_decode_norm, the cluster).
+// index in its group: 4 whole warps; sm: the group's own shared memory). S: the head's state [DK, DV]; xb: row b
+// of x; out: the head's o [DV] (T). Has block-wide barriers: every thread of the CTA calls it, the same number of
+// times. Row group 0 writes o of its 4 columns j .. j+3 (j = j0 + (t & 7) * 4, where j < DV): to out (TO_SMEM
+// false: gdn_decode), or to cs [DV] in shared memory and, when out != 0, to out as well (TO_SMEM: gdn_decode_norm).
 // This thread's share of the state columns j0 .. j0+31 (rows rg + 16 m, columns j .. j+3): delta_cols' loads, a
 // function of their own so that gdn_decode_norm can issue them before its griddepcontrol.wait.
 __device__ __forceinline__ void delta_state_load(const float* __restrict__ S, int j0, int t, float4 (&st)[RM]) {
@@ -275,8 +267,9 @@ __device__ __forceinline__ void delta_state_load(const float* __restrict__ S, in
 }
 
 template <bool TO_SMEM>
-__device__ __forceinline__ void delta_cols(const float* qb, const float* kb, const float* vb, const float* gp,
-                                           const float* bp, float* __restrict__ S, int j0, int t, DeltaSmem& sm,
+__device__ __forceinline__ void delta_cols(const float* __restrict__ xb, const float* __restrict__ gdec,
+                                           const float* __restrict__ beta, float* __restrict__ S, int b, int h,
+                                           int kh, int NK, int NV, int j0, int t, DeltaSmem& sm,
                                            T* __restrict__ out, float* cs, float4 (&st)[RM]) {
   const int tid = t, tc = tid & 7, rg = tid >> 3, lane = tid & 31, warp = tid >> 5;
   const int j = j0 + tc * 4;
@@ -284,7 +277,7 @@ __device__ __forceinline__ void delta_cols(const float* qb, const float* kb, con
 
   float sq = 0.f, sk = 0.f, sqk = 0.f;
   for (int i = tid; i < DK; i += 128) {
-    const float qv = qb[i], kv = kb[i];
+    const float qv = xb[kh * DK + i], kv = xb[NK * DK + kh * DK + i];
     sm.qs[i] = qv;
     sm.ks[i] = kv;
     sq += qv * qv;
@@ -334,7 +327,7 @@ __device__ __forceinline__ void delta_cols(const float* qb, const float* kb, con
     }
   }
   __syncthreads();
-  const float eg = expf(*gp), bt = *bp;
+  const float eg = expf(gdec[(size_t)b * NV + h]), bt = beta[(size_t)b * NV + h];
   float delta[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -342,7 +335,7 @@ __device__ __forceinline__ void delta_cols(const float* qb, const float* kb, con
                      sm.part[3][tc * 4 + c][0];
     const float tq = sm.part[0][tc * 4 + c][1] + sm.part[1][tc * 4 + c][1] + sm.part[2][tc * 4 + c][1] +
                      sm.part[3][tc * 4 + c][1];
-    const float v = jv ? vb[tc * 4 + c] : 0.f;
+    const float v = jv ? xb[2 * NK * DK + h * DV + j + c] : 0.f;
     // v - e^g tk as one explicit fma: NVVM leaves mul + sub here, which ptxas may or may not contract; pinned, the
     // rounding is the same in every kernel that inlines this (gdn_decode_norm's state bits are gdn_decode's)
     delta[c] = bt * __fmaf_rn(-eg, tk, v);
@@ -351,7 +344,7 @@ __device__ __forceinline__ void delta_cols(const float* qb, const float* kb, con
         store_act(out + j + c, eg * tq + qk * delta[c]);
       } else {
         const float ov = eg * tq + qk * delta[c];
-        cs[tc * 4 + c] = ov;
+        cs[j + c] = ov;
         if (out) store_act(out + j + c, ov);
       }
     }
@@ -385,10 +378,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_decode(const float* __rest
   __shared__ DeltaSmem sm;
   float4 st[RM];
   delta_state_load(S, blockIdx.x * 32, threadIdx.x, st);
-  const float* xb = x + (size_t)b * C;
-  const int j0 = blockIdx.x * 32;
-  delta_cols<false>(xb + kh * DK, xb + NK * DK + kh * DK, xb + 2 * NK * DK + h * DV + j0, gdec + (size_t)b * NV + h,
-                    beta + (size_t)b * NV + h, S, j0, threadIdx.x, sm,
+  delta_cols<false>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, blockIdx.x * 32, threadIdx.x, sm,
                     out + ((size_t)b * NV + h) * DV, nullptr, st);
 }
 
@@ -440,10 +430,8 @@ extern "C" __global__ void __launch_bounds__(NTF) gdn_decode_norm(const float* _
   const float zv = tid < DV ? z[(size_t)b * z_stride + h * DV + tid] : 0.f;
   __shared__ DeltaSmem sm[FCG];
   __shared__ float cs[FCG * 32];
-  const float* xb = x + (size_t)b * C;
-  delta_cols<true>(xb + kh * DK, xb + NK * DK + kh * DK, xb + 2 * NK * DK + h * DV + cg * 32,
-                   gdec + (size_t)b * NV + h, beta + (size_t)b * NV + h, S, cg * 32, t, sm[cg],
-                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs + cg * 32, st);
+  delta_cols<true>(x + (size_t)b * C, gdec, beta, S, b, h, kh, NK, NV, cg * 32, t, sm[cg],
+                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs, st);
   __syncthreads();
   float ss = 0.f;
   for (int d = lane; d < DV; d += 32) {
@@ -454,155 +442,6 @@ extern "C" __global__ void __launch_bounds__(NTF) gdn_decode_norm(const float* _
   // that ptxas fuses with + eps)
   const float rs = rsqrtf(__fdiv_rn(warp_sum(ss), (float)DV) + eps);
   if (tid < DV) store_out(o + ((size_t)b * NV + h) * DV + tid, cs[tid] * rs * wv * silu(zv));
-}
-#endif
-
-// ------------------------------------------------------------------------------------------------
-// The whole GDN decode of a layer in ONE launch: conv + gates + delta rule + gated RMSNorm (what the fused pair
-// gdn_conv_gates_decode + gdn_decode_norm compute, with their bits), on sm_90 thread-block clusters. Two builds:
-//   gdn_decode_cluster       CTAs of 128 threads (one 32-column group), clusters of GCL1 = GR * GFCG CTAs
-//   gdn_decode_cluster_head  CTAs of GFCG * 128 threads (a whole value head, gdn_decode_norm's CTA), clusters of
-//                            GCLH = GR CTAs
-// (GR = NV / NK value heads per key head, -DGR; GFCG = DV / 32 column groups per value head). grid (GCL, NK, B):
-// one cluster per (key head kh, sequence b). CTA r = blockIdx.x (its cluster rank) owns value head
-// h = kh * GR + r / CPH (CPH = GFCG / GG CTAs per head, GG groups per CTA) and columns j0c .. j0c + 32 GG - 1,
-// j0c = 32 GG (r % CPH); its group cg (128 threads) runs delta_cols on columns j0c + 32 cg .. + 31: gdn_decode's
-// CTA, so the state and core bits are gdn_decode's (and gdn_decode_norm's).
-//   conv: every conv channel of the cluster belongs to exactly one thread, which reads its window and writes it
-//     back (no CTA reads a window another writes): thread tid < GQK the q / k channel r * GQK + tid of kh (GQK =
-//     2 DK / GCL), tid - GQK < 32 GG the v channel of column j0c + tid - GQK of head h. Outputs to shared memory.
-//   gates: the CTA's last thread computes head h's g and beta (gdn_gate, fused.cu's expressions).
-//   cluster barrier; each CTA gathers kh's q and k (all the cluster's conv outputs) through distributed shared
-//   memory; delta_cols per group, the core to shared memory cs (and to core [B, NV*DV] in T when core != 0);
-//   cluster barrier; warp 0 sums the head's squares in gdn_decode_norm's order (lane l: columns l, l + 32, ... from
-//   whichever CTA holds them, then warp_sum); o = core * rs * w * silu(z) for the CTA's columns; a last cluster
-//   barrier so that no CTA exits while another may still read its shared memory.
-// Before griddepcontrol.wait (PDL) only loads: the state columns, the conv windows and weights, the norm weight
-// (nothing earlier in the step writes them, `slots` is a step input: as the fused pair). Compiled where sm_90,
-// FUSED_OK, DV % 32 == 0, GCL <= 8 (the portable cluster size), 2 DK % GCL == 0 and GQK + 32 GG <= 128 GG (the
-// host checks the same rule: hybrid_runtime/cuda/gdn.py cluster_decode_fits).
-// ------------------------------------------------------------------------------------------------
-#if defined(GR) && FUSED_OK && DV % 32 == 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define GFCG (DV / 32)
-#define GCL1 (GR * GFCG)
-#define GCLH (GR)
-#if GCL1 <= 8 && (2 * DK) % GCL1 == 0 && 2 * DK / GCL1 + 32 <= 128
-#define GDN_CLUSTER 1
-#endif
-#if GCLH <= 8 && (2 * DK) % GCLH == 0 && 2 * DK / GCLH + DV <= 128 * GFCG
-#define GDN_CLUSTER_HEAD 1
-#endif
-#endif
-
-#if defined(GDN_CLUSTER) || defined(GDN_CLUSTER_HEAD)
-__device__ __forceinline__ void cluster_barrier() {  // every thread of every CTA of the cluster
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The float at `p` (this CTA's shared memory) in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-  unsigned long long g = (unsigned long long)p, s;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(g));
-  unsigned a;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((unsigned)s), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-
-template <int GG>  // 128-thread column groups per CTA: 1, or GFCG (a whole value head)
-__device__ __forceinline__ void gdn_decode_cluster_body(
-    const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w, float* __restrict__ conv,
-    long long conv_row, const int* __restrict__ slots, const float* __restrict__ p, long long p_stride, int off_b,
-    int off_a, const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias, float* __restrict__ rec,
-    long long rec_row, const float* __restrict__ z, long long z_stride, const float* __restrict__ norm_w, float eps,
-    TO* __restrict__ o, T* __restrict__ core, int B, int NK) {
-  constexpr int NT = GG * 128, CPH = GFCG / GG, CL = GR * CPH, QK = 2 * DK / CL, NC = GG * 32;
-  const int r = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, cg = tid >> 7, t = tid & 127;
-  const int NV = NK * GR, C = 2 * NK * DK + NV * DV;
-  const int hr = r / CPH, h = kh * GR + hr, j0c = (r % CPH) * NC, j0 = j0c + cg * 32;
-  __shared__ float qk_out[QK];   // this CTA's q / k conv outputs (the cluster reads them)
-  __shared__ float qk[2 * DK];   // kh's q | k, gathered
-  __shared__ float vs[NC];       // this CTA's v columns
-  __shared__ float gbs[2][GR];   // g, beta of kh's value heads (entry hr: head h)
-  __shared__ DeltaSmem sm[GG];
-  __shared__ float cs[NC];       // this CTA's core columns (the head's CTAs read them)
-  __shared__ float rs_s;
-  if (b >= B) {  // the whole cluster (one b): no barrier is left waiting
-    pdl_enter();
-    return;
-  }
-  float* S = rec + (long long)slots[b] * rec_row + (long long)h * DK * DV;
-  float4 st[RM];
-  delta_state_load(S, j0, t, st);
-  int ch = -1;
-  if (tid < QK) {
-    const int qc = r * QK + tid;
-    ch = qc < DK ? kh * DK + qc : NK * DK + kh * DK + (qc - DK);
-  } else if (tid < QK + NC) {
-    ch = 2 * NK * DK + h * DV + j0c + (tid - QK);
-  }
-  ConvChannel cc;
-  if (ch >= 0) conv_decode_load(conv_w, conv, conv_row, slots, b, ch, C, cc);
-  const float wv = tid < NC ? norm_w[j0c + tid] : 0.f;  // a weight: static
-  pdl_enter();
-  const float zv = tid < NC ? z[(size_t)b * z_stride + h * DV + j0c + tid] : 0.f;
-  if (ch >= 0) {
-    const float xo = conv_decode_value(u, b, ch, u_stride, C, cc);
-    if (tid < QK)
-      qk_out[tid] = xo;
-    else
-      vs[tid - QK] = xo;
-  }
-  if (tid == NT - 1)  // head h's gates (kh's heads from index 0: gdn_gate's j = hr)
-    gdn_gate(p + (size_t)b * p_stride, off_b + kh * GR, off_a + kh * GR, neg_exp_a + kh * GR, dt_bias + kh * GR,
-             gbs[0], gbs[1], hr);
-  cluster_barrier();
-  for (int i = tid; i < 2 * DK; i += NT) qk[i] = ld_cluster(&qk_out[i % QK], (unsigned)(i / QK));
-  __syncthreads();
-  delta_cols<true>(qk, qk + DK, vs + cg * 32, &gbs[0][hr], &gbs[1][hr], S, j0, t, sm[cg],
-                   core ? core + ((size_t)b * NV + h) * DV : nullptr, cs + cg * 32, st);
-  cluster_barrier();
-  if (tid < 32) {
-    float ss = 0.f;
-#pragma unroll
-    for (int m = 0; m < GFCG; ++m) {  // column tid + 32 m: group m % GG of the head's CTA m / GG
-      const float v = CPH == 1 ? cs[m * 32 + tid] : ld_cluster(&cs[(m % GG) * 32 + tid], (unsigned)(hr * CPH + m / GG));
-      ss += v * v;
-    }
-    const float rs = rsqrtf(__fdiv_rn(warp_sum(ss), (float)DV) + eps);
-    if (tid == 0) rs_s = rs;
-  }
-  __syncthreads();
-  if (tid < NC) store_out(o + ((size_t)b * NV + h) * DV + j0c + tid, cs[tid] * rs_s * wv * silu(zv));
-  cluster_barrier();
-}
-#endif
-
-#ifdef GDN_CLUSTER
-extern "C" __global__ void __cluster_dims__(GCL1, 1, 1) __launch_bounds__(128)
-    gdn_decode_cluster(const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w,
-                       float* __restrict__ conv, long long conv_row, const int* __restrict__ slots,
-                       const float* __restrict__ p, long long p_stride, int off_b, int off_a,
-                       const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
-                       float* __restrict__ rec, long long rec_row, const float* __restrict__ z, long long z_stride,
-                       const float* __restrict__ norm_w, float eps, TO* __restrict__ o, T* __restrict__ core, int B,
-                       int NK) {
-  gdn_decode_cluster_body<1>(u, u_stride, conv_w, conv, conv_row, slots, p, p_stride, off_b, off_a, neg_exp_a,
-                             dt_bias, rec, rec_row, z, z_stride, norm_w, eps, o, core, B, NK);
-}
-#endif
-
-#ifdef GDN_CLUSTER_HEAD
-extern "C" __global__ void __cluster_dims__(GCLH, 1, 1) __launch_bounds__(GFCG * 128)
-    gdn_decode_cluster_head(const T* __restrict__ u, long long u_stride, const float* __restrict__ conv_w,
-                            float* __restrict__ conv, long long conv_row, const int* __restrict__ slots,
-                            const float* __restrict__ p, long long p_stride, int off_b, int off_a,
-                            const float* __restrict__ neg_exp_a, const float* __restrict__ dt_bias,
-                            float* __restrict__ rec, long long rec_row, const float* __restrict__ z,
-                            long long z_stride, const float* __restrict__ norm_w, float eps, TO* __restrict__ o,
-                            T* __restrict__ core, int B, int NK) {
-  gdn_decode_cluster_body<GFCG>(u, u_stride, conv_w, conv, conv_row, slots, p, p_stride, off_b, off_a, neg_exp_a,
-                                dt_bias, rec, rec_row, z, z_stride, norm_w, eps, o, core, B, NK);
 }
 #endif
 
