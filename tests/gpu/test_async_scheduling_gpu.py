@@ -16,6 +16,7 @@ import pytest
 
 from hybrid_runtime.sampling import SamplingParams
 from hybrid_runtime.serving import Event, GenerationRequest, RuntimeOptions, ServingEngine, generate
+from tests.serving_cases import Collect
 
 pytestmark = pytest.mark.gpu
 
@@ -54,18 +55,7 @@ def _serve(bundle: Path, mode: str, reqs: list[GenerationRequest]) -> tuple[dict
     eng = ServingEngine(bundle, RuntimeOptions(device="cuda", async_scheduling=mode)).start()
     try:
         assert eng.async_scheduling == (mode != "off")
-        finals: dict[str, Event] = {}
-        done = threading.Event()
-        lock = threading.Lock()
-
-        def sink(ev: Event) -> None:
-            if ev.final:
-                with lock:
-                    assert ev.request_id not in finals
-                    finals[ev.request_id] = ev
-                    if len(finals) == len(reqs):
-                        done.set()
-
+        sink = Collect(len(reqs))
         cancelled: list[Event] = []
         three = threading.Event()
 
@@ -82,7 +72,8 @@ def _serve(bundle: Path, mode: str, reqs: list[GenerationRequest]) -> tuple[dict
                 time.sleep(0.02)
         assert three.wait(60)
         eng.cancel("cancel-me")
-        assert done.wait(300)
+        assert sink.done.wait(300)
+        finals = dict(sink.finals)
         # alone, a decoding request always has its next step prepared ahead: its stop token drops one (whatever
         # the timing of the batch above)
         finals["solo-stoptok"] = generate(eng, [GenerationRequest("solo-stoptok", prompt="The weather today", params=(

@@ -24,6 +24,7 @@ from hybrid_runtime.engine import Phase
 from hybrid_runtime.sampling import SamplingParams
 from hybrid_runtime.scheduler import Scheduler, Sequence
 from hybrid_runtime.serving import FAULT_ENV, Event, GenerationRequest, RuntimeOptions, ServingEngine, generate
+from tests.serving_cases import Collect
 
 # ---- the scheduler's step ahead -----------------------------------------------------------------------
 
@@ -128,23 +129,13 @@ def _run(bundle: Path, mode: str, reqs: list[GenerationRequest], stagger: bool,
 
     eng.runner.launch = spy  # type: ignore[method-assign]
     try:
-        finals: dict[str, Event] = {}
-        done = threading.Event()
-        lock = threading.Lock()
-
-        def sink(ev: Event) -> None:
-            if ev.final:
-                with lock:
-                    assert ev.request_id not in finals, "two final events"
-                    finals[ev.request_id] = ev
-                    if len(finals) == len(reqs):
-                        done.set()
-
+        sink = Collect(len(reqs))
         for i, r in enumerate(reqs):
             eng.submit(r, sink)
             if stagger and i % 5 == 4:
                 time.sleep(0.05)  # arrivals while sequences decode: steps ahead are dropped for them
-        assert done.wait(120)
+        assert sink.done.wait(120)
+        finals = dict(sink.finals)
         for r in solo:
             finals[r.request_id] = generate(eng, [r])[0]
         deadline = time.monotonic() + 10
@@ -256,27 +247,16 @@ def test_a_failed_launch_of_a_step_ahead_fails_only_its_sequences(default_bundle
     """Steps 0..1: the prefill of all four and the first decode step; from step 2 on, steps launched ahead."""
     monkeypatch.setenv(FAULT_ENV, f"launch@{at}")
     eng = ServingEngine(default_bundle, RuntimeOptions(async_scheduling="on"))
-    finals: dict[str, Event] = {}
-    counts: dict[str, int] = {}
-    done = threading.Event()
-
-    def sink(ev: Event) -> None:
-        if ev.final:
-            finals[ev.request_id] = ev
-            if len(finals) == 4:
-                done.set()
-        else:
-            counts[ev.request_id] = counts.get(ev.request_id, 0) + 1
-
+    sink = Collect(4)
     for i in range(4):
         eng.submit(GenerationRequest(f"r{i}", prompt_ids=tuple(range(3, 12 + i)), params=SamplingParams(
             max_tokens=40, ignore_eos=True, temperature=0)), sink)
     eng.start()
     try:
-        assert done.wait(60)
-        for rid, ev in finals.items():
+        assert sink.done.wait(60)
+        for rid, ev in sink.finals.items():
             assert ev.finish_reason == "error" and "injected launch failure" in (ev.error or ""), ev
-            assert counts[rid] == at - 1 + 1  # the prefill's token and one per decode step before the failed one
+            assert sink.tokens(rid) == at - 1 + 1  # the prefill's token and one per decode step before the failed one
         assert eng.fatal is None and eng.stats()["async_steps"]["launched"] == at - 2
         again = generate(eng, [GenerationRequest("after", prompt_ids=(3, 4, 5), params=SamplingParams(max_tokens=3))])
         assert again[0].finish_reason == "length"

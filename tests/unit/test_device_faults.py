@@ -6,7 +6,6 @@ double at the device boundary; the real sticky fault is made on the GPU in tests
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ from hybrid_runtime.config import ConfigError
 from hybrid_runtime.cuda.driver import CudaError, is_sticky
 from hybrid_runtime.cuda.memory import GIB, plan_memory
 from hybrid_runtime.sampling import RequestValidationError, SamplingParams
-from hybrid_runtime.serving import FAULT_ENV, Event, GenerationRequest, RuntimeOptions, ServingEngine
+from hybrid_runtime.serving import FAULT_ENV, GenerationRequest, RuntimeOptions, ServingEngine
+from tests.serving_cases import Collect
 
 MiB = 1 << 20
 
@@ -123,27 +123,7 @@ def test_sticky_codes_are_found_through_the_exception_chain() -> None:
     assert not is_sticky(ValueError("not a CUDA error"))
 
 
-class _Collect:
-    """The events of several requests; ``done`` is set when every one had its final event."""
-
-    def __init__(self, n: int) -> None:
-        self.events: dict[str, list[Event]] = {}
-        self.finals: dict[str, Event] = {}
-        self.n = n
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-
-    def __call__(self, ev: Event) -> None:
-        with self.lock:
-            self.events.setdefault(ev.request_id, []).append(ev)
-            if ev.final:
-                assert ev.request_id not in self.finals, "two final events"
-                self.finals[ev.request_id] = ev
-                if len(self.finals) == self.n:
-                    self.done.set()
-
-
-def _submit(eng: ServingEngine, sink: _Collect, n: int, max_tokens: int) -> None:
+def _submit(eng: ServingEngine, sink: Collect, n: int, max_tokens: int) -> None:
     for i in range(n):
         eng.submit(GenerationRequest(f"r{i}", prompt_ids=tuple(range(3, 12 + i)),
                                      params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)),
@@ -155,7 +135,7 @@ def test_a_lost_device_fails_every_request_and_stops_the_engine(default_bundle: 
     monkeypatch.setenv(FAULT_ENV, "sticky@6")  # 4 prefill steps at most, then decode steps of all 4
     fatal: list[BaseException] = []
     eng = ServingEngine(default_bundle, RuntimeOptions(), on_fatal=fatal.append)
-    sink = _Collect(4)
+    sink = Collect(4)
     _submit(eng, sink, 4, max_tokens=40)  # queued before the thread starts: all in flight at the fault
     eng.start()
     assert sink.done.wait(60), "a request never had its final event"
@@ -177,7 +157,7 @@ def test_a_failed_launch_fails_only_that_step(default_bundle: Path, monkeypatch:
     monkeypatch.setenv(FAULT_ENV, "launch@6")
     fatal: list[BaseException] = []
     eng = ServingEngine(default_bundle, RuntimeOptions(), on_fatal=fatal.append)
-    sink = _Collect(4)
+    sink = Collect(4)
     _submit(eng, sink, 4, max_tokens=40)
     eng.start()
     try:
@@ -187,7 +167,7 @@ def test_a_failed_launch_fails_only_that_step(default_bundle: Path, monkeypatch:
         errors = [ev.error for ev in sink.finals.values() if ev.finish_reason == "error"]
         assert all("injected launch failure" in (e or "") for e in errors)
         assert fatal == [] and eng.fatal is None
-        again = _Collect(1)
+        again = Collect(1)
         eng.submit(GenerationRequest("after", prompt_ids=(3, 4, 5), params=SamplingParams(max_tokens=3)), again)
         assert again.done.wait(30) and again.finals["after"].finish_reason == "length"
     finally:
