@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_cuda_compile import check_log, nvrtc_or_skip
+from test_cuda_compile import ptx as compute_90_ptx
 
 from hybrid_runtime.cuda.dense_decode import (
     DEFAULT_KNOBS,
@@ -33,6 +34,38 @@ def test_dense_decode_compiles_for_sm90_without_spills(dt: int, name: str) -> No
     log = compile_log(source(SOURCE), SOURCE, (f"-DDT={dt}", *KNOB_SETS[name].options), "sm_90")
     check_log(log)
     assert "dd_gemm_m16" in log and "dd_gemm_m32" in log, log
+
+
+@pytest.mark.parametrize("sync", [1, 2])
+def test_the_benchmarks_synchronisation_builds_compile(sync: int) -> None:
+    """``DD_SYNC`` 1 (no wait) and 2 (a counter in global memory), which only ``benchmarks.gpu_kernel_boundary``
+    builds: they compile without spills, and the counter build's kernels take the two extra parameters (its PTX
+    spins with an acquire load and releases with a red.release)."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    opts = ("-DDT=2", *DEFAULT_KNOBS.options, f"-DDD_SYNC={sync}")
+    check_log(compile_log(source(SOURCE), SOURCE, opts, "sm_90"))
+    ptx = compute_90_ptx(source(SOURCE), SOURCE, opts)
+    assert "griddepcontrol.wait" not in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert ("ld.acquire.gpu" in ptx) == (sync == 2) and ("red.release.gpu" in ptx) == (sync == 2)
+    assert ("dd_gemm_m16_param_13" in ptx) == (sync == 2)
+    default = compute_90_ptx(source(SOURCE), SOURCE, ("-DDT=2", *DEFAULT_KNOBS.options))
+    assert "griddepcontrol.wait" in default and "dd_gemm_m16_param_12" not in default
+
+
+def test_the_early_trigger_build_launches_dependents_before_it_waits() -> None:
+    """``DD_TRIGGER=1`` (benchmarks.gpu_kernel_boundary): griddepcontrol.launch_dependents once, before the
+    pre-wait weight loads and before griddepcontrol.wait, which stays."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import compile_log, source
+
+    opts = ("-DDT=2", *DEFAULT_KNOBS.options, "-DDD_TRIGGER=1")
+    check_log(compile_log(source(SOURCE), SOURCE, opts, "sm_90"))
+    body = compute_90_ptx(source(SOURCE), SOURCE, opts).split(".entry dd_gemm_m16")[1].split(".entry")[0]
+    assert body.count("griddepcontrol.launch_dependents") == 1 and body.count("griddepcontrol.wait") == 1
+    assert body.index("griddepcontrol.launch_dependents") < body.index("ld.global.nc") < body.index(
+        "griddepcontrol.wait")
 
 
 def test_the_instruction_cache_evictor_is_one_long_straight_run() -> None:

@@ -10,6 +10,16 @@
 // Compiled once per dtype with -DDT=<1 float16 | 2 bfloat16> (T): float32 accumulation (mma m16n8k16). Knobs (-D):
 //   DD_U    k super-steps per register batch (a super-step is 32 k: two mma k16 steps); two batches in flight
 //   DD_PF   further super-steps of the warp's weight stream prefetched into L2 before griddepcontrol.wait
+//   DD_SYNC how a CTA waits for the kernel before it (benchmarks.gpu_kernel_boundary measures the three; the
+//           backend builds 0 only): 0 griddepcontrol.wait (programmatic dependent launch, the default); 1 no
+//           wait at all (a benchmark's lower bound, never correct in a step); 2 a counter in global memory
+//           (two more kernel parameters: thread 0 spins with ld.acquire.gpu until *sync_ctr >= sync_target, and
+//           after its stores each CTA adds 1 with release semantics)
+//   DD_PREWAIT register batches of weight loads issued before the wait: 1 (the default) or 2 (both batches: with
+//           DD_U = 8 a whole warp's 16 super-steps, e.g. all of a 2048-k row slice over 4 warps)
+//   DD_TRIGGER where griddepcontrol.launch_dependents runs: 0 after the wait (the default), 1 at the kernel's entry
+//           (the dependent grid may then be scheduled while this one still waits for its own predecessor: the
+//           launches run ahead of the data; each kernel's wait still waits for its predecessor's completion)
 //
 // No shared-memory staging: a lane loads 16 bytes of weight row g and of row g + 8 (g = lane / 4, t = lane % 4) at
 // k = 32 s + 8 t of super-step s, straight into mma A-fragment registers. The dot product does not care in which
@@ -47,7 +57,26 @@ typedef unsigned int u32;
 #ifndef DD_PF
 #define DD_PF 0
 #endif
+#ifndef DD_SYNC
+#define DD_SYNC 0
+#endif
 #define DD_MAXW 8
+static_assert(DD_SYNC >= 0 && DD_SYNC <= 2, "DD_SYNC must be 0, 1 or 2");
+#ifndef DD_TRIGGER
+#define DD_TRIGGER 0
+#endif
+#ifndef DD_PREWAIT
+#define DD_PREWAIT 1
+#endif
+static_assert(DD_PREWAIT == 1 || DD_PREWAIT == 2, "DD_PREWAIT must be 1 or 2");
+static_assert(DD_TRIGGER == 0 || DD_TRIGGER == 1, "DD_TRIGGER must be 0 or 1");
+#if DD_SYNC == 2
+#define DD_SYNC_PARAMS , unsigned int *sync_ctr, unsigned int sync_target
+#define DD_SYNC_ARGS , sync_ctr, sync_target
+#else
+#define DD_SYNC_PARAMS
+#define DD_SYNC_ARGS
+#endif
 static_assert(DD_U >= 1 && DD_U <= 8, "DD_U must be 1..8");
 static_assert(DD_PF >= 0 && DD_PF <= 64, "DD_PF must be 0..64");
 
@@ -124,9 +153,12 @@ __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const uint4 (&
 template <int MT>
 __device__ __forceinline__ void dd_cta(const u16* __restrict__ X, long long ldx, const u16* __restrict__ W, int N,
                                        int K, int n, const float* __restrict__ bias, const float* R, long long ldr,
-                                       void* out, long long ldo, int out_f32) {
+                                       void* out, long long ldo, int out_f32 DD_SYNC_PARAMS) {
   constexpr int RM = 16 * MT;
   __shared__ float4 red[DD_MAXW][MT][2][32];
+#if DD_TRIGGER == 1 && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * RM;
@@ -142,6 +174,9 @@ __device__ __forceinline__ void dd_cta(const u16* __restrict__ X, long long ldx,
     }
   uint4 ba[DD_U][MT][2], bb[DD_U][MT][2];
   load_batch<MT>(ba, wp, s0, s1);  // before the wait: the weights do not depend on the kernel before this one
+#if DD_PREWAIT == 2
+  load_batch<MT>(bb, wp, s0 + DD_U, s1);
+#endif
 #if DD_PF > 0
 #pragma unroll 1
   for (int i = 0; i < DD_PF; ++i) {  // lane t == 0 of each row: the 64 bytes of a super-step share one line
@@ -154,9 +189,24 @@ __device__ __forceinline__ void dd_cta(const u16* __restrict__ X, long long ldx,
         for (int h = 0; h < 2; ++h) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(wp[mt][h] + 4 * s) : "memory");
   }
 #endif
+#if DD_SYNC == 2
+  if (threadIdx.x == 0) {
+    unsigned int seen;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(sync_ctr) : "memory");
+      if (seen >= sync_target) break;
+      __nanosleep(32);
+    }
+  }
+  __syncthreads();
+#endif
 #if __CUDA_ARCH__ >= 900
+#if DD_SYNC == 0
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+#if DD_TRIGGER == 0
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 #endif
   const int ng = (n + 7) >> 3;
   const uint4* xp[2];
@@ -176,7 +226,10 @@ __device__ __forceinline__ void dd_cta(const u16* __restrict__ X, long long ldx,
       for (int c = 0; c < 4; ++c) acc[mt][q][c] = 0.f;
 #pragma unroll 1
   for (int s = s0; s < s1; s += 2 * DD_U) {
-    load_batch<MT>(bb, wp, s + DD_U, s1);
+#if DD_PREWAIT == 2
+    if (s != s0)  // the first iteration's bb went out before the wait
+#endif
+      load_batch<MT>(bb, wp, s + DD_U, s1);
     mma_batch<MT>(acc, ba, xp, xr, ng, s, s1);
     load_batch<MT>(ba, wp, s + 2 * DD_U, s1);
     mma_batch<MT>(acc, bb, xp, xr, ng, s + DD_U, s1);
@@ -212,20 +265,42 @@ __device__ __forceinline__ void dd_cta(const u16* __restrict__ X, long long ldx,
         reinterpret_cast<u16*>(out)[(size_t)j * ldo + r] = from_f32(o);
     }
   }
+#if DD_SYNC == 2
+  __syncthreads();  // every store of this CTA precedes the release below
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(sync_ctr) : "memory");
+#endif
 }
 
 // grid (ceil(N / 16), 1, 1), block 32 * nw (nw 1..8).
 extern "C" __global__ void __launch_bounds__(256) dd_gemm_m16(const u16* __restrict__ X, long long ldx,
                                                               const u16* __restrict__ W, int N, int K, int n,
                                                               const float* __restrict__ bias, const float* R,
-                                                              long long ldr, void* out, long long ldo, int out_f32) {
-  dd_cta<1>(X, ldx, W, N, K, n, bias, R, ldr, out, ldo, out_f32);
+                                                              long long ldr, void* out, long long ldo, int out_f32
+                                                              DD_SYNC_PARAMS) {
+  dd_cta<1>(X, ldx, W, N, K, n, bias, R, ldr, out, ldo, out_f32 DD_SYNC_ARGS);
 }
 
 // grid (ceil(N / 32), 1, 1), block 32 * nw (nw 1..8).
 extern "C" __global__ void __launch_bounds__(256) dd_gemm_m32(const u16* __restrict__ X, long long ldx,
                                                               const u16* __restrict__ W, int N, int K, int n,
                                                               const float* __restrict__ bias, const float* R,
-                                                              long long ldr, void* out, long long ldo, int out_f32) {
-  dd_cta<2>(X, ldx, W, N, K, n, bias, R, ldr, out, ldo, out_f32);
+                                                              long long ldr, void* out, long long ldo, int out_f32
+                                                              DD_SYNC_PARAMS) {
+  dd_cta<2>(X, ldx, W, N, K, n, bias, R, ldr, out, ldo, out_f32 DD_SYNC_ARGS);
 }
+
+#if DD_SYNC == 2
+// benchmarks.gpu_kernel_boundary only: `phases` products in ONE launch, CTA b taking the same 16 rows of each
+// (W + j N K into columns j N .. of out, float32), the phases ordered by the counter alone (phase j waits for
+// *sync_ctr >= j * gridDim.x): the chain with no kernel boundary at all, only a grid-wide flag between products
+// (what a persistent kernel pays per phase). Every CTA must be resident at once: the host launches it only with
+// gridDim.x <= the SM count. grid (ceil(N / 16), 1, 1), block 32 * nw.
+extern "C" __global__ void __launch_bounds__(256) dd_gemm_m16_phases(const u16* __restrict__ X, long long ldx,
+                                                                     const u16* __restrict__ W, int N, int K,
+                                                                     int n, void* out, long long ldo, int phases,
+                                                                     unsigned int* sync_ctr) {
+  for (int j = 0; j < phases; ++j)
+    dd_cta<1>(X, ldx, W + (size_t)j * N * K, N, K, n, nullptr, nullptr, 0, reinterpret_cast<float*>(out) + (size_t)j * N,
+              ldo, 1, sync_ctr, (unsigned int)(j * gridDim.x));
+}
+#endif
