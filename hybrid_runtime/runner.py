@@ -46,20 +46,23 @@ class InFlight:
 
 
 TRT_PATHS = ("auto", "device", "host")
-# What a cuda GPTQ bundle keeps packed on the GPU (CudaBackend packed_linears / packed_experts): "off" dequantises
-# every packed weight at load (the float bundle's kernels and memory), "linears" keeps the dense projections only
-# packed, "experts" the MoE layers' experts, "all" both; "auto" (the default) = "experts" for a GPTQ cuda bundle
-# (outputs bit-identical to "off" in a quarter of the experts' memory at int4), "off" for any other bundle.
-PACKED_WEIGHTS = ("auto", "off", "linears", "experts", "all")
+# What a cuda GPTQ bundle keeps packed on the GPU (CudaBackend packed_linears / packed_experts / dual_linears): "off"
+# dequantises every packed weight at load (the float bundle's kernels and memory), "linears" keeps the dense
+# projections only packed, "experts" the MoE layers' experts, "all" both; "dual" the experts only packed and the
+# dense projections in both forms (packed for decode steps of <= 16 rows: "all"'s bits; dequantised for everything
+# else: "experts"' bits, which are "off"'s); "auto" (the default) = "dual" for a GPTQ cuda bundle (decode steps of
+# few rows as fast as "all", prefill and large decode steps as "experts"; 35B-A3B int4 on an H100: 32% of the bf16
+# weight memory, benchmarks/results/gpu_decode_step_quant_h200.md "Stop 48"), "off" for any other bundle.
+PACKED_WEIGHTS = ("auto", "off", "linears", "experts", "all", "dual")
 
 
 def resolve_packed_weights(packed_weights: str, manifest: Manifest) -> str:
-    """The :data:`PACKED_WEIGHTS` mode a bundle runs with: ``auto`` becomes ``experts`` for a GPTQ ``cuda`` bundle
+    """The :data:`PACKED_WEIGHTS` mode a bundle runs with: ``auto`` becomes ``dual`` for a GPTQ ``cuda`` bundle
     and ``off`` for any other; the other modes are themselves. ConfigError for an unknown mode."""
     if packed_weights not in PACKED_WEIGHTS:
         raise ConfigError(f"packed_weights={packed_weights!r}: choose one of {', '.join(PACKED_WEIGHTS)}")
     if packed_weights == "auto":
-        return "experts" if manifest.backend == "cuda" and manifest.quantization is not None else "off"
+        return "dual" if manifest.backend == "cuda" and manifest.quantization is not None else "off"
     return packed_weights
 
 
@@ -88,8 +91,11 @@ class ModelRunner:
     packed on the GPU instead of being dequantised at load - decode steps then read them with the int4 / int8
     kernels (the experts with the dequantised bundle's bits, the projections within ~2% of its logits; about a
     quarter of the weight memory at int4); prefill runs packed experts on the packed grouped GEMMs where they run
-    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. ``auto`` (the
-    default): ``experts`` for a GPTQ cuda bundle, else ``off`` (:func:`resolve_packed_weights`). Any other mode
+    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. ``dual`` keeps
+    the projections both packed and dequantised: decode steps of <= 16 rows read them packed (as ``all``: the same
+    bits), everything else reads the dequantised copy (no scratch; prefill as ``experts``: the same bits), for the
+    packed projections' bytes on top. ``auto`` (the
+    default): ``dual`` for a GPTQ cuda bundle, else ``off`` (:func:`resolve_packed_weights`). Any other mode
     is ignored, with a log line, for a bundle it does not apply to."""
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, *, pinning: str = "per_context",
@@ -137,7 +143,8 @@ class ModelRunner:
             self.backend = CudaBackend(bundle_dir, manifest, device=device, multi_block_mode=multi_block_mode,
                                        num_kv_pages=num_kv_pages, gpu_memory_fraction=gpu_memory_fraction,
                                        packed_linears=packed_weights in ("linears", "all"),
-                                       packed_experts=packed_weights in ("experts", "all"))
+                                       packed_experts=packed_weights in ("experts", "all", "dual"),
+                                       dual_linears=packed_weights == "dual")
         elif trt_device:
             from .cuda.trt_backend import TrtDeviceBackend
 

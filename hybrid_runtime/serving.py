@@ -94,8 +94,9 @@ class RuntimeOptions:
     # is flat from the first request (the 2-hour soak's arena doubling after warm-up). Metrics start at zero after.
     warmup: bool = True
     # GPTQ cuda bundles: which packed weights stay packed on the GPU (runner.PACKED_WEIGHTS: auto | off | linears |
-    # experts | all); "off" dequantises them at load; "auto" = "experts" for a GPTQ cuda bundle (the same outputs
-    # as "off"), else "off". Measured on the H200: benchmarks/results/gpu_decode_step_quant_h200.md (35B-A3B, int4).
+    # experts | all | dual); "off" dequantises them at load; "auto" = "dual" for a GPTQ cuda bundle (prefill as
+    # "off", decode steps of <= 16 rows on the packed projections), else "off". Measured (35B-A3B, int4):
+    # benchmarks/results/gpu_decode_step_quant_h200.md.
     packed_weights: str = "auto"
     # ASYNC_SCHEDULING_MODES: prepare the next decode step while this one runs on the device (cuda bundles).
     async_scheduling: str = "auto"

@@ -295,7 +295,7 @@ class CudaBackend:
                  fused_gdn_decode: bool = True, dense_decode: bool | DenseKnobs = True,
                  dense_decode_max_mb: float | None = None, keep_packed: bool = False,
                  packed_linears: bool = False, packed_experts: bool = False,
-                 packed_moe_prefill: bool = True) -> None:
+                 packed_moe_prefill: bool = True, dual_linears: bool = False) -> None:
         kind, ordinal = parse_device(device)
         if kind != "cuda":
             raise ConfigError(f"device={device!r}: a cuda bundle runs on the GPU: use device 'cuda' or 'cuda:N' "
@@ -374,6 +374,11 @@ class CudaBackend:
             # them with the int4 / int8 kernel, the others dequantise them into a scratch buffer first (_gemm).
             # float32 bundles (the parity configuration) always dequantise everything.
             packed_linears = packed_linears and self.dtype in ("bfloat16", "float16")
+            # dual_linears (bf16 / fp16 GPTQ bundles; packed_weights=dual): the same dense linears in both forms,
+            # dequantised (every other product as without it) and packed (DeviceWeights.packed_decode): decode GEMMs
+            # of <= NBITS_MAX_ROWS rows read the packed form with the int4 / int8 decode GEMM, packed_linears' builds
+            # (the same bits as packed_linears' decode steps: 4-bit multiplies by the scale rounded to the dtype)
+            dual_linears = dual_linears and not packed_linears and self.dtype in ("bfloat16", "float16")
             # packed_experts (bf16 / fp16 GPTQ bundles; off by default, not yet measured in a served step): the MoE
             # layers whose experts stack as one packed operand keep them only packed (DeviceWeights.packed_moe);
             # decode steps on the "mma_decode" path read them with the int4 / int8 decode MoE
@@ -385,7 +390,8 @@ class CudaBackend:
             prefill_zeros = (packed_moe_prefill and self.moe_prefill is not None
                              and tuple(self.dev.compute_capability) == (9, 0))
             weights = self._load_weights(bundle_dir, manifest, progress, keep_packed, packed_linears,
-                                         packed_experts=packed_experts, prefill_zeros=prefill_zeros)
+                                         packed_experts=packed_experts, prefill_zeros=prefill_zeros,
+                                         dual_linears=dual_linears)
         self.w = weights
         self.moe_nbits_calls = 0  # packed-expert decode MoE launches issued (eager steps and graph captures)
         # tensor-core MoE steps (prefill) of packed experts on the packed grouped GEMMs (moe_prefill.experts_packed),
@@ -429,15 +435,19 @@ class CudaBackend:
         self.nbits_scratch: DeviceArray | None = None
         self._nbits_ops: dict[int, NBitsOperand] = {}
         self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
-        if self.w.packed_only:
+        packed_decode = getattr(self.w, "packed_decode", {})
+        if self.w.packed_only or packed_decode:
             # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
             self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
                                      [NBITS_KNOB_SETS[k] for k in NBITS_TUNE_SETS])
+            for bits in sorted({p.bits for p in [*self.w.packed_only.values(), *packed_decode.values()]}):
+                self.nbits.module(bits)  # compiled now, never during a graph capture
+            # keyed by the pointer _gemm is handed: a packed-only weight's codes, a dual weight's dequantised array
+            self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
+            self._nbits_ops.update({self.w[n].ptr: NBitsOperand.from_packed(p) for n, p in packed_decode.items()})
+        if self.w.packed_only:
             self.nbits_deq = NBitsDequant(self.dev, self.dtype)
             self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)
-            for bits in sorted({p.bits for p in self.w.packed_only.values()}):
-                self.nbits.module(bits)  # compiled now, never during a graph capture
-            self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
         # Biases in the activation dtype too (cuBLASLt's bias epilogue reads the output's dtype), made here:
         # never during a graph capture.
         self._bias_t: dict[int, DeviceArray] = {}
@@ -551,11 +561,11 @@ class CudaBackend:
 
     def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
                       keep_packed: bool, packed_linears: bool, packed_experts: bool = False,
-                      prefill_zeros: bool = True) -> DeviceWeights:
+                      prefill_zeros: bool = True, dual_linears: bool = False) -> DeviceWeights:
         """The bundle's weights on the device (a cuda bundle: every runtime weight, DeviceWeights.load)."""
         return DeviceWeights.load(self.dev, bundle_dir, manifest, progress, keep_packed=keep_packed,
                                   packed_linears=packed_linears, packed_experts=packed_experts,
-                                  prefill_zeros=prefill_zeros)
+                                  prefill_zeros=prefill_zeros, dual_linears=dual_linears)
 
     # ------------------------------------------------------------------ allocation
 
@@ -706,18 +716,22 @@ class CudaBackend:
         A weight kept only packed (:class:`PackedLinear`, a GPTQ bundle's dense linear): decode steps of <=
         NBITS_MAX_ROWS rows run the int4 / int8 decode GEMM on it (``nbits_decode``, batch invariant); any other
         product first dequantises it into ``nbits_scratch`` (the load's kernel: the same bits as a dequantised
-        bundle's weight) and continues below on that copy."""
+        bundle's weight) and continues below on that copy. A dequantised weight with a packed twin
+        (``dual_linears``: ``DeviceWeights.packed_decode``): decode steps of <= NBITS_MAX_ROWS rows run the decode
+        GEMM on the twin, every other product runs below on the weight itself."""
+        op = self._nbits_ops.get(weight.B.ptr if isinstance(weight, PackedLinear) else weight.ptr)
+        if op is not None and decode and x.rows <= NBITS_MAX_ROWS \
+                and not nbits_problems(self.dtype, x.rows, x.ld, x.ptr, op):
+            assert self.nbits is not None
+            self.nbits_calls += 1
+            with self._prof("nbits_decode"):
+                self.nbits.launch(x.rows, x.ptr, x.ld, op, out.ptr, out.ld, out.dtype == "float32",
+                                  residual=residual.ptr if residual is not None else 0,
+                                  ldr=residual.ld if residual is not None else 0,
+                                  bias=bias.ptr if bias is not None else 0)
+            return
         if isinstance(weight, PackedLinear):
-            assert self.nbits is not None and self.nbits_deq is not None and self.nbits_scratch is not None
-            op = self._nbits_ops[weight.B.ptr]
-            if decode and x.rows <= NBITS_MAX_ROWS and not nbits_problems(self.dtype, x.rows, x.ld, x.ptr, op):
-                self.nbits_calls += 1
-                with self._prof("nbits_decode"):
-                    self.nbits.launch(x.rows, x.ptr, x.ld, op, out.ptr, out.ld, out.dtype == "float32",
-                                      residual=residual.ptr if residual is not None else 0,
-                                      ldr=residual.ld if residual is not None else 0,
-                                      bias=bias.ptr if bias is not None else 0)
-                return
+            assert self.nbits_deq is not None and self.nbits_scratch is not None
             self.nbits_fallbacks += 1
             with self._prof("nbits_dequant"):
                 self.nbits_deq.launch(weight, self.nbits_scratch.ptr, weight.k_in, 0)
@@ -1477,14 +1491,14 @@ class CudaBackend:
 
     def dense_decode_shapes(self) -> dict[tuple[int, int], list[int]]:
         """(N, K) -> weight pointers of every decode GEMM the dense kernel takes (the segments' linear ops and
-        lm_head; within dense_decode_max_mb)."""
+        lm_head; within dense_decode_max_mb), but those with a packed form the int4 / int8 decode GEMM reads."""
         shapes: dict[tuple[int, int], list[int]] = {}
         for _, program in self.programs:
             for op in program:
                 if op.kind != "linear":
                     continue
                 w = _linear_weight(self.w, op.weights[0])
-                if not isinstance(w, PackedLinear):  # (packed-only ones: nbits_decode)
+                if not isinstance(w, PackedLinear) and w.ptr not in self._nbits_ops:  # (packed ones: nbits_decode)
                     N, K = w.shape[0], w.shape[-1]
                     if self.dense_max_bytes is None or N * K * self.es <= self.dense_max_bytes:
                         shapes.setdefault((N, K), []).append(w.ptr)
@@ -1515,7 +1529,7 @@ class CudaBackend:
         self.dense_tune_seconds = time.perf_counter() - t0
 
     def tune_nbits_decode(self) -> None:
-        """Time the int4 / int8 decode GEMM's builds on this model's packed-only linears at 1 and max-batch rows
+        """Time the int4 / int8 decode GEMM's builds on this model's packed linears at 1 and max-batch rows
         (<= 16) and keep the fastest per (N, K, bits) (NBitsDecode.tune; the candidates differ in loads in flight,
         rows per CTA and when activations are loaded, not in results). Logged; the choice is
         :attr:`NBitsDecode.choice`."""

@@ -200,7 +200,7 @@ class TrtDeviceBackend(CudaBackend):
 
     def _load_weights(self, bundle_dir: str | Path, manifest: Manifest, progress: Callable[[str], None] | None,
                       keep_packed: bool, packed_linears: bool, packed_experts: bool = False,
-                      prefill_zeros: bool = True) -> DeviceWeights:
+                      prefill_zeros: bool = True, dual_linears: bool = False) -> DeviceWeights:
         """The stateful operators' weights from the bundle's state weights (checkpoint names and layouts) as the
         runtime weights the kernels read: conv weights, and per MoE layer the router (+ the shared gate's row) and
         the stacked experts (``DeviceWeights._stack_moe``). Float32 on the device."""

@@ -14,6 +14,10 @@ tensors in :attr:`DeviceWeights.packed` (for W4A16 / W8A16 kernels) instead of f
 counts them. ``packed_linears`` keeps the segments' dense linear weights that are stored packed whole (not MoE
 weights, not per-part ones) ONLY packed (:attr:`DeviceWeights.packed_only`, no float copy): the backend runs them
 with the int4 / int8 decode GEMM and, for prefill, dequantises them into a scratch buffer per GEMM.
+``dual_linears`` keeps the same weights in BOTH forms: dequantised in :attr:`DeviceWeights.arrays` as without it (every
+byte there as a plain load writes it) and packed in :attr:`DeviceWeights.packed_decode` (the stored tensors): the
+backend reads the packed form in decode GEMMs of few rows (4x / 2x fewer bytes at int4 / int8) and the dequantised
+one everywhere else (prefill and larger decode steps on cuBLASLt, no scratch), for the packed bytes' extra memory.
 ``packed_experts`` keeps the MoE layers whose experts stack as one packed operand (:func:`packed_layer_experts`:
 every expert weight, and the folded shared expert, stored packed with one bit width and block size, no act order,
 shapes the packed decode MoE takes) ONLY packed (:attr:`DeviceWeights.packed_moe`): decode steps read them with
@@ -137,6 +141,9 @@ class DeviceWeights:
         self.packed: dict[str, PackedLinear] = {}
         # dense linear weights kept only packed (load(packed_linears=True)): runtime weight name -> PackedLinear
         self.packed_only: dict[str, PackedLinear] = {}
+        # dense linear weights kept packed BESIDE their dequantised array (load(dual_linears=True)): runtime weight
+        # name -> PackedLinear (the backend's decode GEMMs of few rows read it)
+        self.packed_decode: dict[str, PackedLinear] = {}
         # MoE layers whose experts are kept only packed (load(packed_experts=True)): layer -> PackedExperts, and
         # the one scratch stack (gate_up, down) their MoEWeights point at (dequantise_experts fills it)
         self.packed_moe: dict[int, PackedExperts] = {}
@@ -162,7 +169,7 @@ class DeviceWeights:
                 seen.add(a.ptr)
                 n += a.nbytes
         return n + sum(p.nbytes for p in [*self.packed.values(), *self.packed_only.values(),
-                                             *self.packed_moe.values()])
+                                             *self.packed_decode.values(), *self.packed_moe.values()])
 
     def moe(self, layer: int) -> MoEWeights:
         return self._moe[layer]
@@ -205,15 +212,19 @@ class DeviceWeights:
     def load(cls, device: CudaDevice, bundle_dir: str | Path, manifest: Manifest,
              progress: Callable[[str], None] | None = None, keep_packed: bool = False,
              packed_linears: bool = False, packed_experts: bool = False,
-             prefill_zeros: bool = True) -> DeviceWeights:
+             prefill_zeros: bool = True, dual_linears: bool = False) -> DeviceWeights:
         """Copy a ``cuda`` bundle's weights to ``device`` (checks every tensor's shape and dtype, and a GPTQ
         bundle's packed tensors against its quantization record, first: :func:`~.quant.plan_weights`). Packed
         weights are dequantised on the device into the bundle dtype; ``keep_packed`` keeps their device copies
         in :attr:`packed` (default: freed once dequantised). ``packed_linears``: the dense linear weights stored
         packed whole are kept only packed, in :attr:`packed_only`; ``packed_experts``: the MoE layers whose experts
         stack as one packed operand keep them only packed, in :attr:`packed_moe` (module docstring; bf16 / fp16);
+        ``dual_linears`` (not with ``packed_linears``): the dense linear weights stored packed whole are dequantised
+        into :attr:`arrays` as usual and their packed device copies kept in :attr:`packed_decode`;
         ``prefill_zeros``: their zero-points also get the int32 copy the packed prefill GEMMs read
         (:attr:`PackedExperts.zeros`; False where those GEMMs never run: not Hopper, or turned off)."""
+        if packed_linears and dual_linears:
+            raise ValueError("packed_linears keeps the dense linears only packed, dual_linears in both forms: not both")
         cfg, rope_len = manifest.model, manifest.limits.max_seq_len
         self = cls(device, cfg, manifest.dtype, rope_len)
         path = Path(bundle_dir) / manifest.state_weights
@@ -237,6 +248,9 @@ class DeviceWeights:
             elif packed_linears and stored[s.name].kind == "packed" and len(s.shape) == 2:
                 assert deq is not None and stored[s.name].packed is not None
                 self.packed_only[s.name] = deq.upload(stored[s.name].packed)  # type: ignore[arg-type]
+            elif dual_linears and stored[s.name].kind == "packed" and len(s.shape) == 2:
+                self.arrays[s.name] = a = device.empty(s.shape, self._dtype(s))
+                fill_weight(device, deq, f, stored[s.name], a.ptr, s.shape, es, self.packed_decode.__setitem__)
             else:
                 self.arrays[s.name] = a = device.empty(s.shape, self._dtype(s))
                 put(s.name, a.ptr)
@@ -259,6 +273,10 @@ class DeviceWeights:
                 if self.packed_only:
                     only_gb = sum(p.nbytes for p in self.packed_only.values()) / 1e9
                     kept += f", {len(self.packed_only)} dense linear weights kept only packed ({only_gb:.2f} GB)"
+                if self.packed_decode:
+                    dual_gb = sum(p.nbytes for p in self.packed_decode.values()) / 1e9
+                    kept += (f", {len(self.packed_decode)} dense linear weights also kept packed for decode "
+                             f"({dual_gb:.2f} GB)")
                 progress(f"dequantised {sum(w.kind != 'float' for w in stored.values())} packed weights to "
                          f"{self.dtype} on {device.limits.name}{kept}")
         return self
@@ -284,7 +302,8 @@ class DeviceWeights:
     @classmethod
     def random_packed(cls, device: CudaDevice, cfg: ModelConfig, dtype: str, rope_len: int, fill: Callable[..., None],
                       bits: int = 4, block_size: int = 128, seed: int = 0,
-                      progress: Callable[[str], None] | None = None, linears: bool = True) -> DeviceWeights:
+                      progress: Callable[[str], None] | None = None, linears: bool = True,
+                      dual: bool = False) -> DeviceWeights:
         """As :meth:`random`, in the layout a symmetric GPTQ bundle loads into with ``packed_linears`` and
         ``packed_experts``: the dense projections (``*_proj``: GDN in_proj / out_proj, attention qkv_proj / o_proj)
         kept only packed (:attr:`packed_only`), each MoE layer's routed experts (and the folded shared expert as
@@ -292,9 +311,12 @@ class DeviceWeights:
         of ``block_size`` along K: random bytes filled on the device, float16-valued float32 scales (GPTQ's: short,
         the same host values for every weight of a size; the codes differ). Embeddings, lm_head, norms, router, conv
         and gates stay float (random as :meth:`random`). ``linears`` False: the dense projections float too (the
-        layout of ``packed_weights=experts``: only the experts packed). For speed benchmarks of quantized steps
-        without a checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed weight a multiple of
-        ``block_size``."""
+        layout of ``packed_weights=experts``: only the experts packed; the projections are the dequantised random
+        codes, so every layout of one seed is the same model and routes alike). ``dual`` (with ``linears``): the
+        projections in both forms, as ``load(dual_linears=True)`` lays them out (``packed_weights=dual``): packed
+        in :attr:`packed_decode` and dequantised from those codes into :attr:`arrays`. For speed benchmarks of
+        quantized steps without a checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed
+        weight a multiple of ``block_size``."""
         from .moe_nbits_decode import NBitsExperts, short_scales
 
         if dtype not in ("bfloat16", "float16"):
@@ -323,13 +345,23 @@ class DeviceWeights:
             return PackedLinear(B, sc_dev, None, None, K, N, bits, block_size, K, experts)
 
         H = cfg.hidden_size
+        transient: list[PackedLinear] = []
         for n, spec in enumerate(stored_weight_specs(cfg, rope_len)):
             if progress and spec.layer >= 0 and spec.name.endswith("input_norm"):
                 progress(f"generating layer {spec.layer + 1}/{cfg.num_layers} ({bits}-bit) on {device.limits.name}")
             if ".mlp." in spec.name and cfg.ffn_types[spec.layer] == "moe":
                 continue
-            if linears and spec.name.endswith("_proj") and len(spec.shape) == 2:
-                self.packed_only[spec.name] = packed(spec.shape[0], spec.shape[1], 0, seed + n)
+            if spec.name.endswith("_proj") and len(spec.shape) == 2:
+                p = packed(spec.shape[0], spec.shape[1], 0, seed + n)
+                if linears and not dual:
+                    self.packed_only[spec.name] = p
+                    continue
+                self.arrays[spec.name] = a = device.empty(spec.shape, dtype)
+                self._deq.launch(p, a.ptr, p.K, 0)
+                if linears:
+                    self.packed_decode[spec.name] = p
+                else:
+                    transient.append(p)  # freed once the stream has dequantised it
             else:
                 self._random_array(spec, fill, seed + n)
         self._alias_head()
@@ -354,6 +386,9 @@ class DeviceWeights:
                 self.moe_scratch = (device.empty((e_all, 2 * inter, H), dtype), device.empty((e_all, H, inter), dtype))
             gate_up, down = self.moe_scratch
             self._moe[layer] = MoEWeights(router, e_pad, gate_up, down, E, fold, sgu, sdn)
+        if transient:
+            device.synchronize()
+            transient.clear()
         return self
 
     def _random_array(self, spec: WeightSpec, fill: Callable[..., None], seed: int) -> None:

@@ -445,7 +445,8 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
         assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
 
 
-def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["all", "dual"])
+def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path, mode: str) -> None:
     """``ModelRunner(packed_weights="all")`` (the deployment parameter; CUDA graphs captured as served) on a bf16
     int4 GPTQ bundle whose MoE layers stack: the dense projections and the experts stay packed (fewer weight
     bytes), the captured decode graphs hold the packed kernels, and the logits follow the dequantised bundle's
@@ -453,7 +454,10 @@ def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path) -> None:
     (everything dequantised into scratch first); decode as test_nbits_gpu's packed_linears bound (the packed decode
     GEMM's 4-bit build multiplies by the bf16-rounded scale and sums in another order than dense_decode; the packed
     MoE gives moe_decode's bits, but a router near-tie can then pick another expert and move a row by O(1)): 90% of
-    rows within 2% of the logits' scale, the same greedy token on >= 90% of rows, the worst row reported."""
+    rows within 2% of the logits' scale, the same greedy token on >= 90% of rows, the worst row reported.
+    ``packed_weights="dual"``: the experts packed, the projections in both forms - the captured decode graphs hold
+    the packed kernels, prefill runs on the dequantised copies (bit for bit, no scratch, no dequantise-first
+    fallback), decode within the same bound."""
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
@@ -463,10 +467,14 @@ def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path) -> None:
     b = gc.packed_experts_bundle(tmp_path, bits=4)
     m = Manifest.load(b)
     off = ModelRunner(b, m, device="cuda", packed_weights="off")
-    on = ModelRunner(b, m, device="cuda", packed_weights="all")
+    on = ModelRunner(b, m, device="cuda", packed_weights=mode)
     be = on.backend
-    assert be.w.packed_only and be.w.packed_moe and not off.backend.w.packed_only  # type: ignore[attr-defined]
-    assert be.w.nbytes < off.backend.w.nbytes and be.graphs  # type: ignore[attr-defined]
+    if mode == "all":
+        assert be.w.packed_only and be.w.packed_moe and not off.backend.w.packed_only  # type: ignore[attr-defined]
+        assert be.w.nbytes < off.backend.w.nbytes and be.graphs  # type: ignore[attr-defined]
+    else:
+        assert be.w.packed_decode and be.w.packed_moe and not be.w.packed_only  # type: ignore[attr-defined]
+        assert be.nbits_scratch is None and be.graphs  # type: ignore[attr-defined]
     calls0 = (be.moe_nbits_calls, be.nbits_calls)  # type: ignore[attr-defined]
     assert min(calls0) > 0, "the captured decode graphs hold no packed kernel"
     rng = np.random.default_rng(4)
@@ -480,7 +488,9 @@ def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path) -> None:
     rows = np.concatenate([np.abs(a - c).max(axis=1) for a, c in dec])
     scale = max(float(np.abs(a).max()) for a, _ in dec)
     agree = sum(int((a.argmax(1) == c.argmax(1)).sum()) for a, c in dec) / rows.size
-    print(f"\n[moe_nbits] runner packed_weights=all int4: weight bytes {be.w.nbytes} vs {off.backend.w.nbytes}, "
+    if mode == "dual":
+        assert be.nbits_fallbacks == 0  # type: ignore[attr-defined]
+    print(f"\n[moe_nbits] runner packed_weights={mode} int4: weight bytes {be.w.nbytes} vs {off.backend.w.nbytes}, "
           f"decode |logit diff| p90 {np.percentile(rows, 90) / scale:.2e} / max {rows.max() / scale:.2e} of the "
           f"scale, greedy agreement {agree:.2f}")
     assert np.percentile(rows, 90) <= 2e-2 * scale and agree >= 0.9

@@ -197,11 +197,13 @@ def test_backend_prefill_of_packed_experts_gives_the_dequantised_bundles_bits(tm
 
 
 def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(tmp_path) -> None:
-    """``ModelRunner`` with the default ``packed_weights`` (``auto``: ``experts`` for a GPTQ cuda bundle), CUDA graphs
-    captured as served, on a bf16 int4 asymmetric GPTQ bundle: the experts stay only packed (fewer weight bytes than
-    ``packed_weights="off"``, and no dequantised scratch stack), prefill runs the packed grouped GEMMs and the
-    captured decode graphs the packed decode MoE (both counted), and the logits equal ``off``'s BIT FOR BIT
-    (teacher-forced: prefill chunks of 5 tokens, then 8 decode steps of 3 sequences)."""
+    """``ModelRunner(packed_weights="experts")``, CUDA graphs captured as served, on a bf16 int4 asymmetric GPTQ
+    bundle: the experts stay only packed (fewer weight bytes than ``packed_weights="off"``, and no dequantised
+    scratch stack), prefill runs the packed grouped GEMMs and the captured decode graphs the packed decode MoE (both
+    counted), and the logits equal ``off``'s BIT FOR BIT (teacher-forced: prefill chunks of 5 tokens, then 8 decode
+    steps of 3 sequences). The default (``auto`` = ``dual`` for a GPTQ cuda bundle) runs beside them: the same
+    packed experts, the projections also kept packed (counted on top), prefill ``off``'s bits, and decode steps
+    ``packed_weights="all"``'s bits (the projections' decode GEMMs on the packed codes, the experts as here)."""
     from runner_cases import Driver, scattered_tables
 
     from hybrid_runtime.config import Manifest
@@ -212,19 +214,27 @@ def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(t
                                  shared_expert_intermediate_size=128)
     m = Manifest.load(b)
     off = ModelRunner(b, m, device="cuda", packed_weights="off")
-    auto = ModelRunner(b, m, device="cuda")
-    be = auto.backend
+    auto = ModelRunner(b, m, device="cuda", packed_weights="experts")
+    default = ModelRunner(b, m, device="cuda")
+    every = ModelRunner(b, m, device="cuda", packed_weights="all")
+    be, dbe = auto.backend, default.backend
     assert be.w.packed_moe and not be.w.packed_only and not off.backend.w.packed_moe  # type: ignore[attr-defined]
     assert be.w.nbytes < off.backend.w.nbytes and be.graphs and be.moe_nbits_calls > 0  # type: ignore[attr-defined]
     assert be.w.moe_scratch is None  # type: ignore[attr-defined]  # every step reads them packed: stack freed
+    assert dbe.w.packed_moe and dbe.w.packed_decode and dbe.w.moe_scratch is None  # type: ignore[attr-defined]
+    assert dbe.w.nbytes == be.w.nbytes + sum(p.nbytes for p in dbe.w.packed_decode.values())  # type: ignore
+    assert dbe.graphs and dbe.nbits_calls > 0  # type: ignore[attr-defined]
     rng = np.random.default_rng(5)
     lens, slots, decode_steps = [33, 18, 7], [2, 0, 1], 8
     prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
     tables = scattered_tables(m, [n + decode_steps for n in lens], seed=5)
-    drv = Driver([off, auto], slots, tables, prompts)
-    steps = [list(r) for r in drv.prefill(chunk=5)] + [list(drv.decode()) for _ in range(decode_steps)]
-    print(f"\n[moe_prefill_packed] runner default (auto) int4 asym: weight bytes {be.w.nbytes} vs "
-          f"{off.backend.w.nbytes}, packed prefill MoE calls {be.moe_packed_prefill_calls}")
+    drv = Driver([off, auto, default, every], slots, tables, prompts)
+    pre = [list(r) for r in drv.prefill(chunk=5)]
+    steps = pre + [list(drv.decode()) for _ in range(decode_steps)]
+    print(f"\n[moe_prefill_packed] runner experts / default (dual) int4 asym: weight bytes {be.w.nbytes} / "
+          f"{dbe.w.nbytes} vs {off.backend.w.nbytes}, packed prefill MoE calls {be.moe_packed_prefill_calls}")
     assert be.moe_packed_prefill_calls > 0
-    for i, (a, c) in enumerate(steps):
+    for i, (a, c, d, e) in enumerate(steps):
         assert np.array_equal(a, c), (i, float(np.abs(a - c).max()))
+        assert np.array_equal(d, a if i < len(pre) else e), (i, float(np.abs(d - (a if i < len(pre) else e)).max()))
+    assert dbe.nbits_fallbacks == 0  # type: ignore[attr-defined]

@@ -301,3 +301,38 @@ def test_packed_linears_match_the_dequantised_bundle(root: Path, case: str) -> N
     assert pre == 0.0, f"{case}: prefill logits differ by {pre}"
     assert bound <= 2e-2 * scale, f"{case}: decode logits differ by {bound} (scale {scale}, moe {moe})"
     assert agree >= 0.9, f"{case}: greedy agreement {agree}"
+
+
+@pytest.mark.parametrize("case", sorted(gc.CASES))
+def test_dual_linears_match_the_dequantised_and_the_packed_bundles(root: Path, case: str) -> None:
+    """``packed_weights=dual``'s projections (``CudaBackend(dual_linears=True)``) against the same bf16 GPTQ bundle
+    fully dequantised at load and with ``packed_linears``: the dequantised arrays are the plain load's bit for bit,
+    the packed copies come on top (counted); teacher-forced, prefill steps give the dequantised bundle's bits (the
+    same cuBLASLt plans on the same arrays: no scratch, never a dequantise-first fallback) and decode steps the
+    ``packed_linears`` backend's bits (the same decode GEMM builds on the same packed weights)."""
+    from hybrid_runtime.cuda.backend import CudaBackend
+
+    _, gpu_b = _case_bundles(root, case, "bfloat16")
+    gm = Manifest.load(gpu_b)
+    dual = CudaBackend(gpu_b, gm, device="cuda", dual_linears=True)
+    packed = CudaBackend(gpu_b, gm, device="cuda", packed_linears=True)
+    plain = CudaBackend(gpu_b, gm, device="cuda")
+    assert dual.w.packed_decode and not dual.w.packed_only and not plain.w.packed_decode
+    assert set(dual.w.packed_decode) == set(packed.w.packed_only) and dual.nbits_scratch is None
+    assert dual.w.nbytes == plain.w.nbytes + sum(p.nbytes for p in dual.w.packed_decode.values())
+    for n in dual.w.packed_decode:
+        assert np.array_equal(dual.dev.download(dual.w[n]), plain.dev.download(plain.w[n])), n
+    for be in (dual, packed):  # the load's timing of the builds (every candidate gives the default's bits)
+        be.tune_nbits_decode()
+    assert dual.nbits is not None and packed.nbits is not None and dual.nbits.knobs == packed.nbits.knobs
+    runners = [ModelRunner(gpu_b, gm, backend=b) for b in (plain, packed, dual)]
+    prefill_steps = -(-37 // 5)
+    steps = _drive(runners, gm, seed=len(case))
+    assert dual.nbits_calls == packed.nbits_calls and dual.nbits_fallbacks == 0
+    _record(f"dual_linears/{case}", {"weight_bytes": [dual.w.nbytes, plain.w.nbytes, packed.w.nbytes],
+                                     "nbits_calls": dual.nbits_calls, "steps": len(steps)})
+    for i, (a, b, c) in enumerate(steps):
+        if i < prefill_steps:
+            assert np.array_equal(c, a), (case, i, float(np.abs(c - a).max()))
+        else:
+            assert np.array_equal(c, b), (case, i, float(np.abs(c - b).max()))

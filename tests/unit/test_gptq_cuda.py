@@ -358,13 +358,13 @@ def kernel_writes(t: dict[str, np.ndarray], prefix: str, ldo: int, out_estride: 
 
 
 def _load_fake(bundle: Path, monkeypatch: pytest.MonkeyPatch, keep: bool = False, linears: bool = False,
-               experts: bool = False):
+               experts: bool = False, dual: bool = False):
     from hybrid_runtime.cuda import weights as cw
 
     monkeypatch.setattr(cw, "NBitsDequant", FakeDequant)
     dev = FakeDevice()
     w = cw.DeviceWeights.load(dev, bundle, Manifest.load(bundle), keep_packed=keep,  # type: ignore[arg-type]
-                              packed_linears=linears, packed_experts=experts)
+                              packed_linears=linears, packed_experts=experts, dual_linears=dual)
     return dev, w
 
 
@@ -434,6 +434,21 @@ def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monke
     for k in s1:
         assert np.array_equal(_bits(s0[k]), _bits(s1[k])), k
     assert w1.nbytes < w0.nbytes
+    # dual_linears: the same weights in both forms - every array as the plain load writes it (the dequantised
+    # projections included), the packed copies as stored, counted on top; the backend's lookup gives the array
+    d2, w2 = _load_fake(bq, monkeypatch, dual=True)
+    assert set(w2.packed_decode) == whole and not w2.packed_only and whole <= set(w2.arrays)
+    s2 = _device_state(d2, w2)
+    assert set(s2) == set(s0)
+    for k in s0:
+        assert np.array_equal(_bits(s0[k]), _bits(s2[k])), k
+    for n in whole:
+        p = w2.packed_decode[n]
+        assert (p.N, p.k_in) == w0[n].shape and _linear_weight(w2, n) is w2[n]
+        assert np.array_equal(d2.read(p.B.ptr, p.B.shape, "uint8"), f.raw(n + ".nbits_B")), n
+    assert w2.nbytes == w0.nbytes + sum(p.nbytes for p in w2.packed_decode.values())
+    with pytest.raises(ValueError, match="not both"):
+        _load_fake(bq, monkeypatch, linears=True, dual=True)
 
 
 def stored_specs(m: Manifest):
@@ -640,6 +655,24 @@ def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path
         assert (mr.gate_up.ptr, mr.down.ptr) == tuple(a.ptr for a in rnd.moe_scratch)  # type: ignore[union-attr]
         assert (mr.shared_gate_up is None) == (ml.shared_gate_up is None)
     assert rnd._deq is not None
+    # dual: the projections in both forms, as load(dual_linears=True) lays them out; each array the dequantisation
+    # of its own packed codes
+    _, loaded2 = _load_fake(bq, monkeypatch, experts=True, dual=True)
+    rnd2 = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
+                                          bits=4, block_size=32, dual=True)
+    assert not rnd2.packed_only and set(rnd2.packed_decode) == set(loaded2.packed_decode) == set(loaded.packed_only)
+    assert {k: shape(a) for k, a in rnd2.arrays.items()} == {k: shape(a) for k, a in loaded2.arrays.items()}
+    for name, q in rnd2.packed_decode.items():
+        a = rnd2[name]
+        assert a.shape == (q.N, q.K) and a.dtype.name == "bfloat16", name
+        want = dev.empty(a.shape, "bfloat16")
+        FakeDequant(dev, "bfloat16").launch(q, want.ptr, q.K, 0)
+        assert np.array_equal(dev.read(a.ptr, a.shape, "uint16"), dev.read(want.ptr, a.shape, "uint16")), name
+    # linears=False (packed_weights=experts): the same projections, dequantised only (the same model as the others)
+    rnd3 = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
+                                          bits=4, block_size=32, linears=False)
+    assert not rnd3.packed_only and not rnd3.packed_decode and rnd3.packed_moe
+    assert {k: shape(a) for k, a in rnd3.arrays.items()} == {k: shape(a) for k, a in rnd2.arrays.items()}
     with pytest.raises(ValueError, match="bfloat16 / float16"):
         cw.DeviceWeights.random_packed(dev, m.model, "float32", 64, fill)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a multiple of the block size"):
@@ -656,8 +689,8 @@ def cw_short(dev: FakeDevice, p) -> bool:
 def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """``ModelRunner(packed_weights=...)`` (the ``packed_weights`` deployment parameter) turns into CudaBackend's
-    ``packed_linears`` / ``packed_experts`` for a GPTQ cuda bundle (the backend a recording stand-in: no GPU
-    here), ``auto`` (the default) as ``experts``; a bad value is refused before any backend is built
+    ``packed_linears`` / ``packed_experts`` / ``dual_linears`` for a GPTQ cuda bundle (the backend a recording
+    stand-in: no GPU here), ``auto`` (the default) as ``dual``; a bad value is refused before any backend is built
     (RuntimeOptions too); on a bundle it does not apply to, ``auto`` is silently ``off`` and another mode says so
     in the log, the backend built without it."""
     import dataclasses
@@ -678,17 +711,18 @@ def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypa
     monkeypatch.setattr(cb, "CudaBackend", Recorder)
     bq = gc.packed_experts_bundle(tmp_path)
     m = Manifest.load(bq)
-    want = {"auto": (False, True), "off": (False, False), "linears": (True, False), "experts": (False, True),
-            "all": (True, True)}
+    want = {"auto": (False, True, True), "off": (False, False, False), "linears": (True, False, False),
+            "experts": (False, True, False), "all": (True, True, False), "dual": (False, True, True)}
     assert set(want) == set(PACKED_WEIGHTS)
-    for mode, (lin, exp) in want.items():
+    flags = lambda kw: (kw["packed_linears"], kw["packed_experts"], kw["dual_linears"])  # noqa: E731
+    for mode, f in want.items():
         ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights=mode)
-        assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (lin, exp), mode
+        assert flags(seen[-1]) == f, mode
     ModelRunner(bq, m, device="cuda", cuda_graphs=False)  # the default: auto
-    assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, True)
+    assert flags(seen[-1]) == want["auto"]
     assert RuntimeOptions().packed_weights == "auto"
     n = len(seen)
-    with pytest.raises(ConfigError, match=r"packed_weights='some'.*auto, off, linears, experts, all"):
+    with pytest.raises(ConfigError, match=r"packed_weights='some'.*auto, off, linears, experts, all, dual"):
         ModelRunner(bq, m, device="cuda", cuda_graphs=False, packed_weights="some")
     with pytest.raises(ConfigError, match="packed_weights"):
         RuntimeOptions(packed_weights="some")
@@ -697,7 +731,7 @@ def test_packed_weights_option_reaches_the_cuda_backend(tmp_path: Path, monkeypa
     with caplog.at_level(logging.INFO, logger="hybrid_runtime.runner"):
         ModelRunner(bq, plain, device="cuda", cuda_graphs=False, packed_weights="auto")
         assert "has no effect" not in caplog.text  # auto says nothing where it does not apply
-        assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, False)
+        assert flags(seen[-1]) == want["off"]
         ModelRunner(bq, plain, device="cuda", cuda_graphs=False, packed_weights="all")
     assert "packed_weights=all has no effect" in caplog.text and "not quantized" in caplog.text
-    assert (seen[-1]["packed_linears"], seen[-1]["packed_experts"]) == (False, False)
+    assert flags(seen[-1]) == want["off"]

@@ -74,7 +74,7 @@ def test_parameters_defaults_and_relative_engine_dir(tmp_path: Path) -> None:
     ("heap_trim_interval_s", "nan", "seconds >= 0"),
     ("heap_trim_interval_s", "often", "seconds >= 0"),
     ("warmup", "maybe", "true or false"),
-    ("packed_weights", "half", "auto, off, linears, experts, all"),
+    ("packed_weights", "half", "auto, off, linears, experts, all, dual"),
 ])
 def test_bad_parameter_names_key_and_fix(tmp_path: Path, key: str, value: str, expect: str) -> None:
     with pytest.raises(ParameterError) as e:
@@ -101,7 +101,7 @@ def test_warmup_parameter_reaches_the_runtime(tmp_path: Path) -> None:
 def test_packed_weights_parameter_reaches_the_runtime(tmp_path: Path) -> None:
     assert parse_parameters(_config(engine_dir=str(tmp_path)), tmp_path).runtime_options().packed_weights == "auto"
     for text, want in (("all", "all"), (" Experts ", "experts"), ("LINEARS", "linears"), ("", "auto"),
-                       ("off", "off"), ("Auto", "auto")):
+                       ("off", "off"), ("Auto", "auto"), ("Dual", "dual")):
         assert parse_parameters(_config(engine_dir=str(tmp_path), packed_weights=text),
                                 tmp_path).runtime_options().packed_weights == want, text
     shipped = (REPO / "model_repository" / "hybrid_llm" / "config.pbtxt").read_text()
