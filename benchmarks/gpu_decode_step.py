@@ -71,7 +71,8 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
     ``backend_kwargs`` go to :class:`CudaBackend` (e.g. ``fused_gdn_decode``, ``moe_decode``). ``bits`` 16: bf16
     weights (``DeviceWeights.random``); 4 / 8: a GPTQ bundle's layout with projections and experts kept packed in
     groups of ``group`` (``DeviceWeights.random_packed``, benchmarks/gpu_decode_step_quant.py), or the experts only
-    (``packed`` "experts": the layout of ``packed_weights=experts``)."""
+    (``packed`` "experts": the layout of ``packed_weights=experts``; "dual": the experts packed and the projections
+    in both forms, ``packed_weights=dual``)."""
     from hybrid_runtime.cuda.backend import CudaBackend, fill_random
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
@@ -90,7 +91,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
         w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
     else:
         w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group,
-                                        seed=seed, linears=packed == "all")
+                                        seed=seed, linears=packed in ("all", "dual"), dual=packed == "dual")
     dev.synchronize()
     t1 = time.perf_counter()
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, **(backend_kwargs or {}))

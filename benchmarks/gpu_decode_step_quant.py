@@ -6,7 +6,8 @@ weights, against the same step in bf16 and each against its weight-read floor me
 Model: gpu_decode_step's (40 layers: 30 Gated DeltaNet + 10 gated attention, 256 experts top-8 + a folded shared
 expert). Quantized: :meth:`DeviceWeights.random_packed` - the layout a symmetric GPTQ bundle loads into with
 ``packed_linears`` and ``packed_experts`` (every dense projection and every MoE layer's experts kept ONLY packed
-- ``--packed experts``: the experts only, the layout of ``packed_weights=experts`` -,
+- ``--packed experts``: the experts only, the layout of ``packed_weights=experts``; ``--packed dual``: the experts
+packed and the projections in both forms, ``packed_weights=dual`` -,
 int4 / int8 codes in blocks of ``--group``, float16-valued scales as GPTQ stores them; embeddings, lm_head, norms,
 routers, conv weights in bf16), seeded random on the device (an int4 35B-A3B checkpoint is ~18 GB; no checkpoint
 is read). bf16: :meth:`DeviceWeights.random`. Per batch (context ``--context``): the step as served
@@ -29,13 +30,17 @@ from typing import Any
 
 from benchmarks.gpu_common import log, measure_copy_bandwidth, write_report
 from benchmarks.gpu_decode_step import build, decode_case, floor_bytes, qwen35_moe_config
+from hybrid_runtime.cuda.nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
 
 
 def floor_quant(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
     """gpu_decode_step.floor_bytes with the packed projections (codes + scales) added and the experts at their
-    packed bytes (layers kept packed) instead of bf16."""
+    packed bytes (layers kept packed) instead of bf16; projections kept in both forms (``--packed dual``) at their
+    packed bytes in steps of <= 16 rows (what those read), at their bf16 bytes in larger ones."""
     f = floor_bytes(cfg, w, B, ctx)
     packed_lin = sum(p.nbytes for p in w.packed_only.values())
+    if B <= NBITS_MAX_ROWS:  # dual projections: steps of few rows read the packed form, not the dequantised copy
+        packed_lin += sum(p.nbytes - w[n].nbytes for n, p in w.packed_decode.items())
     experts = f["experts"]
     if w.packed_moe:
         pk = next(iter(w.packed_moe.values()))
@@ -55,7 +60,8 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=128, help="GPTQ group (block) size of the packed weights")
     ap.add_argument("--packed", default="all",
                     help="comma-separated packed_weights modes of the quantized variants: all (projections and "
-                         "experts packed), experts (the experts only; projections bf16)")
+                         "experts packed), experts (the experts only; projections bf16), dual (experts packed, "
+                         "projections packed for steps of <= 16 rows and bf16 for the rest)")
     ap.add_argument("--profile", type=int, nargs="*", default=[1, 8],
                     help="batches whose eager step is also timed per kernel kind")
     args = ap.parse_args()
@@ -63,8 +69,8 @@ def main() -> int:
     if not variants or set(variants) - {16, 4, 8}:
         ap.error(f"--bits {args.bits!r}: 16, 4 and / or 8")
     modes = [m for m in args.packed.split(",") if m]
-    if not modes or set(modes) - {"all", "experts"}:
-        ap.error(f"--packed {args.packed!r}: all and / or experts")
+    if not modes or set(modes) - {"all", "experts", "dual"}:
+        ap.error(f"--packed {args.packed!r}: all, experts and / or dual")
     runs = [(b, "all") for b in variants if b == 16] + [(b, m) for b in variants if b != 16 for m in modes]
     import torch
 
