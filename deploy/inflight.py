@@ -256,7 +256,12 @@ class CancelWatcher:
                 time.monotonic() >= self._next_ready_check:
             self._next_ready_check = time.monotonic() + self.ready_period_s
             self.draining = not self._ready()
-            if self.draining:
+            # a signal that reached the stub while readiness was asked (the server is told right after its stubs)
+            signum = self._terminated() if self.draining and self._terminated is not None else None
+            if signum is not None:
+                log.warning("signal %d received: the server is shutting down, cancelling %d in-flight request(s)",
+                            signum, len(todo))
+            elif self.draining:
                 log.warning("the model is being unloaded: cancelling %d in-flight request(s)", len(todo))
         hit = []
         for rid, entry in todo:

@@ -36,6 +36,7 @@ MODEL_REPOSITORY = REPO / "model_repository"
 BACKEND_DIR = REPO / "build" / "backends"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
+STUB_SIGNAL_WAIT_S = 2.0  # stop(): how long the server's SIGTERM waits for the stubs to take theirs
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
@@ -160,6 +161,18 @@ def _is_stub(pid: int, region: str) -> bool:
     except OSError:
         return False
     return b"triton_python_backend_stub" in argv and region.encode() in argv
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum``, sent to process ``pid``, is still pending there: no thread of it has taken it yet
+    (``/proc/<pid>/status`` ShdPnd, the process-directed pending set, or SigPnd, its main thread's). False for a
+    process that is gone."""
+    bit = 1 << (signum - 1)
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & bit for line in lines)
 
 
 def write_model_repository(dest: Path, parameters: dict[str, str], model: str = "hybrid_llm",
@@ -360,10 +373,17 @@ class TritonServer:
         timeout = self.exit_timeout_s + 10.0 if timeout is None else timeout
         if self.proc.poll() is None:
             self._see_stubs()
+            signalled = []
             for pid, region in self.stubs.items() if signal_stubs else ():
                 if _is_stub(pid, region):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
+                        signalled.append(pid)
+            # the server only once every stub has taken its signal (bounded): on a busy host a stub may not run
+            # before the server stops being ready, and the model would then drain through the readiness call
+            deadline = time.monotonic() + STUB_SIGNAL_WAIT_S
+            while any(signal_pending(p, signal.SIGTERM) for p in signalled) and time.monotonic() < deadline:
+                time.sleep(0.005)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
             try:

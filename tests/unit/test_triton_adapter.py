@@ -386,6 +386,61 @@ def test_cancel_watcher_drains_on_a_termination_signal_without_asking_readiness(
     assert w.poll_once() == ["c"] and len(asked) == 1 and sorted(cancelled) == ["a", "b", "c"]
 
 
+def test_cancel_watcher_prefers_a_signal_that_arrives_while_readiness_is_asked(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The stub's signal lands while the watcher asks readiness (the server, signalled next, already unready): the
+    drain is the signal's (its log line), not reported as an unload."""
+    import logging
+
+    signum: list[int] = []
+
+    def ready() -> bool:
+        signum.append(signal.SIGTERM)  # delivered meanwhile
+        return False
+
+    cancelled: list[str] = []
+    w = CancelWatcher(lambda h: False, cancelled.append, model_ready=ready, ready_period_s=0.0,
+                      terminated=lambda: signum[0] if signum else None)
+    w.add("a", "a")
+    w.arm("a")
+    with caplog.at_level(logging.WARNING, logger="deploy.inflight"):
+        assert w.poll_once() == ["a"] and w.draining
+    assert "signal 15 received" in caplog.text and "being unloaded" not in caplog.text
+
+
+def test_signal_pending_follows_a_real_process() -> None:
+    """``deploy.triton.signal_pending`` (TritonServer.stop waits on it before signalling the server): True while a
+    child blocks the SIGTERM sent to it, False once it has taken it (a handler that ignores it), False for a process
+    that is gone."""
+    import subprocess
+
+    from deploy.triton import signal_pending
+
+    code = ("import signal, sys\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
+            "print('taken', flush=True)\n"
+            "sys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline().strip() == "ready"
+        assert not signal_pending(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signal.SIGTERM)
+        assert signal_pending(p.pid, signal.SIGTERM) and not signal_pending(p.pid, signal.SIGINT)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "taken"
+        assert not signal_pending(p.pid, signal.SIGTERM) and p.poll() is None
+    finally:
+        p.kill()
+        p.wait(10)
+    assert not signal_pending(p.pid, signal.SIGTERM)
+
+
 def test_termination_signals_are_seen_from_another_thread_and_uninstalled() -> None:
     before = {sig: signal.getsignal(sig) for sig in TerminationSignals.SIGNALS}
     sigs = TerminationSignals()
