@@ -323,6 +323,8 @@ class DeviceWeights:
             raise ValueError(f"packed weights run bfloat16 / float16 steps, not {dtype!r}")
         if bits not in (4, 8) or block_size < 16 or block_size % 16:
             raise ValueError(f"bits {bits} (4 / 8), block size {block_size} (a multiple of 16)")
+        if dual and not linears:
+            raise ValueError("dual keeps the packed projections beside their dequantised copies: it needs linears")
         self = cls(device, cfg, dtype, rope_len)
         self._deq = NBitsDequant(device, dtype)
         rng = np.random.default_rng(seed)

@@ -673,6 +673,9 @@ def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path
                                           bits=4, block_size=32, linears=False)
     assert not rnd3.packed_only and not rnd3.packed_decode and rnd3.packed_moe
     assert {k: shape(a) for k, a in rnd3.arrays.items()} == {k: shape(a) for k, a in rnd2.arrays.items()}
+    with pytest.raises(ValueError, match="needs linears"):
+        cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", 64, fill, linears=False,  # type: ignore[arg-type]
+                                       dual=True)
     with pytest.raises(ValueError, match="bfloat16 / float16"):
         cw.DeviceWeights.random_packed(dev, m.model, "float32", 64, fill)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a multiple of the block size"):
