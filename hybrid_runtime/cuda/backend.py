@@ -720,6 +720,8 @@ class CudaBackend:
         (``dual_linears``: ``DeviceWeights.packed_decode``): decode steps of <= NBITS_MAX_ROWS rows run the decode
         GEMM on the twin, every other product runs below on the weight itself."""
         op = self._nbits_ops.get(weight.B.ptr if isinstance(weight, PackedLinear) else weight.ptr)
+        if op is not None and not isinstance(weight, PackedLinear) and (op.N, op.k_in) != tuple(weight.shape):
+            op = None  # another view at a dual weight's address: not the packed twin's product
         if op is not None and decode and x.rows <= NBITS_MAX_ROWS \
                 and not nbits_problems(self.dtype, x.rows, x.ld, x.ptr, op):
             assert self.nbits is not None

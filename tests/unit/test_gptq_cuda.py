@@ -411,6 +411,7 @@ def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monke
     in its packed form (the stored bytes; no float copy: fewer bytes), the backend's linear lookup gives it;
     everything else (per-part weights, the MoE layers, float weights) is laid out bit for bit as without the option."""
     from hybrid_runtime.cuda.backend import _linear_weight
+    from hybrid_runtime.cuda.nbits_decode import NBitsOperand
     from hybrid_runtime.cuda.quant import PackedLinear, plan_weights
 
     ckpt, _, _ = gc.checkpoints(tmp_path, name)
@@ -444,7 +445,8 @@ def test_packed_linears_keep_the_dense_linears_only_packed(tmp_path: Path, monke
         assert np.array_equal(_bits(s0[k]), _bits(s2[k])), k
     for n in whole:
         p = w2.packed_decode[n]
-        assert (p.N, p.k_in) == w0[n].shape and _linear_weight(w2, n) is w2[n]
+        op = NBitsOperand.from_packed(p)  # the backend's lookup checks the twin's (N, k_in) against the array
+        assert (p.N, p.k_in) == (op.N, op.k_in) == w0[n].shape == w2[n].shape and _linear_weight(w2, n) is w2[n]
         assert np.array_equal(d2.read(p.B.ptr, p.B.shape, "uint8"), f.raw(n + ".nbits_B")), n
     assert w2.nbytes == w0.nbytes + sum(p.nbytes for p in w2.packed_decode.values())
     with pytest.raises(ValueError, match="not both"):
