@@ -214,10 +214,10 @@ def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(t
                                  shared_expert_intermediate_size=128)
     m = Manifest.load(b)
     off = ModelRunner(b, m, device="cuda", packed_weights="off")
-    auto = ModelRunner(b, m, device="cuda", packed_weights="experts")
+    experts = ModelRunner(b, m, device="cuda", packed_weights="experts")
     default = ModelRunner(b, m, device="cuda")
     every = ModelRunner(b, m, device="cuda", packed_weights="all")
-    be, dbe = auto.backend, default.backend
+    be, dbe = experts.backend, default.backend
     assert be.w.packed_moe and not be.w.packed_only and not off.backend.w.packed_moe  # type: ignore[attr-defined]
     assert be.w.nbytes < off.backend.w.nbytes and be.graphs and be.moe_nbits_calls > 0  # type: ignore[attr-defined]
     assert be.w.moe_scratch is None  # type: ignore[attr-defined]  # every step reads them packed: stack freed
@@ -228,7 +228,7 @@ def test_runner_default_keeps_a_gptq_bundles_experts_packed_with_the_same_bits(t
     lens, slots, decode_steps = [33, 18, 7], [2, 0, 1], 8
     prompts = [rng.integers(3, m.model.vocab_size, n).tolist() for n in lens]
     tables = scattered_tables(m, [n + decode_steps for n in lens], seed=5)
-    drv = Driver([off, auto, default, every], slots, tables, prompts)
+    drv = Driver([off, experts, default, every], slots, tables, prompts)
     pre = [list(r) for r in drv.prefill(chunk=5)]
     steps = pre + [list(drv.decode()) for _ in range(decode_steps)]
     print(f"\n[moe_prefill_packed] runner experts / default (dual) int4 asym: weight bytes {be.w.nbytes} / "
