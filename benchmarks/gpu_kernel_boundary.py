@@ -16,13 +16,22 @@ weight matrices that together exceed 4x the L2 are read several ways, each captu
   adds 1 per CTA with release semantics after its stores; thread 0 spins with ``ld.acquire.gpu`` until it has
   reached ``i * CTAs``; ``DD_SYNC=2``): what a flag-based dependency (as a persistent kernel's) would cost;
 * chain, no wait: programmatic launches that never wait (``DD_SYNC=1``; only a benchmark may: the matrices do not
-  depend on each other here): the boundary's ramp and tail alone, without any synchronisation.
+  depend on each other here): the boundary's ramp and tail alone, without any synchronisation;
+* chain, early trigger: ``griddepcontrol.launch_dependents`` at the kernel's entry (``DD_TRIGGER=1``);
+* chain, 2 batches pre-wait / u8 / u8, 2 batches pre-wait: more of a warp's weights in registers before the wait
+  (``DD_PREWAIT=2``, ``u`` 8);
+* one launch, counter between products (and with u8, 2 batches before each wait): every product in ONE launch
+  (``dd_gemm_m16_phases``), a grid-wide counter between them - what a persistent kernel pays per phase; run only
+  where the grid fits one CTA per SM (the spin needs every CTA resident).
+
+The builds that keep a wait are checked to give the default build's bits.
 
 All read the same bytes and do the same arithmetic per output row, so a chain's excess over stacked per launch is
 what a kernel boundary costs; the variants split it into synchronisation (wait vs counter vs none) and the grid's
 ramp and tail (no wait vs stacked).
 
-First run at stop 47 (2026-12-06, H100): the table in ``benchmarks/results/gpu_decode_step_notes.md`` "Stop 47".
+First run at stop 47 (2026-12-06, H100): ``benchmarks/results/gpu_kernel_boundary_h100.md``, read in
+``benchmarks/results/gpu_decode_step_notes.md`` "Stop 47".
 """
 
 # ruff: noqa: B023 - every closure below is timed (called) inside the loop iteration that defines it
@@ -99,10 +108,11 @@ def shape_rows(torch: Any, dev: Any, dd: Any, sync_mods: dict[str, Any], bw: flo
         ref = y[:, :N].clone()
         for b in ("chain early trigger", "chain 2 batches pre-wait", "chain u8", "chain u8, 2 batches pre-wait"):
             y.zero_()
-            variant(1 if "counter" in b else 0, b)
+            variant(0, b)
             torch.cuda.synchronize()
             if not torch.equal(y[:, :N], ref):
                 raise SystemExit(f"{b}: not the default build's bits ({name}, {n} rows)")
+
         def phases(i: int, build: str = "chain counter") -> None:  # all M products in one launch, by the counter
             dev.memset_d32(ctr.data_ptr(), 0, 1)
             sync_mods[build].kernel("dd_gemm_m16_phases").launch(

@@ -435,7 +435,7 @@ class CudaBackend:
         self.nbits_scratch: DeviceArray | None = None
         self._nbits_ops: dict[int, NBitsOperand] = {}
         self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
-        packed_decode = getattr(self.w, "packed_decode", {})
+        packed_decode = self.w.packed_decode
         if self.w.packed_only or packed_decode:
             # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
             self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
