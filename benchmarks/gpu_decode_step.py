@@ -73,7 +73,7 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
     groups of ``group`` (``DeviceWeights.random_packed``, benchmarks/gpu_decode_step_quant.py), or the experts only
     (``packed`` "experts": the layout of ``packed_weights=experts``; "dual": the experts packed and the projections
     in both forms, ``packed_weights=dual``)."""
-    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
+    from hybrid_runtime.cuda.backend import CudaBackend, fill_random, fill_random_codes
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
     from hybrid_runtime.cuda.weights import DeviceWeights
@@ -91,7 +91,8 @@ def build(cfg: Any, max_batch: int, max_seq_len: int, num_pages: int, buckets: l
         w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=seed)
     else:
         w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group,
-                                        seed=seed, linears=packed in ("all", "dual"), dual=packed == "dual")
+                                        seed=seed, linears=packed in ("all", "dual"), dual=packed == "dual",
+                                        fill_codes=lambda a, s, b: fill_random_codes(dev, mod, a, s, b))
     dev.synchronize()
     t1 = time.perf_counter()
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, **(backend_kwargs or {}))

@@ -56,7 +56,7 @@ def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bi
     experts only; ``DeviceWeights.random_packed``: prefill steps dequantise packed projections into a scratch
     buffer first); ``packed_moe_prefill`` False: the packed experts are dequantised before each prefill step (the
     backend then keeps the dequantised scratch stack)."""
-    from hybrid_runtime.cuda.backend import CudaBackend, fill_random
+    from hybrid_runtime.cuda.backend import CudaBackend, fill_random, fill_random_codes
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module
     from hybrid_runtime.cuda.weights import DeviceWeights
@@ -76,7 +76,8 @@ def build(num_layers: int, max_num_tokens: int, max_seq_len: int, slots: int, bi
         w = DeviceWeights.random(dev, cfg, "bfloat16", max_seq_len, fill, seed=0)
     else:
         w = DeviceWeights.random_packed(dev, cfg, "bfloat16", max_seq_len, fill, bits=bits, block_size=group, seed=0,
-                                        linears=packed == "all")
+                                        linears=packed == "all",
+                                        fill_codes=lambda a, s, b: fill_random_codes(dev, mod, a, s, b))
     be = CudaBackend(None, m, device="cuda", cuda_device=dev, weights=w, packed_moe_prefill=packed_moe_prefill)
     runner = ModelRunner(None, m, backend=be)  # type: ignore[arg-type]
     dev.synchronize()

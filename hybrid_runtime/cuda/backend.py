@@ -274,6 +274,17 @@ def fill_random(dev: CudaDevice, fused: Any, a: DeviceArray, seed: int, scale: f
                                                  ("f32", offset)])
 
 
+def fill_random_codes(dev: CudaDevice, fused: Any, a: DeviceArray, seed: int, bits: int) -> None:
+    """Fill ``a`` (any dtype, a multiple of 4 bytes) in place with seeded random ``bits``-bit weight codes (4: two a
+    byte, 8: one), uniform over 1 .. 2^bits - 1: symmetric around the zero-point 2^(bits-1), as a real checkpoint's
+    codes are (``fused``: fused.cu, any dtype; its fill_random_codes kernel)."""
+    if bits not in (4, 8) or a.nbytes % 4:
+        raise ValueError(f"random codes: bits {bits} (4 / 8) into {a.nbytes} bytes (a multiple of 4)")
+    fused.kernel("fill_random_codes").launch(dev, (4096, 1, 1), (256, 1, 1), 0,
+                                             [("ptr", a.ptr), ("i64", a.nbytes // 4), ("u64", seed),
+                                              ("i32", bits)])
+
+
 class CudaBackend:
     """Loads a ``cuda`` bundle onto one GPU and runs its steps (see the module docstring)."""
 

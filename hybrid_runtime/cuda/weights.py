@@ -303,16 +303,19 @@ class DeviceWeights:
     def random_packed(cls, device: CudaDevice, cfg: ModelConfig, dtype: str, rope_len: int, fill: Callable[..., None],
                       bits: int = 4, block_size: int = 128, seed: int = 0,
                       progress: Callable[[str], None] | None = None, linears: bool = True,
-                      dual: bool = False) -> DeviceWeights:
+                      dual: bool = False, *, fill_codes: Callable[[DeviceArray, int, int], None]) -> DeviceWeights:
         """As :meth:`random`, in the layout a symmetric GPTQ bundle loads into with ``packed_linears`` and
         ``packed_experts``: the dense projections (``*_proj``: GDN in_proj / out_proj, attention qkv_proj / o_proj)
         kept only packed (:attr:`packed_only`), each MoE layer's routed experts (and the folded shared expert as
         expert E) only packed (:attr:`packed_moe`, the scratch stack for other uses), ``bits``-bit codes in blocks
-        of ``block_size`` along K: random bytes filled on the device, float16-valued float32 scales (GPTQ's: short,
-        the same host values for every weight of a size; the codes differ). Embeddings, lm_head, norms, router, conv
-        and gates stay float (random as :meth:`random`). ``linears`` False: the dense projections float too (the
-        layout of ``packed_weights=experts``: only the experts packed; the projections are the dequantised random
-        codes, so every layout of one seed is the same model and routes alike). ``dual`` (with ``linears``): the
+        of ``block_size`` along K: random codes filled on the device by ``fill_codes(array, seed, bits)`` (the
+        backend's ``fill_random_codes``: uniform over 1 .. 2^bits - 1, symmetric around the zero-point as a real
+        checkpoint's; codes with a common bias make the random model route every token to the same few experts),
+        float16-valued float32 scales (GPTQ's: short, the same host values for every weight of a size).
+        Embeddings, lm_head, norms, router, conv and gates stay float (random as :meth:`random`). ``linears``
+        False: the dense projections float too (the layout of ``packed_weights=experts``: only the experts packed;
+        the projections are the dequantised random codes, so every layout of one seed is the same model and routes
+        alike). ``dual`` (with ``linears``): the
         projections in both forms, as ``load(dual_linears=True)`` lays them out (``packed_weights=dual``): packed
         in :attr:`packed_decode` and dequantised from those codes into :attr:`arrays`. For speed benchmarks of
         quantized steps without a checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed
@@ -334,13 +337,15 @@ class DeviceWeights:
             if K % block_size:
                 raise ValueError(f"K {K} is not a multiple of the block size {block_size}")
             E, nb, row = max(1, experts), K // block_size, block_size * bits // 8
-            raw = device.empty((E * N * K * bits // 16,), "bfloat16")  # random bytes: fill's values reinterpreted
-            fill(raw, s, 1.0)
+            raw = device.empty((E * N * K * bits // 8,), "uint8")
+            fill_codes(raw, s, bits)
             lead = (E,) if experts else ()
             B = DeviceArray(raw.ptr, (*lead, N, nb, row), "uint8", raw.device, owner=raw)
             n = E * N * nb
-            if n not in host_scales:  # |w| ~ 1 / sqrt(K) as random()'s: (q - 2^(bits-1)) s
-                sc = rng.uniform(0.5, 1.5, n) * (2.0 / np.sqrt(K)) / (1 << (bits - 1))
+            if n not in host_scales:  # w = (q - 2^(bits-1)) s of random()'s spread: std ~0.55 / sqrt(K) (q uniform
+                # over 1 .. 2^bits - 1: std(q - z) ~0.54 2^(bits-1) (4-bit) / 0.57 2^(bits-1) (8-bit), s ~1 / sqrt(K)
+                # / 2^(bits-1)) against uniform +-1 / sqrt(K) (std 0.58 / sqrt(K))
+                sc = rng.uniform(0.5, 1.5, n) * (1.0 / np.sqrt(K)) / (1 << (bits - 1))
                 host_scales[n] = sc.astype(np.float16).astype(np.float32)
                 assert short_scales(host_scales[n])
             sc_dev = device.upload(host_scales[n].reshape(E, N * nb) if experts else host_scales[n])

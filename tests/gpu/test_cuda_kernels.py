@@ -455,3 +455,51 @@ def test_sampler_matches_its_numpy_twin(dev) -> None:
     smp.launch(1, xd.ptr + 5 * V * 4, V, pd.ptr + 5 * 32, out.ptr + L.tokens, out.ptr + L.logprobs,
                out.ptr + L.top_ids, out.ptr + L.top_logprobs)
     assert L.unpack(dev.download(out), 1)[0][0] == tok[5]
+
+
+# ---------------------------------------------------------------------------------------------- benchmark weights
+
+
+def _hash64(seed: int, i: np.ndarray) -> np.ndarray:
+    """fused.cu's hash64 (splitmix64 of seed + golden * (i + 1)) in wrapping uint64 arithmetic."""
+    z = np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15) * (i.astype(np.uint64) + np.uint64(1))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fill_random_codes_match_their_model_and_centre_on_the_zero_point(dev, bits: int) -> None:
+    """``fill_random_codes`` (the quantized benchmarks' random GPTQ codes, ``DeviceWeights.random_packed``) writes
+    exactly what its header describes (modelled here in numpy from the description), every code in 1 .. 2^bits - 1
+    and their mean on the zero-point 2^(bits-1): the random model's (q - z) has no common component, so its tokens
+    route to as many experts as uniform routing would (benchmarks/gpu_decode_step.py counts them)."""
+    from hybrid_runtime.cuda.backend import fill_random_codes
+
+    n, seed = 40_001, 1234
+    a = dev.empty((4 * n,), "uint8")
+    fill_random_codes(dev, fused(dev, "bfloat16"), a, seed, bits)
+    got = dev.download(a).view(np.uint32)
+    i = np.arange(n, dtype=np.int64)
+    want = np.zeros(n, np.uint32)
+    if bits == 4:
+        z = (_hash64(seed, 2 * i), _hash64(seed, 2 * i + 1))
+        for j in range(8):
+            chunk = (z[j // 4] >> np.uint64(16 * (j % 4))) & np.uint64(0xFFFF)
+            want |= ((np.uint64(1) + chunk % np.uint64(15)) << np.uint64(4 * j)).astype(np.uint32)
+        codes = np.stack([(got >> (4 * j)) & 0xF for j in range(8)]).ravel()
+    else:
+        z = _hash64(seed, i)
+        for j in range(4):
+            chunk = (z >> np.uint64(16 * j)) & np.uint64(0xFFFF)
+            want |= ((np.uint64(1) + chunk % np.uint64(255)) << np.uint64(8 * j)).astype(np.uint32)
+        codes = got.view(np.uint8)
+    assert np.array_equal(got, want)
+    zp, top = 1 << (bits - 1), (1 << bits) - 1
+    counts = np.bincount(codes.astype(np.int64), minlength=top + 1)
+    assert counts[0] == 0 and counts[1:].min() > 0 and counts.sum() == codes.size
+    # uniform over 1 .. top: the mean of (q - z) is 0 within 5 standard errors
+    sd = np.sqrt(((top ** 2) - 1) / 12.0)
+    assert abs(codes.astype(np.float64).mean() - zp) < 5 * sd / np.sqrt(codes.size)
+    with pytest.raises(ValueError, match="bits 3"):
+        fill_random_codes(dev, fused(dev, "bfloat16"), a, seed, 3)

@@ -629,8 +629,19 @@ def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path
     def fill(a, seed: int, scale: float, offset: float = 0.0) -> None:  # random bytes into the fake memory
         dev.mem[a.ptr:a.ptr + a.nbytes] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
 
+    filled: list[tuple[int, int]] = []
+
+    def codes(a, seed: int, bits: int) -> None:  # (the backend's fill_random_codes; modelled in the GPU test)
+        assert a.dtype.name == "uint8" and bits == 4
+        filled.append((a.nbytes, seed))
+        dev.mem[a.ptr:a.ptr + a.nbytes] = rng.integers(1, 16, a.nbytes, dtype=np.uint8) * 17
+
     rnd = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
-                                         bits=4, block_size=32)
+                                         bits=4, block_size=32, fill_codes=codes)
+    # every packed weight's codes came from fill_codes, each with a seed of its own
+    srcs = [*rnd.packed_only.values(), *(s for pk in rnd.packed_moe.values() for s in pk.sources)]
+    assert sorted(nb for nb, _ in filled) == sorted(p.B.nbytes for p in srcs)
+    assert len({seed for _, seed in filled}) == len(filled)
     shape = lambda a: (a.shape, a.dtype.name)  # noqa: E731
     assert {k: shape(a) for k, a in rnd.arrays.items()} == {k: shape(a) for k, a in loaded.arrays.items()}
     assert loaded.packed_only and set(rnd.packed_only) == set(loaded.packed_only)
@@ -661,7 +672,7 @@ def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path
     # of its own packed codes
     _, loaded2 = _load_fake(bq, monkeypatch, experts=True, dual=True)
     rnd2 = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
-                                          bits=4, block_size=32, dual=True)
+                                          bits=4, block_size=32, dual=True, fill_codes=codes)
     assert not rnd2.packed_only and set(rnd2.packed_decode) == set(loaded2.packed_decode) == set(loaded.packed_only)
     assert {k: shape(a) for k, a in rnd2.arrays.items()} == {k: shape(a) for k, a in loaded2.arrays.items()}
     for name, q in rnd2.packed_decode.items():
@@ -672,16 +683,17 @@ def test_random_packed_weights_take_the_layout_a_gptq_bundle_loads_into(tmp_path
         assert np.array_equal(dev.read(a.ptr, a.shape, "uint16"), dev.read(want.ptr, a.shape, "uint16")), name
     # linears=False (packed_weights=experts): the same projections, dequantised only (the same model as the others)
     rnd3 = cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", m.limits.max_seq_len, fill,  # type: ignore[arg-type]
-                                          bits=4, block_size=32, linears=False)
+                                          bits=4, block_size=32, linears=False, fill_codes=codes)
     assert not rnd3.packed_only and not rnd3.packed_decode and rnd3.packed_moe
     assert {k: shape(a) for k, a in rnd3.arrays.items()} == {k: shape(a) for k, a in rnd2.arrays.items()}
     with pytest.raises(ValueError, match="needs linears"):
         cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", 64, fill, linears=False,  # type: ignore[arg-type]
-                                       dual=True)
+                                       dual=True, fill_codes=codes)
     with pytest.raises(ValueError, match="bfloat16 / float16"):
-        cw.DeviceWeights.random_packed(dev, m.model, "float32", 64, fill)  # type: ignore[arg-type]
+        cw.DeviceWeights.random_packed(dev, m.model, "float32", 64, fill, fill_codes=codes)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a multiple of the block size"):
-        cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", 64, fill, block_size=48)  # type: ignore[arg-type]
+        cw.DeviceWeights.random_packed(dev, m.model, "bfloat16", 64, fill, block_size=48,  # type: ignore[arg-type]
+                                       fill_codes=codes)
 
 
 def cw_short(dev: FakeDevice, p) -> bool:
