@@ -13,8 +13,10 @@ one download, wall clock) and the graph replayed back to back (GPU time, CUDA ev
 four launches) repeat the 40-layer rows under each combination, graphs recaptured.
 
 Floor = the bytes a step must read over the copy bandwidth measured in this run (a device-to-device copy,
-bytes read + written): every non-expert weight, the expected distinct routed experts of the batch
-(E * (1 - (1 - k/E)^B) per layer, uniform routing) plus the shared expert, lm_head, the K/V of every
+bytes read + written): every non-expert weight, the distinct routed experts of the step's tokens (counted per
+layer in an eager run of the same step, :func:`routed_experts`; the table also gives E * (1 - (1 - k/E)^B), the
+expectation under uniform routing, which a random model's routing need not follow) plus the shared expert, lm_head,
+the K/V of every
 sequence's context, GDN recurrent state read and written and conv state. Kernels per step = nodes of the
 replayed graph. The slice row runs the same config cut to 4 layers (3 GDN + 1 attention) in our runtime and
 in transformers (Qwen3_5MoeForCausalLM, bf16, with flash-linear-attention's GDN kernels when installed), one
@@ -139,7 +141,7 @@ def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20, profile:
         be.dev.copy_htod(be.inp.ptr, be.host_in.array[:ctx_obj.upload_bytes])
         nodes = g.num_nodes
         gpu = time_on_stream(be.dev, lambda i: g.launch(), reps, runs=3, warmup=(), spin_cycles=0)
-    active = be.dev.download(be.arena.bufs["active"])[0, be.cfg.num_experts + 1]
+    routed = routed_experts(be, runner, steps, rows)
     prof = None
     if profile:
         import torch
@@ -148,11 +150,41 @@ def decode_case(be: Any, runner: Any, B: int, ctx: int, reps: int = 20, profile:
                                spin=lambda: torch.cuda._sleep(int(3e8)))
     return {"B": B, "ctx": ctx, "wall": statistics.median(walls), "gpu": gpu, "nodes": nodes, "profile": prof,
             "graph": None if g is None else f"b{ctx_obj.n}x{ctx_obj.plan.blocks_per_seq if ctx_obj.plan else 1}",
-            "experts_last_layer": int(active)}
+            "routed": routed}
 
 
-def floor_bytes(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
-    """Bytes a decode step must read (see the module docstring)."""
+def routed_experts(be: Any, runner: Any, steps: list[Any], rows: list[Any]) -> list[int]:
+    """Distinct routed experts (the shared expert not counted) of every MoE layer, in layer order, in one eager
+    decode step of ``steps``: the routing buffers (``active``: the experts with pairs, ascending, its count at
+    index E_all) downloaded after each layer's MoE. The step advances the sequences' state as any step does."""
+    from hybrid_runtime.cuda.backend import FOLD_MAX_TOKENS
+    from hybrid_runtime.engine import Phase
+
+    E = be.cfg.num_experts
+    counts: list[int] = []
+    orig = be.moe
+
+    def moe(layer: int, ctx: Any, h: Any) -> Any:
+        out = orig(layer, ctx, h)
+        fold = be.w.moe(layer).fold and ctx.n <= FOLD_MAX_TOKENS
+        act = be.dev.download(be.arena.bufs["active"]).reshape(-1)  # synchronises
+        n_active = int(act[E + int(fold)])
+        counts.append(int(np.count_nonzero(act[:n_active] < E)))
+        return out
+
+    ctx = be.prepare(Phase.DECODE, steps, rows, False)
+    ctx.graph = None
+    be.moe = moe
+    try:
+        be.execute(ctx, runner._forward)
+    finally:
+        del be.moe  # the class's method again
+    return counts
+
+
+def floor_bytes(cfg: Any, w: Any, B: int, ctx: int, routed: list[int] | None = None) -> dict[str, float]:
+    """Bytes a decode step must read (see the module docstring). ``routed``: the distinct routed experts of each MoE
+    layer as measured (:func:`routed_experts`); without it, the expectation under uniform routing."""
     E, k, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     es = 2
     expert = 3 * H * inter * es
@@ -163,14 +195,15 @@ def floor_bytes(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
         nonexp += a.nbytes
     nonexp += sum(w.moe(i).router.nbytes for i in range(cfg.num_layers) if cfg.ffn_types[i] == "moe")
     nmoe = sum(1 for t in cfg.ffn_types if t == "moe")
-    distinct = E * (1 - (1 - k / E) ** B)
+    expected = E * (1 - (1 - k / E) ** B)
+    distinct = sum(routed) / len(routed) if routed else expected  # per MoE layer
     experts = nmoe * (distinct + 1) * expert  # + the shared expert
     kv = len(cfg.attention_layers) * B * ctx * cfg.num_kv_heads * cfg.head_dim * 2 * es
     gdn = len(cfg.linear_layers) * B * (2 * cfg.linear_num_value_heads * cfg.linear_key_head_dim
                                         * cfg.linear_value_head_dim * 4 + 2 * (cfg.conv_kernel - 1) * cfg.conv_dim * 4)
     lm = 0  # lm_head is among the non-expert weights
     return {"weights": nonexp + lm, "experts": experts, "kv": kv, "state": gdn,
-            "total": nonexp + experts + kv + gdn, "distinct_experts": distinct}
+            "total": nonexp + experts + kv + gdn, "distinct_experts": distinct, "expected_experts": expected}
 
 
 def transformers_slice(torch: Any, cfg: Any, batches: list[int], ctx: int) -> dict[int, float]:
@@ -327,7 +360,7 @@ def main() -> int:
                 for ctx in args.contexts:
                     r = decode_case(be, runner, B, ctx, profile=ctx == min(args.contexts) and mode == moe_modes[0]
                                     and fused == fused_modes[0])
-                    fl = floor_bytes(cfg, be.w, B, ctx)
+                    fl = floor_bytes(cfg, be.w, B, ctx, r["routed"])
                     r.update(fl)
                     r["floor"] = fl["total"] / bw
                     r["moe"] = f"{mode}: " + moe_path(False, B, be.moe_prefill is not None, mode)
@@ -346,13 +379,14 @@ def main() -> int:
                   f"{args.fused_router}.{tuned}", "",
                   "| batch | context | decode MoE (mode: path) | GDN decode | decode GEMMs | floor (ms) | "
                   "GPU replay (ms) | x floor | step as served (ms) | x floor | kernels | graph | "
-                  "floor bytes: weights / experts / KV / state (GB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "routed experts / layer (uniform routing) | floor bytes: weights / experts / KV / state (GB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['B']} | {r['ctx']} | {r['moe']} | {r['gdn']} | {r['dense']} | {r['floor'] * 1e3:.3f} | "
                          f"{r['gpu'] * 1e3:.3f} | "
                          f"{r['gpu'] / r['floor']:.2f} | {r['wall'] * 1e3:.3f} | {r['wall'] / r['floor']:.2f} | "
-                         f"{r['nodes']} | {r['graph']} | {r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
+                         f"{r['nodes']} | {r['graph']} | {r['distinct_experts']:.1f} ({r['expected_experts']:.1f}) | "
+                         f"{r['weights'] / 1e9:.2f} / {r['experts'] / 1e9:.2f} / "
                          f"{r['kv'] / 1e9:.2f} / {r['state'] / 1e9:.3f} |")
         lines += ["", "Goals (issue): <= 1.2x the floor at batch 1, <= 1.3x at batch 8, <= 1.5x at batch 64; >= 50x "
                   "transformers per decode step on the slice.", "",

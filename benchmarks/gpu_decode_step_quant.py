@@ -17,8 +17,9 @@ every launch (queue filled first): where the GPU time goes, per kernel kind.
 
 Floor = the bytes a step must read over the copy bandwidth measured in this run (gpu_decode_step.floor_bytes):
 every float weight but the embedding and RoPE tables, the routers, the packed projections (codes + scales), the
-expected distinct routed experts of the batch (E (1 - (1 - k/E)^B) per layer) plus the shared expert at their
-packed bytes (codes + scales) or bf16 bytes, the KV of every sequence's context, GDN state read and written.
+distinct routed experts of the step's tokens (counted per layer in an eager run of the same step; the table gives
+E (1 - (1 - k/E)^B), uniform routing's expectation, beside it) plus the shared expert at their packed bytes (codes +
+scales) or bf16 bytes, the KV of every sequence's context, GDN state read and written.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from benchmarks.gpu_decode_step import build, decode_case, floor_bytes, qwen35_m
 from hybrid_runtime.cuda.nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
 
 
-def floor_quant(cfg: Any, w: Any, B: int, ctx: int) -> dict[str, float]:
+def floor_quant(cfg: Any, w: Any, B: int, ctx: int, routed: list[int] | None = None) -> dict[str, float]:
     """gpu_decode_step.floor_bytes with the packed projections (codes + scales) added and the experts at their
     packed bytes (layers kept packed) instead of bf16; projections kept in both forms (``--packed dual``) at their
-    packed bytes in steps of <= 16 rows (what those read), at their bf16 bytes in larger ones."""
-    f = floor_bytes(cfg, w, B, ctx)
+    packed bytes in steps of <= 16 rows (what those read), at their bf16 bytes in larger ones. ``routed``: the
+    distinct routed experts of each MoE layer as measured (floor_bytes)."""
+    f = floor_bytes(cfg, w, B, ctx, routed)
     packed_lin = sum(p.nbytes for p in w.packed_only.values())
     if B <= NBITS_MAX_ROWS:  # dual projections: steps of few rows read the packed form, not the dequantised copy
         packed_lin += sum(p.nbytes - w[n].nbytes for n, p in w.packed_decode.items())
@@ -92,8 +94,9 @@ def main() -> int:
             f"{be.moe_nbits_calls}, packed GEMMs {be.nbits_calls} (dequantise-first fallbacks {be.nbits_fallbacks})")
         for B in args.batches:
             r = decode_case(be, runner, B, args.context, profile=B in args.profile)
-            fl = floor_quant(cfg, be.w, B, args.context)
-            r.update(name=name, gb=gb, floor=fl["total"] / bw, mb=fl["total"] / 1e6)
+            fl = floor_quant(cfg, be.w, B, args.context, r["routed"])
+            r.update(name=name, gb=gb, floor=fl["total"] / bw, mb=fl["total"] / 1e6,
+                     distinct=fl["distinct_experts"], expected=fl["expected_experts"])
             rows.append(r)
             log(f"{name} B={B}: wall {r['wall'] * 1e3:.3f} ms, GPU {r['gpu'] * 1e3:.3f} ms, floor "
                 f"{r['floor'] * 1e3:.3f} ms ({r['gpu'] / r['floor']:.2f}x), {r['nodes']} kernels")
@@ -109,11 +112,13 @@ def main() -> int:
              "read (float weights, packed projections and experts at their packed bytes, KV, GDN state) / copy "
              "bandwidth. GPU = the captured decode graph replayed back to back; step = ModelRunner.step as served "
              "(wall).", "",
-             "| weights | GB on device | batch | MB read | floor (ms) | GPU (ms) | x floor | x bf16 GPU | step (ms) "
-             "| kernels |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| weights | GB on device | batch | routed experts / layer (uniform) | MB read | floor (ms) | GPU (ms) "
+             "| x floor | x bf16 GPU | step (ms) | kernels |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         vs = f"{r['gpu'] / base[r['B']]:.2f}" if r["B"] in base else "-"
-        lines.append(f"| {r['name']} | {r['gb']:.1f} | {r['B']} | {r['mb']:.0f} | {r['floor'] * 1e3:.3f} | "
+        lines.append(f"| {r['name']} | {r['gb']:.1f} | {r['B']} | {r['distinct']:.1f} ({r['expected']:.1f}) | "
+                     f"{r['mb']:.0f} | {r['floor'] * 1e3:.3f} | "
                      f"{r['gpu'] * 1e3:.3f} | {r['gpu'] / r['floor']:.2f} | {vs} | {r['wall'] * 1e3:.3f} | "
                      f"{r['nodes']} |")
     if any(r.get("profile") for r in rows):
