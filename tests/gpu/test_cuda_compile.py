@@ -101,6 +101,22 @@ def test_gdn_and_kv_sources_compile_for_sm90(opts) -> None:
     check_log(compile_log(source("kv_cache.cu"), "kv_cache.cu", (), "sm_90"))
 
 
+def test_fill_random_codes_compiles_to_one_kernel_without_local_memory() -> None:
+    """fused.cu's ``fill_random_codes`` (the quantized benchmarks' random GPTQ codes: ``DeviceWeights.random_packed``)
+    compiles for sm_90 in every dtype build: its (dst, n, seed, bits) entry, no local memory. Its values are checked
+    on a GPU against a numpy model (tests/gpu/test_cuda_kernels.py)."""
+    nvrtc_or_skip()
+    from hybrid_runtime.cuda.kernels import source
+
+    for dt in (0, 1, 2):
+        text = ptx(source("fused.cu"), "fused.cu", (f"-DDT={dt}",))
+        i = text.index(".entry fill_random_codes(")
+        j = text.find(".entry", i + 8)
+        body = text[i:j if j > 0 else None]
+        assert len(re.findall(r"\.param\s+\.(u64|u32|s32|b64|b32)", body.split(")")[0])) == 4, body[:400]
+        assert ".local" not in body
+
+
 def test_compile_error_is_typed() -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import CompileError, compile_cubin
