@@ -12,6 +12,10 @@ includes it; by default it is off, as in the offline benchmark, so the workload 
   parameters without the embedding table, whose rows are read from the file, :mod:`hybrid_runtime.engine.table_rows`),
   the GDN state slots (resident rows only: the padding-sink row is never written on the CPU), the KV page pool,
   and the remainder (the sessions' own heap, library code first run at load);
+* what is resident after the workload, by mapping (``/proc/self/smaps``): the anonymous mappings together (weights,
+  state, KV, onnxruntime's arena, Python's heaps), ``[heap]`` (glibc's main arena) and each file-backed mapping by file
+  name (library code: its resident pages depend on the page cache's state too, since a fault maps the cached folio
+  around the page it needs);
 * what serving adds, and which piece of the runner's pipeline raised the peak (engine segments, GDN, attention,
   MoE, head: the growth of the process's high-water mark VmHWM during each call, summed over the workload;
   growth between calls, such as the sampler's, is the rest of the step). What a piece leaves resident: its
@@ -31,6 +35,7 @@ from pathlib import Path
 
 MiB = 2**20
 PIECES = ("segment", "gdn", "attention", "moe", "head", "execute")
+MAPPINGS_SHOWN = 12  # the largest mappings the report names (the rest summed)
 
 
 def status() -> dict[str, float]:
@@ -41,6 +46,25 @@ def status() -> dict[str, float]:
         if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[key] = int(val.split()[0]) / 1024
     return out
+
+
+def mappings(text: str | None = None) -> dict[str, float]:
+    """Resident MiB by mapping of this process (or of ``text``, in ``/proc/<pid>/smaps`` format): "[anonymous]" for
+    every mapping without a name, "[heap]", "[stack]" and the like as named, files by their base name."""
+    if text is None:
+        text = Path("/proc/self/smaps").read_text()
+    out: Counter[str] = Counter()
+    name: str | None = None
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if not head:
+            continue
+        if "-" in head[0] and not head[0].endswith(":"):  # "lo-hi perms offset dev inode [path]"
+            path = head[5].strip() if len(head) > 5 else ""
+            name = "[anonymous]" if not path else (path if path.startswith("[") else Path(path).name)
+        elif head[0] == "Rss:" and name is not None:
+            out[name] += int(head[1]) / 1024
+    return dict(out)
 
 
 def worker(bundle: Path, batch: int, new: int, warmup: bool = False) -> dict:
@@ -87,11 +111,12 @@ def worker(bundle: Path, batch: int, new: int, warmup: bool = False) -> dict:
         stages["warm"] = status()
         run(_prompts(batch, PROMPT, batch, vocab), new, "d")
         stages["workload"] = status()
+        maps = mappings()
         tokens_per_step = eng.manifest.limits.max_num_tokens
     finally:
         eng.shutdown()
     return {"stages": stages, "held": held, "growth": dict(growth), "max_num_tokens": tokens_per_step,
-            "warmup": warmup}
+            "warmup": warmup, "mappings": maps}
 
 
 def report(name: str, batch: int, res: dict) -> str:
@@ -119,6 +144,14 @@ def report(name: str, batch: int, res: dict) -> str:
               "moe": "MoE operator", "head": "head", "execute": "whole steps (the pieces above and the rest)"}
     lines += [f"| &nbsp; {labels[k]} | {res['growth'].get(k, 0.0):.1f} |" for k in PIECES]
     lines.append(f"| transient above the final RSS | {work['VmHWM'] - work['VmRSS']:.1f} |")
+    maps = res.get("mappings")
+    if maps:
+        top = sorted(maps.items(), key=lambda kv: -kv[1])
+        shown = top[:MAPPINGS_SHOWN]
+        lines += ["", "| resident after the workload, by mapping | MiB |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in shown]
+        if len(top) > len(shown):
+            lines.append(f"| {len(top) - len(shown)} other mappings | {sum(v for _, v in top[len(shown):]):.1f} |")
     goal = RSS_GOALS.get(name)
     if goal is not None and goal[0] == batch:
         peak = work["VmHWM"]

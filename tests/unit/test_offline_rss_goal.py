@@ -47,6 +47,54 @@ def test_breakdown_report_splits_the_load_and_names_the_goal() -> None:
     assert "load-time warm-up" in report("qwen3-next-334m", 16, {**res, "warmup": True}).splitlines()[0]
 
 
+SMAPS = """\
+55d0c0000000-55d0c2000000 rw-p 00000000 00:00 0                          [heap]
+Size:              32768 kB
+Rss:               30720 kB
+Anonymous:         30720 kB
+7f0000000000-7f0008000000 rw-p 00000000 00:00 0
+Size:             131072 kB
+Rss:              129024 kB
+7f0008000000-7f0009000000 rw-p 00000000 00:00 0
+Rss:                2048 kB
+7f1000000000-7f1002000000 r-xp 00000000 08:01 4242                       /venv/lib/onnxruntime/capi/ort.so
+Rss:               26624 kB
+7f1002000000-7f1002100000 r--p 02000000 08:01 4242                       /venv/lib/onnxruntime/capi/ort.so
+Rss:                 512 kB
+7f2000000000-7f2000100000 r--p 00000000 08:01 99                         /data/my bundle/weights (deleted)
+Rss:                1024 kB
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]
+Rss:                 132 kB
+"""
+
+
+def test_mappings_group_resident_memory_by_mapping() -> None:
+    from benchmarks.rss_breakdown import mappings
+
+    m = mappings(SMAPS)
+    assert m == pytest.approx({"[heap]": 30.0, "[anonymous]": 128.0, "ort.so": 26.5, "weights (deleted)": 1.0,
+                               "[stack]": 132 / 1024})
+    live = mappings()  # this process: every resident page belongs to some mapping
+    from benchmarks.rss_breakdown import status
+
+    assert sum(live.values()) == pytest.approx(status()["VmRSS"], abs=4.0)
+
+
+def test_breakdown_report_lists_the_largest_mappings() -> None:
+    res = {"stages": {"imports": _stage(80.0, 30.0), "loaded": _stage(1450.0, 1393.0),
+                      "workload": _stage(1482.0, 1423.0, 1484.0)},
+           "held": {"weights": 1147.5}, "growth": {}, "max_num_tokens": 128,
+           "mappings": {f"lib{i}.so": float(i) for i in range(1, 16)} | {"[anonymous]": 1375.0}}
+    text = report("qwen3-next-334m", 16, res)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    i = rows.index("| resident after the workload, by mapping | MiB |")
+    listed = rows[i + 1:i + 15]
+    assert listed[0] == "| [anonymous] | 1375.0 |" and listed[1] == "| lib15.so | 15.0 |"
+    assert listed[12] == "| 4 other mappings | 10.0 |"  # lib1..lib4 (the 12 largest are named)
+    assert text.endswith(f"**{1484.0 * 2**20 / 1.5e9:.3f}x**")  # the verdict stays the last line
+    assert "by mapping" not in report("qwen3-next-334m", 16, {k: v for k, v in res.items() if k != "mappings"})
+
+
 def test_bench_kv_pool_holds_every_workload_at_once() -> None:
     """The bench bundles' KV pool is a token budget (not 16 slots x max_seq_len): it must still admit every
     workload of the benchmark in one go (the scheduler reserves each sequence's whole length at admission, so a
