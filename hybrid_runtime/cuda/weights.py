@@ -315,11 +315,10 @@ class DeviceWeights:
         Embeddings, lm_head, norms, router, conv and gates stay float (random as :meth:`random`). ``linears``
         False: the dense projections float too (the layout of ``packed_weights=experts``: only the experts packed;
         the projections are the dequantised random codes, so every layout of one seed is the same model and routes
-        alike). ``dual`` (with ``linears``): the
-        projections in both forms, as ``load(dual_linears=True)`` lays them out (``packed_weights=dual``): packed
-        in :attr:`packed_decode` and dequantised from those codes into :attr:`arrays`. For speed benchmarks of
-        quantized steps without a checkpoint (an int4 35B-A3B is ~18 GB). bf16 / fp16 only; K of every packed
-        weight a multiple of ``block_size``."""
+        alike). ``dual`` (with ``linears``): the projections in both forms, as ``load(dual_linears=True)`` lays
+        them out (``packed_weights=dual``): packed in :attr:`packed_decode` and dequantised from those codes into
+        :attr:`arrays`. For speed benchmarks of quantized steps without a checkpoint (an int4 35B-A3B is ~18 GB).
+        bf16 / fp16 only; K of every packed weight a multiple of ``block_size``."""
         from .moe_nbits_decode import NBitsExperts, short_scales
 
         if dtype not in ("bfloat16", "float16"):

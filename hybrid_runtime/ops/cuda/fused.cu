@@ -758,12 +758,14 @@ extern "C" __global__ void fill_f32(float* __restrict__ dst, float v, long long 
 
 // Deterministic pseudo-random weights for benchmarks: dst[i] = offset + (u - 0.5) * 2 * scale, u from a hash
 // of (seed, i) (splitmix64); written straight on the device so 70 GB of weights need no host copy.
-__device__ __forceinline__ float hash_uniform(u64 seed, long long i) {
+__device__ __forceinline__ u64 hash64(u64 seed, long long i) {
   u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return (float)(z >> 40) * (1.0f / 16777216.0f);
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ float hash_uniform(u64 seed, long long i) {
+  return (float)(hash64(seed, i) >> 40) * (1.0f / 16777216.0f);
 }
 extern "C" __global__ void fill_random(T* __restrict__ dst, long long n, u64 seed, float scale, float offset) {
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -776,18 +778,12 @@ extern "C" __global__ void fill_random_f32(float* __restrict__ dst, long long n,
 }
 
 // Deterministic pseudo-random packed weight codes for benchmarks (a GPTQ checkpoint's layout, no checkpoint): n
-// 32-bit words, each from the splitmix64 hash of (seed, i) (hash_uniform's, all 64 bits). bits 4: 8 codes a word,
+// 32-bit words, each from hash64 of (seed, i) (hash_uniform's splitmix64, all 64 bits). bits 4: 8 codes a word,
 // code j = 1 + (16-bit chunk j % 4 of the hash of (seed, 2i + j / 4)) % 15, in 1..15; bits 8: 4 codes, code j =
 // 1 + (16-bit chunk j of the hash of (seed, i)) % 255, in 1..255. Both are symmetric around the zero-point
 // 2^(bits-1), so (q - z) has mean ~0 as a real checkpoint's: codes with a common bias (random float bits read as
 // bytes) give every output row the same component, and a random model whose hidden states share one direction
 // routes all its tokens to the same few experts. (The % leaves a bias of 2^-16 between codes.)
-__device__ __forceinline__ u64 hash64(u64 seed, long long i) {
-  u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 extern "C" __global__ void fill_random_codes(u32* __restrict__ dst, long long n, u64 seed, int bits) {
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     u32 w = 0;
