@@ -59,7 +59,7 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from hybrid_runtime.cuda.backend import fill_random
+    from hybrid_runtime.cuda.backend import fill_random, fill_random_codes
     from hybrid_runtime.cuda.driver import CudaDevice
     from hybrid_runtime.cuda.kernels import load_module, warm_cache
     from hybrid_runtime.cuda.moe_decode import DT_CODES, MoEDecode
@@ -112,7 +112,9 @@ def main() -> int:
                 ops = []
                 for R, Kd, seed in ((2 * INTER, H, 300), (H, INTER, 400)):
                     rows, nb = (E + 1) * R, Kd // args.group
-                    codes = rand((rows * Kd * bits // 16,), "bfloat16", seed + 10 * s + bits, 1.0)  # random bytes
+                    codes = dev.empty((rows * Kd * bits // 16,), "bfloat16")
+                    fill_random_codes(dev, fused, codes, seed + 10 * s + bits, bits)  # uniform around the zero-point
+                    keep.append(codes)
                     if sk == "f16":  # float16-valued (GPTQ's): short scales
                         g = torch.Generator(device="cuda").manual_seed(seed + 10 * s + bits + 1)
                         st = (torch.rand(rows * nb, device="cuda", generator=g) * 0.01 + 0.005).half().float()

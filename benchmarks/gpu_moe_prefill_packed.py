@@ -36,7 +36,7 @@ def main() -> int:
     import torch
 
     from benchmarks.gpu_prefill import matmul_rate
-    from hybrid_runtime.cuda.backend import fill_random
+    from hybrid_runtime.cuda.backend import fill_random, fill_random_codes
     from hybrid_runtime.cuda.driver import CudaDevice, DeviceArray
     from hybrid_runtime.cuda.kernels import load_module
     from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
@@ -73,7 +73,7 @@ def main() -> int:
         for kind, (R, Kd) in stacks.items():
             nb = Kd // bs
             raw = dev.empty((e_all * R * Kd * bits // 16,), "bfloat16")
-            fill_random(dev, fused, raw, 11 + bits, 1.0)  # random bytes
+            fill_random_codes(dev, fused, raw, 11 + bits, bits)  # uniform codes around the zero-point
             B = DeviceArray(raw.ptr, (e_all, R, nb, bs * bits // 8), "uint8", raw.device, owner=raw)
             sc = (rng.uniform(0.5, 1.5, (e_all, R * nb)) * 0.01).astype(np.float16).astype(np.float32)
             packed[kind] = PackedLinear(B, dev.upload(sc), None, None, Kd, R, bits, bs, Kd, e_all)
