@@ -323,11 +323,12 @@ def main() -> None:
         log(f"interleave: {inter}")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Prefill on the H200: Qwen3.5-35B-A3B shape, random " + (
+        f"# Prefill on {be.dev.limits.name}: Qwen3.5-35B-A3B shape, random " + (
             "bf16 weights" if a.bits == 16
             else f"GPTQ int{a.bits} weights (group {a.group}, packed_weights={a.packed})"), "",
         f"Command: `python3 -m benchmarks.gpu_prefill --layers {a.layers} --lens {a.lens} --batch {a.batch} "
-        f"--chunk {a.chunk} --interleave {a.interleave}{' --sdpa' if a.sdpa else ''}"
+        f"--chunk {a.chunk} --interleave {a.interleave}{f' --reps {a.reps}' if a.reps != 3 else ''}"
+        f"{' --sdpa' if a.sdpa else ''}"
         f"{f' --bits {a.bits}' if a.bits != 16 else ''}"
         f"{f' --packed {a.packed}' if a.bits != 16 and a.packed != 'all' else ''}"
         f"{' --packed-moe-prefill off' if a.bits != 16 and a.packed_moe_prefill == 'off' else ''}"
