@@ -12,8 +12,9 @@ unless ``--asym``), call i on routing i % ROUTINGS and copy i % STACKS, so no ca
 L2. Times: CUDA events around back-to-back calls queued behind a spin kernel (PDL launches, as in the backend),
 median of 3 means of ``--calls`` calls; routing not timed. bf16 runs the backend's build per step size ("dnpre" for
 1 token, "default" up to 16, "many" past that, as ``CudaBackend``), the packed kernels every build of their
-``KNOB_SETS`` (``--knobs``): the T tile in shared memory ("default", "fine", "many") and the A fragments dequantised
-in registers ("reg", "reg_fine", "reg_many", "reg_g1", ...; all builds give the same bits). ``--scales``: f16
+``ALL_SETS`` (``--knobs``): the T tile in shared memory ("default", "fine", "many") and the A fragments dequantised
+in registers ("reg", "reg_fine", "reg_many", "reg_g1", ...; all of ``KNOB_SETS`` give the same bits), and the int4
+builds with the scale on the accumulator (``SACC_SETS``: "sacc_g1", ...; other bits, int8 as reg). ``--scales``: f16
 (float16-valued float32 scales, as GPTQ checkpoints store them: the int4 reg builds then take the FFMA
 dequantisation, ``moe_nbits_decode.short_scales``) and / or f32 (random float32 scales: the FADD + FMUL path).
 Every module is compiled first, in parallel worker processes (``kernels.warm_cache``).
@@ -51,7 +52,7 @@ def main() -> int:
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--group", type=int, default=128, help="block size of the packed experts")
     ap.add_argument("--asym", action="store_true", help="with zero-points (default: symmetric, none stored)")
-    ap.add_argument("--knobs", default="", help="comma-separated moe_nbits_decode KNOB_SETS names (default: all)")
+    ap.add_argument("--knobs", default="", help="comma-separated moe_nbits_decode ALL_SETS names (default: all)")
     ap.add_argument("--scales", default="f16", help="comma-separated: f16 (float16-valued scales, GPTQ's; int4 reg "
                     "builds take the FFMA dequantisation) and / or f32 (random float32 scales)")
     ap.add_argument("--calls", type=int, default=48, help="calls per timed run (a multiple of ROUTINGS is fair)")
@@ -65,8 +66,9 @@ def main() -> int:
     from hybrid_runtime.cuda.moe_decode import DT_CODES, MoEDecode
     from hybrid_runtime.cuda.moe_decode import KNOB_SETS as BF16_KNOBS
     from hybrid_runtime.cuda.moe_decode import SOURCE as BF16_SOURCE
-    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode, NBitsExperts, smem_bytes, uses_fma
+    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS as KNOB_SETS
     from hybrid_runtime.cuda.moe_nbits_decode import SOURCE as NB_SOURCE
+    from hybrid_runtime.cuda.moe_nbits_decode import MoENBitsDecode, NBitsExperts, smem_bytes, uses_fma
     from hybrid_runtime.cuda.moe_prefill import ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, tile_list_words
 
     torch.cuda.init()
@@ -86,7 +88,7 @@ def main() -> int:
         ap.error(f"--scales {args.scales!r}: f16 and / or f32")
     t0 = time.perf_counter()
     fma_opts = {(x, b, f) for x in names for b in bits_list
-                for f in (False, b == 4 and bool(KNOB_SETS[x].reg) and "f16" in scale_kinds)}
+                for f in (False, b == 4 and bool(KNOB_SETS[x].reg and not KNOB_SETS[x].sacc) and "f16" in scale_kinds)}
     warm_cache([(NB_SOURCE, KNOB_SETS[x].options("bfloat16", b, f), dev.arch) for x, b, f in sorted(fma_opts)]
                + [(BF16_SOURCE, (f"-DDT={DT_CODES['bfloat16']}", *BF16_KNOBS[bf16_build(n)].options), dev.arch)
                   for n in tokens])
@@ -172,7 +174,8 @@ def main() -> int:
             for name, dec in nb_decs.items():
                 gcap = max(1, min(dec.knobs.gmax, -(-n // 8)))
                 fma = uses_fma(gu0, dec.knobs)
-                note = (f"{sk} scales{', FFMA' if fma else ''}; smem "
+                note = (f"{sk} scales{', FFMA' if fma else ''}"
+                        f"{', scale on acc' if dec.knobs.scales_acc(bits) else ''}; smem "
                         f"{smem_bytes('gate_up', gcap, bits, gu0.n_blocks, dec.knobs, fma) // 1024}/"
                         f"{smem_bytes('down', gcap, bits, dn0.n_blocks, dec.knobs, fma) // 1024} KB")
 

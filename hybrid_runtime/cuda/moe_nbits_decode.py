@@ -26,6 +26,14 @@ int4 operands whose scales are all "short" (:func:`short_scales`: at most 12 sig
 bfloat16 scales of GPTQ checkpoints are) run the ``reg`` builds compiled with ``-DMN_FMA=1``: each weight one FFMA
 on the code placed in a float's mantissa by a byte permute, instead of shift, mask, FADD and FMUL - the same float32
 value ``(q - z) * s`` (the kernel's header proves it), so the same bits; any other scale keeps the FADD + FMUL path.
+
+The ``sacc`` builds (:data:`SACC_SETS`, int4 only: ``-DMN_SACC=1``) give up those bits for half the instructions a
+weight: the MMAs multiply the integer weights ``q - z`` (exact in bf16 / fp16, two codes to a T pair per LOP3 + HFMA2)
+by the activations, and each warp's float32 partial of a k tile is scaled once, ``acc += s * sum_k (q - z) x``. That
+is closer to the quantized model than the dequantised T weights (one rounding fewer), batch invariant as the others,
+but not their bits. They need a block size that is a multiple of a warp's k of one k tile (32 for bk 128 and 4
+warps: GPTQ's 32 / 64 / 128 / whole-row groups); :func:`backend_build` runs the :data:`EXACT_TWIN` elsewhere. Their
+int8 modules are the exact reg build's.
 """
 
 from __future__ import annotations
@@ -69,12 +77,25 @@ class NBitsKnobs:
     warps: int = 4
     reg: int = 0
     early: int = 0
+    sacc: int = 0
 
     def __post_init__(self) -> None:
         if self.reg not in (0, 1) or self.early not in (0, 1) or self.early > self.reg:
             raise ValueError(f"moe_nbits_decode knobs: reg {self.reg} / early {self.early} not 0 / 1, or early "
                              "without reg")
+        if self.sacc not in (0, 1) or self.sacc > self.reg:
+            raise ValueError(f"moe_nbits_decode knobs: sacc {self.sacc} not 0 / 1, or sacc without reg")
         self.decode_knobs()  # the same rules (ValueError naming the knob)
+
+    @property
+    def steps_per_warp(self) -> int:
+        """k16 steps of one k tile each warp runs (MD_SPW)."""
+        return self.bk // 16 // self.warps
+
+    def scales_acc(self, bits: int) -> bool:
+        """Whether this build runs ``bits``-bit experts with the scale on the accumulator (``-DMN_SACC=1``: int4
+        ``sacc`` builds; their int8 modules are the exact reg build's)."""
+        return bool(self.sacc and bits == 4)
 
     @property
     def threads(self) -> int:
@@ -83,20 +104,20 @@ class NBitsKnobs:
     def decode_knobs(self) -> DecodeKnobs:
         """moe_decode's build with the same tiles: the same bits on the dequantised weights."""
         d = asdict(self)
-        del d["reg"], d["early"]
+        del d["reg"], d["early"], d["sacc"]
         return DecodeKnobs(**d)
 
     def options(self, dtype: str, bits: int, fma: bool = False) -> tuple[str, ...]:
         """NVRTC options of this build for ``dtype`` / ``bits``; ``fma``: the FFMA dequantisation (:func:`uses_fma`:
         int4 ``reg`` builds on short scales only; ValueError otherwise)."""
-        if fma and not (self.reg and bits == 4):
-            raise ValueError(f"moe_nbits_decode: the FFMA dequantisation is an int4 reg build's (bits {bits}, reg "
-                             f"{self.reg})")
+        if fma and not (self.reg and bits == 4 and not self.sacc):
+            raise ValueError(f"moe_nbits_decode: the FFMA dequantisation is an int4 reg build's without sacc (bits "
+                             f"{bits}, reg {self.reg}, sacc {self.sacc})")
         return (f"-DDT={DT_CODES[dtype]}", f"-DMN_BITS={bits}", f"-DMD_GU_COLS={self.gu_cols}",
                 f"-DMD_GU_STAGES={self.gu_stages}", f"-DMD_DN_ROWS={self.dn_rows}", f"-DMD_DN_STAGES={self.dn_stages}",
                 f"-DMD_BK={self.bk}", f"-DMD_GMAX={self.gmax}", f"-DMD_WARPS={self.warps}") + (
                     ("-DMN_REG=1",) if self.reg else ()) + (("-DMN_EARLY=1",) if self.early else ()) + (
-                    ("-DMN_FMA=1",) if fma else ())
+                    ("-DMN_FMA=1",) if fma else ()) + (("-DMN_SACC=1",) if self.scales_acc(bits) else ())
 
     def rows(self, kind: str) -> int:
         """Weight rows per CTA of ``kind`` ("gate_up": 2 * gu_cols, "down": dn_rows)."""
@@ -128,21 +149,55 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "reg_g1": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=1),
     "reg_g1_deep": NBitsKnobs(gu_stages=16, dn_stages=5, reg=1, gmax=1),
     "reg_g2": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=2),
+    # reg_g1 with 32 act columns per gate_up CTA (two more m-tiles a k tile over the loop's fixed cost)
+    "reg_g1_wide": NBitsKnobs(gu_cols=32, gu_stages=8, dn_stages=5, reg=1, gmax=1),
 }
-# The builds CudaBackend(packed_experts=True) runs, per bit width: (up to this many rows, build) in order, a step of n
-# rows taking the first entry with n <= rows. All builds give the same bits, so this is a speed choice only.
+# Builds with the scale on the accumulator (sacc 1, int4: module header MN_SACC): half the instructions a weight,
+# not the bits of the builds above (int8 runs their exact path). name -> knobs, as KNOB_SETS.
+SACC_SETS: dict[str, NBitsKnobs] = {
+    "sacc_g1": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=1, sacc=1),
+    "sacc_g1_deep": NBitsKnobs(gu_stages=16, dn_stages=5, reg=1, gmax=1, sacc=1),
+    "sacc_wide": NBitsKnobs(gu_cols=32, gu_stages=8, dn_stages=5, reg=1, gmax=1, sacc=1),
+}
+ALL_SETS: dict[str, NBitsKnobs] = {**KNOB_SETS, **SACC_SETS}
+# The builds CudaBackend(packed_experts=True) runs where only the experts are packed (packed_weights experts: the
+# dequantised bundle's bits), per bit width: (up to this many rows, build) in order, a step of n rows taking the first
+# entry with n <= rows. All KNOB_SETS builds give the same bits, so this is a speed choice only.
 # Measured on the H200 (benchmarks/results/gpu_moe_nbits_decode_h200.md, stop 39; float16-valued scales, int4 with the
 # FFMA dequantisation): 1 token int4 reg_g1_deep 23.5 us (reg_g1 25.8, reg_late 27.3), int8 reg_late 29.2 (reg_g1
 # 30.4, reg_g1_deep 33.8); 2-64 tokens reg_g1 the fastest of every build for both (8 tokens int4 89.9 / int8 94.9 us,
 # reg_many 109.8 / 117.8; 64 tokens 310.4 / 316.2, reg_many 369.1 / 390.4).
 BACKEND_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "reg_g1_deep"), (1 << 30, "reg_g1")),
                                                           8: ((1, "reg_late"), (1 << 30, "reg_g1"))}
+# The builds of a backend whose dense projections are packed too (packed_weights all / dual, the GPTQ default: their
+# decode steps are already not the dequantised bundle's bits): int4 with the scale on the accumulator (sacc: closer to
+# the quantized model, fewer instructions a weight), int8 as BACKEND_BUILDS. Measured on an H100 (stop 51,
+# gpu_moe_nbits_decode_h200.md): 1 token sacc_g1_deep 21.9 us (reg_g1_deep 24.7), 4 sacc_g1 48.4 (sacc_wide 51.2,
+# reg_g1 54.9), 8 / 64 sacc_wide 78.3 / 242.9 (sacc_g1 79.3 / 260.4, reg_g1 90.8 / 303.6). weights.packed_layer_experts
+# checks a layer's shapes against the builds of both tables.
+FAST_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "sacc_g1_deep"), (4, "sacc_g1"), (1 << 30, "sacc_wide")),
+                                                       8: BACKEND_BUILDS[8]}
 
 
-def backend_build(bits: int, n: int, builds: dict[int, tuple[tuple[int, str], ...]] | None = None) -> str:
-    """The build of ``builds`` (default :data:`BACKEND_BUILDS`) a step of ``n`` rows over ``bits``-bit experts runs."""
+# Each sacc build's exact twin (the same tiles without sacc): what experts whose block size the sacc rule refuses run.
+EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep", "sacc_wide": "reg_g1_wide"}
+
+
+def resolve_build(name: str, bits: int, block_sizes: Sequence[int] = ()) -> str:
+    """``name``, or its :data:`EXACT_TWIN` where it is a sacc build for ``bits`` and a block size of
+    ``block_sizes`` splits one warp's k of a k tile (the sacc rule of :func:`shape_problems`)."""
+    kn = ALL_SETS[name]
+    if kn.scales_acc(bits) and any(bs % (16 * kn.steps_per_warp) for bs in block_sizes):
+        return EXACT_TWIN[name]
+    return name
+
+
+def backend_build(bits: int, n: int, builds: dict[int, tuple[tuple[int, str], ...]] | None = None,
+                  block_sizes: Sequence[int] = ()) -> str:
+    """The build of ``builds`` (default :data:`BACKEND_BUILDS`) a step of ``n`` rows over ``bits``-bit experts of
+    block sizes ``block_sizes`` (gate_up's, down's) runs (:func:`resolve_build`)."""
     table = (BACKEND_BUILDS if builds is None else builds)[bits]
-    return next(b for rows, b in table if n <= rows)
+    return resolve_build(next(b for rows, b in table if n <= rows), bits, block_sizes)
 
 
 @dataclass(frozen=True)
@@ -198,7 +253,7 @@ def short_scales(scales: np.ndarray) -> bool:
 
 def uses_fma(w: NBitsExperts, knobs: NBitsKnobs) -> bool:
     """Whether ``knobs``' build runs ``w`` with the FFMA dequantisation (-DMN_FMA=1): int4, short scales, reg 1."""
-    return bool(w.short and w.bits == 4 and knobs.reg)
+    return bool(w.short and w.bits == 4 and knobs.reg and not knobs.sacc)
 
 
 def stage_bytes(kind: str, gcap: int, bits: int, knobs: NBitsKnobs = DEFAULT_KNOBS) -> int:
@@ -268,6 +323,9 @@ def shape_problems(dtype: str, hidden: int, inter: int, gu: NBitsExperts, dn: NB
             out.append(f"{where}: block size must be a multiple of 16")
         elif w.K % bs:
             out.append(f"{where}: block size must divide K {w.K}")
+        if knobs.scales_acc(w.bits) and bs >= 16 and bs % (16 * knobs.steps_per_warp):
+            out.append(f"{where}: the scale-on-accumulator build needs a block size that is a multiple of "
+                       f"{16 * knobs.steps_per_warp} (a warp's k of one k tile)")
         if w.perm:
             out.append(f"{where}: act order (g_idx / desc_act) is not supported for packed experts yet; keep these "
                        "experts dequantised (packed_experts off)")

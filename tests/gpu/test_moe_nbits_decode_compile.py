@@ -25,8 +25,10 @@ from test_cuda_compile import check_log, nvdisasm_path, nvrtc_or_skip
 
 from hybrid_runtime.cuda import moe_decode
 from hybrid_runtime.cuda.moe_nbits_decode import (
+    ALL_SETS,
     DEFAULT_KNOBS,
     KNOB_SETS,
+    SACC_SETS,
     SOURCE,
     HostExperts,
     MoENBitsDecode,
@@ -58,14 +60,14 @@ def _per_kernel(log: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(KNOB_SETS))
+@pytest.mark.parametrize("name", sorted(ALL_SETS))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compiles_for_sm90_without_spills(dtype: str, bits: int, name: str) -> None:
     nvrtc_or_skip()
     from hybrid_runtime.cuda.kernels import compile_log, source
 
-    kn = KNOB_SETS[name]
+    kn = ALL_SETS[name]
     log = compile_log(source(SOURCE), SOURCE, kn.options(dtype, bits), "sm_90")
     check_log(log)
     res = _per_kernel(log)
@@ -389,10 +391,11 @@ def test_warm_cache_compiles_into_the_disk_cache(tmp_path, monkeypatch: pytest.M
     assert kernels.warm_cache([]) == 0
 
 
-@pytest.mark.parametrize("name", sorted(n for n, k in KNOB_SETS.items() if k.reg))
+@pytest.mark.parametrize("name", sorted(n for n, k in ALL_SETS.items() if k.reg))
 def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> None:
     """Where cuobjdump or nvdisasm is installed: the reg builds' SASS has no local-memory load or store (LDL / STL:
-    a spill, or a fragment array indexed at run time), bf16 int4 (FADD + FMUL and FFMA) and int8."""
+    a spill, or a fragment array indexed at run time), bf16 int4 (FADD + FMUL and FFMA; the sacc builds' own int4
+    path) and int8."""
     import shutil
     import subprocess
 
@@ -403,8 +406,10 @@ def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> Non
     from hybrid_runtime.cuda.kernels import compile_cubin, source
 
     for bits, fma in ((4, False), (4, True), (8, False)):
+        if fma and ALL_SETS[name].sacc:
+            continue  # the sacc builds have no FFMA dequantisation
         path = tmp_path / f"{name}{bits}{fma}.cubin"
-        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, KNOB_SETS[name].options("bfloat16", bits, fma),
+        path.write_bytes(compile_cubin(source(SOURCE), SOURCE, ALL_SETS[name].options("bfloat16", bits, fma),
                                        "sm_90"))
         args = [tool, "-sass", str(path)] if tool.endswith("cuobjdump") else [tool, str(path)]
         sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
@@ -531,3 +536,145 @@ def test_ffma_builds_compile_and_cut_the_k_tile_loop() -> None:
     assert f["FFMA"] == 32 and f["FADD"] == 0 and f["FMUL"] == 0 and f["PRMT"] == 16, f
     assert plain["FADD"] == 32 and plain["FMUL"] == 32, plain
     assert sum(f.values()) < sum(plain.values()), (sum(f.values()), sum(plain.values()))
+
+
+# ------------------------------------------------------------------------------ scale on the accumulator (sacc)
+
+_MAGIC = {"bfloat16": 0x4300, "float16": 0x6400}  # the T values 128 / 1024: a code in the low mantissa bits adds q
+
+
+def _t_of(bits16: np.ndarray, dtype: str) -> np.ndarray:
+    return to_f32(bits16.astype(np.uint16), dtype).astype(np.float64)
+
+
+def test_sacc_lane_codes_and_permuted_b_fragments_give_the_integer_product() -> None:
+    """MN_SACC's a_frag_s and B permutation, lane by lane in numpy: for every lane (g, t) of a warp and random packed
+    words, prmt(w.x, w.y, sel_s), the LOP3 with 0x000F000F and the magic pair (before and after a 4-bit shift) and
+    the HFMA2 x 1 + table pair give T pairs holding exactly q - z of k (2t, 2t + 8) and (2t + 1, 2t + 9) (the table
+    pair -(magic + z) as tbl_store writes it, z = 0 / 8 / 15); with the B fragments prmt'd by 0x5410 / 0x7632, an
+    mma.m16n8k16 reading the registers at their nominal slots (A: a0 / a1 rows g / g + 8 at k 2t, 2t + 1, a2 / a3 at
+    2t + 8, 2t + 9; B: b0 at k 2t, 2t + 1 of column g, b1 at 2t + 8, 2t + 9) computes exactly (q - z) @ x: every
+    product pairs a weight and an activation of the same k."""
+    rng = np.random.default_rng(3)
+    for dtype in ("bfloat16", "float16"):
+        for z in (0, 8, 15):
+            q = rng.integers(0, 16, (16, 16))  # one k16 step of 16 rows, packed two a byte, low nibble first
+            packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+            wx = packed[:, :4].copy().view(np.uint32).reshape(16)
+            wy = packed[:, 4:].copy().view(np.uint32).reshape(16)
+            xb = host_bits(rng.standard_normal((16, 8)).astype(np.float32), dtype).view(np.uint16).astype(np.uint32)
+            neg = _t_of(np.array([(0xC300 if dtype == "bfloat16" else 0xE400) | z]), dtype)[0]  # tbl_store's half
+            magp = np.uint32(_MAGIC[dtype] * 0x10001)
+            a_slots = np.zeros((32, 2, 4))  # [lane, h]: nominal k slots 2t, 2t + 1, 2t + 8, 2t + 9 of row g + 8h
+            b_slots = np.zeros((32, 4))  # [lane]: the 4 nominal k slots of column g
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                sel = t | (t << 4) | ((4 + t) << 8) | ((4 + t) << 12)
+                for h in range(2):
+                    row = g + 8 * h
+                    u = _prmt(wx[row:row + 1], wy[row:row + 1], sel)[0]
+                    regs = []
+                    for p in ((u & np.uint32(0x000F000F)) | magp, ((u >> np.uint32(4)) & np.uint32(0x000F000F)) | magp):
+                        halves = _t_of(np.array([p & 0xFFFF, p >> 16]), dtype)
+                        regs.append(halves + neg)  # HFMA2 x 1 + (-(magic + z)): exact small integers
+                    a_slots[lane, h] = np.concatenate(regs)  # a[h] (nominal 2t, 2t + 1), a[2 + h] (2t + 8, 2t + 9)
+                    want = [q[row, k] - z for k in (2 * t, 2 * t + 8, 2 * t + 1, 2 * t + 9)]
+                    assert a_slots[lane, h].tolist() == want, (dtype, z, lane, h)
+                b0 = np.array([xb[2 * t, g] | (xb[2 * t + 1, g] << 16)], np.uint32)  # as ldmatrix.x2 gives them
+                b1 = np.array([xb[2 * t + 8, g] | (xb[2 * t + 9, g] << 16)], np.uint32)
+                pb = [_prmt(b0, b1, 0x5410)[0], _prmt(b0, b1, 0x7632)[0]]
+                b_slots[lane] = np.concatenate([_t_of(np.array([v & 0xFFFF, v >> 16]), dtype) for v in pb])
+            d = np.zeros((16, 8))  # the mma: D[m][n] = sum over t and the 4 slots of lane (m % 8, t)'s A, (n, t)'s B
+            for m in range(16):
+                for n in range(8):
+                    d[m, n] = sum(float(a_slots[4 * (m % 8) + t, m // 8] @ b_slots[4 * n + t]) for t in range(4))
+            want = (q - z).astype(np.float64) @ _t_of(xb, dtype).reshape(16, 8)
+            assert np.allclose(d, want, rtol=1e-12, atol=1e-12), (dtype, z, float(np.abs(d - want).max()))
+
+
+def test_sacc_knobs_options_and_block_rule() -> None:
+    """sacc only with reg; its int4 modules compile with -DMN_SACC=1 and no FFMA, its int8 ones as the reg build's;
+    the (scale, zero) table keeps 8-byte entries; a block size that splits one warp's k of a k tile (group 16 with
+    2 k16 steps a warp) is refused with the rule, group 32 / 128 / a whole row run."""
+    from hybrid_runtime.cuda.moe_nbits_decode import uses_fma
+
+    with pytest.raises(ValueError, match="sacc"):
+        NBitsKnobs(sacc=1)
+    kn = SACC_SETS["sacc_g1"]
+    assert kn.options("bfloat16", 4)[-1] == "-DMN_SACC=1" and "-DMN_SACC=1" not in kn.options("bfloat16", 8)
+    assert kn.options("bfloat16", 8) == replace(kn, sacc=0).options("bfloat16", 8)
+    with pytest.raises(ValueError, match="FFMA"):
+        kn.options("bfloat16", 4, fma=True)
+    assert not uses_fma(replace(_ops()[0], short=True), kn) and uses_fma(replace(_ops()[0], short=True),
+                                                                         replace(kn, sacc=0))
+    assert smem_bytes("gate_up", 1, 4, 16, kn) == smem_bytes("gate_up", 1, 4, 16, replace(kn, sacc=0))
+    assert set(SACC_SETS) & set(KNOB_SETS) == set() and all(k.sacc for k in SACC_SETS.values())
+    assert not any(k.sacc for k in KNOB_SETS.values())
+    for bs, ok in ((16, False), (32, True), (128, True), (2048, True)):
+        gu, dn = _ops(bs=bs)
+        dn = replace(dn, block_size=min(bs, 512))
+        probs = shape_problems("bfloat16", 2048, 512, gu, dn, 257, 9, knobs=kn)
+        assert (probs == []) == ok, (bs, probs)
+        if not ok:
+            assert "multiple of 32" in "; ".join(probs)
+    assert shape_problems("bfloat16", 2048, 512, *_ops(bits=8, bs=16), 257, 9, knobs=kn) == []  # int8: exact path
+
+
+def test_sacc_builds_cut_the_k_tile_loop() -> None:
+    """Where nvdisasm is installed: sacc_g1's gate_up k-tile loop (the innermost loop with MMAs) has no per-weight
+    float32 work (no F2FP; 8 FFMA: one per accumulator element of its 2 m-tiles), converts the codes with 16 T-pair
+    HADD2 / HFMA2 (2 a row and k16 step: 2 m-tiles x 2 rows x 2 steps x 2) and is shorter than the FFMA build's
+    (reg_g1 with -DMN_FMA=1), bf16 and fp16."""
+    nvrtc_or_skip()
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm (the nvidia-cuda-nvdisasm dev dependency)")
+    from benchmarks.sass_loops import disassemble, kernels, loops
+
+    for dt in ("2", "1"):
+        sizes = {}
+        for name, extra in (("sacc", []), ("fma", ["MN_FMA=1"])):
+            kn = SACC_SETS["sacc_g1"] if name == "sacc" else KNOB_SETS["reg_g1"]
+            defines = [d[2:] for d in kn.options("bfloat16", 4)] + extra
+            defines = [f"DT={dt}" if d.startswith("DT=") else d for d in defines]
+            ins = kernels(disassemble(SOURCE, defines, "sm_90"))["moe_nb_gate_up"]
+            inner = min((lp for lp in loops(ins) if lp.mix["HMMA"]), key=lambda lp: lp.size)
+            sizes[name] = inner.size
+            if name == "sacc":
+                m = inner.mix
+                assert m["F2FP"] == 0 and m["FFMA"] == 8 and m["FADD"] == 0 and m["FMUL"] == 0, (dt, m)
+                assert m["HADD2"] + m["HFMA2"] == 16 and m["HMMA"] == 4, (dt, m)
+        assert sizes["sacc"] < 0.85 * sizes["fma"], (dt, sizes)
+
+
+def test_backend_build_falls_back_to_the_exact_twin_where_sacc_refuses_the_block_size() -> None:
+    """backend_build resolves a sacc build to its EXACT_TWIN (the same tiles, sacc off) for int4 experts whose block
+    size splits a warp's k of a k tile (group 16), keeps it for groups 32 / 128 / a row and for int8; every twin is
+    an exact build of KNOB_SETS with the sacc build's other knobs."""
+    from hybrid_runtime.cuda.moe_nbits_decode import EXACT_TWIN, backend_build, resolve_build
+
+    assert set(EXACT_TWIN) == set(SACC_SETS)
+    for name, twin in EXACT_TWIN.items():
+        assert KNOB_SETS[twin] == replace(SACC_SETS[name], sacc=0), name
+    table = {4: ((1, "sacc_g1_deep"), (1 << 30, "sacc_g1")), 8: ((1 << 30, "sacc_g1"),)}
+    assert backend_build(4, 1, table, (128, 128)) == "sacc_g1_deep" and backend_build(4, 8, table) == "sacc_g1"
+    assert backend_build(4, 8, table, (2048, 512)) == "sacc_g1" and backend_build(4, 8, table, (32, 32)) == "sacc_g1"
+    assert backend_build(4, 1, table, (128, 16)) == "reg_g1_deep" and backend_build(4, 64, table, (16, 16)) == "reg_g1"
+    assert backend_build(8, 8, table, (16, 16)) == "sacc_g1"  # int8 runs the exact path of the sacc build anyway
+    assert resolve_build("reg_g1", 4, (16,)) == "reg_g1"
+
+
+def test_backend_tables_name_sacc_builds_only_where_the_projections_are_packed() -> None:
+    """BACKEND_BUILDS (packed_weights experts: the dequantised bundle's bits) names exact builds of KNOB_SETS only;
+    FAST_BUILDS (all / dual) the sacc builds for int4 and BACKEND_BUILDS' for int8; both by ascending row bounds
+    ending unbounded, every name a build of ALL_SETS."""
+    from hybrid_runtime.cuda.moe_nbits_decode import BACKEND_BUILDS, FAST_BUILDS
+
+    for table in (BACKEND_BUILDS, FAST_BUILDS):
+        assert set(table) == {4, 8}
+        for entries in table.values():
+            bounds = [rows for rows, _ in entries]
+            assert bounds == sorted(bounds) and bounds[-1] == 1 << 30 and len(set(bounds)) == len(bounds)
+            assert all(name in ALL_SETS for _, name in entries)
+    assert all(name in KNOB_SETS for entries in BACKEND_BUILDS.values() for _, name in entries)
+    assert all(SACC_SETS[name].sacc for _, name in FAST_BUILDS[4])
+    assert FAST_BUILDS[8] == BACKEND_BUILDS[8]

@@ -47,12 +47,12 @@ BUILDS = ("default", "reg")
 def _module_jobs(arch: str) -> list[tuple[str, tuple[str, ...], str]]:
     """(source, options, arch) of every moe_nbits_decode / moe_decode module this file loads."""
     from hybrid_runtime.cuda import moe_decode
-    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, SOURCE
+    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, SOURCE
 
     jobs = []
-    for dtype, names in (("bfloat16", list(KNOB_SETS)), ("float16", list(BUILDS))):
+    for dtype, names in (("bfloat16", list(ALL_SETS)), ("float16", [*BUILDS, *SACC_BUILDS])):
         for name in names:
-            kn = KNOB_SETS[name]
+            kn = ALL_SETS[name]
             jobs += [(SOURCE, kn.options(dtype, bits), arch) for bits in (4, 8)]
             jobs.append((moe_decode.SOURCE, (f"-DDT={DT[dtype]}", *kn.decode_knobs().options), arch))
     return jobs
@@ -180,6 +180,17 @@ class Rig:
             self._t[e] = (out[0], out[1])
         return self._t[e]
 
+    def expert_q(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert e's quantized weights (gate_up [2I, H], down [H, I]) in float64, NOT rounded: (q - z) * s, the
+        model the scale-on-accumulator builds compute with."""
+        out = []
+        for kind, (R, K) in self.codes.items():
+            s, z = self.host[kind]
+            sl = slice(e * R, (e + 1) * R)
+            bs = K if self.group == -1 else self.group
+            out.append(host_dequant(self.hB[kind][sl], s[sl], None if z is None else z[sl], self.bits, bs, K))
+        return out[0], out[1]
+
     def bufs(self, ref: bool = False):
         from hybrid_runtime.cuda.moe_prefill import MoEBuffers
 
@@ -219,13 +230,14 @@ class Rig:
         del hd, lg
         return out
 
-    def reference(self, h: np.ndarray, top: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """y [n, kk, H] float64 from the host-dequantised T weights, act rounded to T as stored."""
+    def reference(self, h: np.ndarray, top: np.ndarray, w: np.ndarray, exact: bool = False) -> np.ndarray:
+        """y [n, kk, H] float64 from the host-dequantised T weights (``exact``: the unrounded (q - z) * s), act
+        rounded to T as stored."""
         n, kk = top.shape
         y = np.zeros((n, kk, self.H))
         for e in np.unique(top):
             t, j = np.nonzero(top == e)
-            gu, dn = self.expert_t(int(e))
+            gu, dn = (self.expert_q if exact else self.expert_t)(int(e))
             x = h[t].astype(np.float64) @ gu.T
             a = x[:, :self.I] / (1 + np.exp(-x[:, :self.I])) * x[:, self.I:]
             a = to_f32(host_bits(a.astype(np.float32), self.dtype), self.dtype).astype(np.float64)
@@ -249,12 +261,12 @@ def rig(dev, dtype: str, shape: str, bits: int) -> Rig:
 
 
 def kernels(dev, dtype: str, knobs: str = "default"):
-    """(MoENBitsDecode, the MoEDecode build with the same tiles) of KNOB_SETS[knobs], on ``dev``."""
+    """(MoENBitsDecode, the MoEDecode build with the same tiles) of ALL_SETS[knobs], on ``dev``."""
     from hybrid_runtime.cuda.moe_decode import MoEDecode
-    from hybrid_runtime.cuda.moe_nbits_decode import KNOB_SETS, MoENBitsDecode
+    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, MoENBitsDecode
 
     if (dev, dtype, knobs) not in _kernels:
-        kn = KNOB_SETS[knobs]
+        kn = ALL_SETS[knobs]
         dk = kn.decode_knobs()
         if (dev, dtype, dk) not in _kernels:
             _kernels[dev, dtype, dk] = MoEDecode(dev, dtype, **asdict(dk))
@@ -426,6 +438,7 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
     packed = CudaBackend(b, m, device="cuda", packed_experts=True)
     plain = CudaBackend(b, m, device="cuda")
     assert packed.w.packed_moe and not plain.w.packed_moe
+    assert packed.moe_nbits_table is table  # the experts alone packed: BACKEND_BUILDS (the exact builds' table)
     assert set(packed.moe_nbits) == set(builds)
     assert all(pk.gate_up.short and pk.down.short for pk in packed.w.packed_moe.values())  # GPTQ's float16 scales
     assert packed.w.nbytes < plain.w.nbytes
@@ -449,7 +462,8 @@ def test_backend_packed_experts_give_the_dequantised_bundles_bits(tmp_path, monk
 def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path, mode: str) -> None:
     """``ModelRunner(packed_weights="all")`` (the deployment parameter; CUDA graphs captured as served) on a bf16
     int4 GPTQ bundle whose MoE layers stack: the dense projections and the experts stay packed (fewer weight
-    bytes), the captured decode graphs hold the packed kernels, and the logits follow the dequantised bundle's
+    bytes; the experts on the sacc builds of FAST_BUILDS), the captured decode graphs hold the packed kernels, and
+    the logits follow the dequantised bundle's
     (``packed_weights="off"``), teacher-forced over 12 decode steps of 3 sequences: prefill bit for bit
     (everything dequantised into scratch first); decode as test_nbits_gpu's packed_linears bound (the packed decode
     GEMM's 4-bit build multiplies by the bf16-rounded scale and sums in another order than dense_decode; the packed
@@ -469,6 +483,9 @@ def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path, mode: str) -> 
     off = ModelRunner(b, m, device="cuda", packed_weights="off")
     on = ModelRunner(b, m, device="cuda", packed_weights=mode)
     be = on.backend
+    from hybrid_runtime.cuda.moe_nbits_decode import FAST_BUILDS
+
+    assert be.moe_nbits_table is FAST_BUILDS  # type: ignore[attr-defined]  # the projections packed: the sacc builds
     if mode == "all":
         assert be.w.packed_only and be.w.packed_moe and not off.backend.w.packed_only  # type: ignore[attr-defined]
         assert be.w.nbytes < off.backend.w.nbytes and be.graphs  # type: ignore[attr-defined]
@@ -494,3 +511,81 @@ def test_runner_packed_weights_all_serves_a_gptq_bundle(tmp_path, mode: str) -> 
           f"decode |logit diff| p90 {np.percentile(rows, 90) / scale:.2e} / max {rows.max() / scale:.2e} of the "
           f"scale, greedy agreement {agree:.2f}")
     assert np.percentile(rows, 90) <= 2e-2 * scale and agree >= 0.9
+
+
+# The int4 builds with the scale on the accumulator (moe_nbits_decode.SACC_SETS): not the dequantised weights' bits
+SACC_BUILDS = ("sacc_g1", "sacc_wide")
+
+
+def _rel(y: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    """(worst pair's |y - want| / |want|, the whole step's) in the 2-norm over H."""
+    per = np.linalg.norm(y - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-30)
+    return float(per.max()), float(np.linalg.norm(y - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("dtype,shape", [("bfloat16", "a35b"), ("bfloat16", "small"), ("float16", "small")])
+def test_scale_on_accumulator_builds_match_the_quantized_model(dev, dtype: str, shape: str) -> None:
+    """The int4 sacc builds (the MMAs on the integer weights q - z, the float32 scale on each warp's k-tile partial)
+    against a float64 reference of the quantized model itself ((q - z) * s unrounded; act rounded to T as stored):
+    per pair |dy| / |y| < 5e-3 and the step < 1e-3, as the exact builds' bound - and no further from it than the
+    exact ``reg`` build (whose weights are T((q - z) * s): one more rounding), over every variant and step of
+    test_matches_dequantise_then_moe_decode_and_float64 (groups 32 / 64 / 128 / a row, sym / asym); canaries: nothing
+    written past y[:n, :kk] / act[:n*kk], every pair's act row written; the two sacc builds (16 / 32 act columns a
+    gate_up CTA, the same k split) bit for bit equal."""
+    exact, _ = kernels(dev, dtype, "reg")
+    builds = {name: kernels(dev, dtype, name)[0] for name in SACC_BUILDS}
+    r = rig(dev, dtype, shape, 4)
+    worst = {"sacc": 0.0, "reg": 0.0}
+    for vi, (group, asym) in enumerate(_variants(shape, 4)):
+        r.variant(group, asym, seed=vi)
+        rng = np.random.default_rng(vi)
+        for n, case, fold in STEPS:
+            hb = host_bits(rng.standard_normal((n, r.H)).astype(np.float32), dtype)
+            lg = logits_for(rng, n, r.E, r.ld, case)
+            kk = r.k + int(fold)
+            P = n * kk
+            top, w = reference_route(lg, r.E, r.k, fold)
+            label = f"{dtype} {shape} int4 g{group} {'asym' if asym else 'sym'} n={n} {case} fold={fold}"
+            first = None
+            for name, moe in builds.items():
+                got = r.run(moe, None, n, hb, lg, fold)
+                assert np.array_equal(got["pe"][:P].reshape(n, kk), top), label
+                assert (got["y"][n:] == CANARY).all() and (got["y"][:n, kk:] == CANARY).all(), (name, label)
+                assert np.isnan(got["act"][P:]).all() and not np.isnan(got["act"][:P]).any(), (name, label)
+                if first is None:
+                    first = got
+                else:
+                    assert got["y"].tobytes() == first["y"].tobytes(), (name, label)
+                    assert got["act"].tobytes() == first["act"].tobytes(), (name, label)
+            if not (shape == "small" or n == 1):  # the 35B shape: 9 experts to dequantise on the host
+                continue
+            want = r.reference(to_f32(hb, r.dtype), top, w, exact=True)
+            pair, step = _rel(first["y"][:n, :kk].astype(np.float64), want)
+            ex = r.run(exact, None, n, hb, lg, fold)
+            _, step_exact = _rel(ex["y"][:n, :kk].astype(np.float64), want)
+            worst["sacc"], worst["reg"] = max(worst["sacc"], step), max(worst["reg"], step_exact)
+            assert pair < 5e-3 and step < 1e-3, (label, pair, step)
+            assert step <= step_exact, (label, "sacc further from the quantized model than reg", step, step_exact)
+    print(f"\n[moe_nbits] sacc {dtype} {shape} int4: worst step |y - quantized model| / |model| {worst['sacc']:.2e} "
+          f"(exact reg build {worst['reg']:.2e}); builds {', '.join(SACC_BUILDS)} bit-identical")
+
+
+def test_scale_on_accumulator_builds_are_batch_invariant(dev) -> None:
+    """The sacc builds on the 35B shape: the first token alone == inside a 16-token step (shared expert folded) and
+    two 64-token ones (not folded; one expert taking every token: two passes), act and y bit for bit."""
+    r = rig(dev, "bfloat16", "a35b", 4)
+    r.variant(128, True, seed=7)
+    rng = np.random.default_rng(11)
+    hb = host_bits(rng.standard_normal((64, r.H)).astype(np.float32), "bfloat16")
+    for n, case, fold in ((16, "spread", True), (64, "one_takes_all", False), (64, "spread", False)):
+        lg = logits_for(rng, n, r.E, r.ld, case)
+        kk = r.k + int(fold)
+        for name in SACC_BUILDS:
+            moe, _ = kernels(dev, "bfloat16", name)
+            big = r.run(moe, None, n, np.ascontiguousarray(hb[:n]), lg, fold)
+            small = r.run(moe, None, 1, np.ascontiguousarray(hb[:1]), np.ascontiguousarray(lg[:1]), fold)
+            label = f"{name} n={n} {case}"
+            assert np.array_equal(small["pe"][:kk], big["pe"][:kk]), label
+            assert small["y"][:1, :kk].tobytes() == big["y"][:1, :kk].tobytes(), label
+            assert small["act"][:kk].tobytes() == big["act"][:kk].tobytes(), label
+    print(f"\n[moe_nbits] sacc batch invariance (1 vs 16 / 64 tokens), builds {', '.join(SACC_BUILDS)}: bit-identical")

@@ -128,6 +128,28 @@ typedef u16 T;
 #if MN_FMA && (!MN_REG || MN_BITS != 4)
 #error "MN_FMA needs MN_REG 1 and MN_BITS 4"
 #endif
+// MN_SACC 1 (int4 MN_REG builds, not with MN_FMA): the MMAs multiply the integer weights q - z (exact in T: |q - z| <=
+// 15) by the activations, and the scale is applied to each warp's float32 partial of a k tile: acc += s * sum_k (q -
+// z) x (one FFMA per accumulator element and tile, instead of one float32 dequantisation and rounding per weight). A
+// lane's codes become T with the exponent trick, two per instruction: its four codes of a row and k16 step (k 2t,
+// 2t + 1, 2t + 8, 2t + 9) are bytes t of the step's two packed words; one byte permute puts them in bytes 0 and 2,
+// one LOP3 (mask 0x000F000F, the magic exponent bits: T 128 + q (bfloat16) / 1024 + q (float16)) gives the pair
+// (2t, 2t + 8), the same after a 4-bit shift the pair (2t + 1, 2t + 9), and one HFMA2 (x 1 - (magic + z)) each the
+// exact q - z. The A registers then hold k (2t, 2t + 8) and (2t + 1, 2t + 9) where mma.m16n8k16 expects (2t, 2t + 1)
+// and (2t + 8, 2t + 9): the B fragments are permuted alike (two PRMT a group and k16 step), so every product pairs the
+// weight and activation of one k. Results: sum_k (q - z) x exactly as the tensor cores sum it, times the float32
+// scale - closer to the quantized model than T((q - z) s) weights, but NOT the bits of moe_decode on the dequantised
+// weights (the other builds'); batch invariant all the same (the order depends on K, MD_BK and MD_WARPS only). Needs
+// every warp's k16 steps of a k tile in one block: bs % (16 * MD_SPW) == 0 (the host checks).
+#ifndef MN_SACC
+#define MN_SACC 0
+#endif
+#if MN_SACC != 0 && MN_SACC != 1
+#error "MN_SACC must be 0 or 1"
+#endif
+#if MN_SACC && (!MN_REG || MN_BITS != 4 || MN_FMA)
+#error "MN_SACC needs MN_REG 1, MN_BITS 4 and no MN_FMA"
+#endif
 #define MN_SZB (MN_FMA ? 16 : 8)  // bytes of one (scale, zero) table entry
 #define MN_TBR 4  // table entries per thread whose loads MN_REG builds issue together (registers), the rest one by one
 
@@ -178,6 +200,21 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
+}
+// T pair a * b + c, each half rounded once (exact here: the operands are small integers)
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+#if DT == 1
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+  return d;
+}
+__device__ __forceinline__ u32 f2u(float f) {
+  u32 u;
+  asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f));
+  return u;
 }
 __device__ __forceinline__ float u2f(u32 u) {
   float f;
@@ -378,7 +415,37 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   // 0), so that each LOP3 takes its mask as the immediate and this register (two constants otherwise, one of them
   // re-materialised by an IMAD.MOV before each LOP3 under register pressure), and int8's PRMT its bytes 0x00 / 0x4B.
   const u32 mag = 0x4B000000u | ((u32)K >> 31);
-#if MN_FMA
+#if MN_SACC
+  // bytes t of w.x (codes 2t, 2t + 1) and of w.y (2t + 8, 2t + 9) into bytes 0 and 2 (1 and 3 repeat them)
+  const u32 sel_s = (u32)ft | ((u32)ft << 4) | ((u32)(4 + ft) << 8) | ((u32)(4 + ft) << 12);
+  // mag: the T pair (magic, magic) (128 bfloat16 / 1024 float16), in a register the compiler cannot fold (as above)
+  const u32 magp = (DT == 2 ? 0x43004300u : 0x64006400u) | ((u32)K >> 31);
+  const u32 one2 = DT == 2 ? 0x3F803F80u : 0x3C003C00u;  // the T pair (1, 1)
+  // The lane's A fragment of m-tile mt at k16 step ks (module header, MN_SACC): q - z as T, k (2t, 2t + 8) in a[h],
+  // (2t + 1, 2t + 9) in a[2 + h]; nz[h] = the T pair -(magic + z) of row mt * 16 + g + 8 h.
+  // aoff[mt][h][ss]: byte offset in a ring stage of the lane's 8 packed bytes of row mt * 16 + g + 8 h at its warp's
+  // k16 step ss of a tile (loop invariant: worked out once)
+  u32 aoff[MD_GU_RM / 16 > MD_DN_ROWS / 16 ? MD_GU_RM / 16 : MD_DN_ROWS / 16][2][MD_SPW];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int ss = 0; ss < MD_SPW; ++ss) {
+        const int row = mt * 16 + fg + 8 * h, ks = warp * MD_SPW + ss;
+        aoff[mt][h][ss] = (u32)(row * MN_PROWB + (mn_pchunk(row, ks >> 1) << 4) + ((ks & 1) << 3));
+      }
+  auto a_frag_s = [&](u32(&a)[4], const unsigned char* sP, int mt, int ss, const u32 (&nz)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 w = *reinterpret_cast<const uint2*>(sP + aoff[mt][h][ss]);
+      const u32 u = prmt(w.x, w.y, sel_s);
+      const u32 p0 = (u & 0x000F000Fu) | magp, p1 = ((u >> 4) & 0x000F000Fu) | magp;
+      a[h] = hfma2(p0, one2, nz[h]);
+      a[2 + h] = hfma2(p1, one2, nz[h]);
+    }
+  };
+#elif MN_FMA
   // byte t of w.x (codes 2t, 2t + 1) and byte t of w.y (codes 2t + 8, 2t + 9) permuted to bytes 1 / 2 (u) and 2 / 1
   // (v): code 2t at bits 16-19 of v, 2t + 1 at 12-15 of u, 2t + 8 at 16-19 of u, 2t + 9 at 12-15 of v
   const u32 sel_u = ((u32)ft << 4) | ((u32)(4 + ft) << 8), sel_v = ((u32)(4 + ft) << 4) | ((u32)ft << 8);
@@ -451,7 +518,10 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   };
   auto tbl_store = [&](int i, float s, u32 z) {
     const int row = i / nb, b = i - row * nb;
-#if MN_FMA
+#if MN_SACC
+    // (s, the T pair -(magic + z): bfloat16 0xC300 | z = -(128 + z), float16 0xE400 | z = -(1024 + z))
+    s_sz[b * RM + row] = make_float2(s, u2f(((DT == 2 ? 0xC300u : 0xE400u) | z) * 0x10001u));
+#elif MN_FMA
     // s 2^-16 and s 2^-12 exact (|s| >= 2^-100 or 0); c_p = -(2^(23-p) + z) s exact (<= 12 significant bits in s)
     s_sz[b * RM + row] = make_float4(s * 0x1p-16f, -(128.f + (float)z) * s, s * 0x1p-12f, -(2048.f + (float)z) * s);
 #else
@@ -610,6 +680,65 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 #endif
       const u32 sB = sRing + (kt % STAGES) * stage_bytes + RM * MN_PROWB;
       const int nsteps = (kt == KT - 1 ? tail_ch : MD_CPR) >> 1;  // k16 steps of this tile
+#if MN_SACC
+      // The warp's k16 steps of this tile (all in one block: bs % (16 MD_SPW) == 0) into tacc, then acc += s tacc.
+      const int ks0 = warp * MD_SPW;
+      if (ks0 < nsteps) {  // warp-uniform (a short last tile leaves some warps none)
+        const int k16 = kt * MD_BK + ks0 * 16;
+        const int blk = bs_shift >= 0 ? k16 >> bs_shift : k16 / bs;
+        float sc[MT][2];
+        u32 nz[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float2 e2 = s_sz[blk * RM + mt * 16 + fg + 8 * h];
+            sc[mt][h] = e2.x;
+            nz[mt][h] = f2u(e2.y);
+          }
+        float tacc[MT][MD_GMAX][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int g = 0; g < MD_GMAX; ++g)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) tacc[mt][g][q] = 0.f;
+#pragma unroll
+        for (int ss = 0; ss < MD_SPW; ++ss) {
+          const int ks = ks0 + ss;
+          if (ks >= nsteps) break;  // warp-uniform
+          u32 b[MD_GMAX][2];
+#pragma unroll
+          for (int g = 0; g < MD_GMAX; ++g) {
+            if (g < ng) {  // as below, then k (2t, 2t + 8) in b[g][0] and (2t + 1, 2t + 9) in b[g][1]
+              const int row = 8 * g + (lane & 7);
+              u32 bb[2];
+              ldsm_x2(bb, sB + soff(row, 2 * ks + ((lane >> 3) & 1)));
+              b[g][0] = prmt(bb[0], bb[1], 0x5410u);
+              b[g][1] = prmt(bb[0], bb[1], 0x7632u);
+            }
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            u32 a[4];
+            a_frag_s(a, sP, mt, ss, nz[mt]);
+#pragma unroll
+            for (int g = 0; g < MD_GMAX; ++g)
+              if (g < ng) mma16816(tacc[mt][g], a, b[g]);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int g = 0; g < MD_GMAX; ++g)
+            if (g < ng) {  // d0, d1: row g; d2, d3: row g + 8
+              acc[mt][g][0] = fma_rn(sc[mt][0], tacc[mt][g][0], acc[mt][g][0]);
+              acc[mt][g][1] = fma_rn(sc[mt][0], tacc[mt][g][1], acc[mt][g][1]);
+              acc[mt][g][2] = fma_rn(sc[mt][1], tacc[mt][g][2], acc[mt][g][2]);
+              acc[mt][g][3] = fma_rn(sc[mt][1], tacc[mt][g][3], acc[mt][g][3]);
+            }
+      }
+#else
 #pragma unroll
       for (int ss = 0; ss < MD_SPW; ++ss) {
         const int ks = warp * MD_SPW + ss;
@@ -641,6 +770,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
             if (g < ng) mma16816(acc[mt][g], a, b[g]);
         }
       }
+#endif
     }
     cp_wait<0>();
     __syncthreads();  // the ring is drained and read: it becomes the warps' partial sums
