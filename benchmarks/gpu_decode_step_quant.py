@@ -66,14 +66,32 @@ def main() -> int:
                          "projections packed for steps of <= 16 rows and bf16 for the rest)")
     ap.add_argument("--profile", type=int, nargs="*", default=[1, 8],
                     help="batches whose eager step is also timed per kernel kind")
+    ap.add_argument("--moe-builds", default="",
+                    help="comma-separated LABEL=ONE:MANY: run each int4 variant once per entry with the packed-expert "
+                         "decode MoE builds ONE (1-row steps) and MANY (the others; moe_nbits_decode.ALL_SETS names) "
+                         "instead of BACKEND_BUILDS / FAST_BUILDS, e.g. "
+                         "exact=reg_g1_deep:reg_g1,sacc=sacc_g1_deep:sacc_g1")
     args = ap.parse_args()
+    from hybrid_runtime.cuda import backend as backend_mod
+    from hybrid_runtime.cuda import moe_nbits_decode as mnd
+
+    tables: list[tuple[str, dict | None]] = [("", None)]
+    if args.moe_builds:
+        tables = []
+        for entry in args.moe_builds.split(","):
+            label, _, spec = entry.partition("=")
+            one, _, many = spec.partition(":")
+            if not label or one not in mnd.ALL_SETS or many not in mnd.ALL_SETS:
+                ap.error(f"--moe-builds entry {entry!r}: LABEL=ONE:MANY with names of {list(mnd.ALL_SETS)}")
+            tables.append((label, {**mnd.BACKEND_BUILDS, 4: ((1, one), (1 << 30, many))}))  # both tables
     variants = [int(b) for b in args.bits.split(",") if b]
     if not variants or set(variants) - {16, 4, 8}:
         ap.error(f"--bits {args.bits!r}: 16, 4 and / or 8")
     modes = [m for m in args.packed.split(",") if m]
     if not modes or set(modes) - {"all", "experts", "dual"}:
         ap.error(f"--packed {args.packed!r}: all, experts and / or dual")
-    runs = [(b, "all") for b in variants if b == 16] + [(b, m) for b in variants if b != 16 for m in modes]
+    runs = [(b, "all", "", None) for b in variants if b == 16] + [
+        (b, m, label, table) for b in variants if b != 16 for m in modes for label, table in tables]
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
@@ -83,8 +101,12 @@ def main() -> int:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     cfg = qwen35_moe_config(args.layers)
     rows: list[dict[str, Any]] = []
-    for bits, mode in runs:
-        name = "bf16" if bits == 16 else f"int{bits} (GPTQ, group {args.group}, packed {mode})"
+    defaults = (mnd.BACKEND_BUILDS, mnd.FAST_BUILDS)
+    for bits, mode, label, table in runs:
+        name = "bf16" if bits == 16 else (f"int{bits} (GPTQ, group {args.group}, packed {mode}"
+                                          f"{f', experts {label}' if label else ''})")
+        mnd.BACKEND_BUILDS = backend_mod.MOE_NBITS_BUILDS = table or defaults[0]
+        mnd.FAST_BUILDS = backend_mod.MOE_NBITS_FAST_BUILDS = table or defaults[1]
         max_seq = args.context + 64
         be, runner, load = build(cfg, max(args.batches), max_seq, max(args.batches) * -(-max_seq // 16),
                                  args.batches, bits=bits, group=args.group, packed=mode)
@@ -106,7 +128,8 @@ def main() -> int:
     base = {r["B"]: r["gpu"] for r in rows if r["name"] == "bf16"}
     lines = [f"# Decode step with GPTQ-quantized weights on the GPU (`cuda` backend), {datetime.date.today()}", "",
              f"`python3 -m benchmarks.gpu_decode_step_quant --bits {args.bits} --group {args.group} "
-             f"--packed {args.packed} --batches {' '.join(map(str, args.batches))}` on "
+             f"--packed {args.packed} --batches {' '.join(map(str, args.batches))}"
+             f"{f' --moe-builds {args.moe_builds}' if args.moe_builds else ''}` on "
              f"{torch.cuda.get_device_name(0)}: Qwen3.5-35B-A3B text shape, {args.layers} layers, context "
              f"{args.context}; copy bandwidth measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes a step must "
              "read (float weights, packed projections and experts at their packed bytes, KV, GDN state) / copy "

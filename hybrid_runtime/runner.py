@@ -50,9 +50,10 @@ TRT_PATHS = ("auto", "device", "host")
 # dequantises every packed weight at load (the float bundle's kernels and memory), "linears" keeps the dense
 # projections only packed, "experts" the MoE layers' experts, "all" both; "dual" the experts only packed and the
 # dense projections in both forms (packed for decode steps of <= 16 rows: "all"'s bits; dequantised for everything
-# else: "experts"' bits, which are "off"'s); "auto" (the default) = "dual" for a GPTQ cuda bundle (decode steps of
-# few rows as fast as "all", prefill and large decode steps as "experts"; 35B-A3B int4 on an H100: 32% of the bf16
-# weight memory, benchmarks/results/gpu_decode_step_quant_h200.md "Stop 48"), "off" for any other bundle.
+# else; prefill has "experts"' bits, which are "off"'s; with packed projections, "all" and "dual", int4 experts decode
+# with the scale on the accumulator: moe_nbits_decode.FAST_BUILDS); "auto" (the default) = "dual" for a GPTQ cuda
+# bundle (decode steps of few rows as fast as "all", prefill as "experts"; 35B-A3B int4 on an H100: 32% of the bf16
+# weight memory, benchmarks/results/gpu_decode_step_quant_h200.md "Stop 51"), "off" for any other bundle.
 PACKED_WEIGHTS = ("auto", "off", "linears", "experts", "all", "dual")
 
 
@@ -89,12 +90,13 @@ class ModelRunner:
 
     ``packed_weights`` (:data:`PACKED_WEIGHTS`; GPTQ ``cuda`` bundles of bf16 / fp16): which packed weights stay
     packed on the GPU instead of being dequantised at load - decode steps then read them with the int4 / int8
-    kernels (the experts with the dequantised bundle's bits, the projections within ~2% of its logits; about a
-    quarter of the weight memory at int4); prefill runs packed experts on the packed grouped GEMMs where they run
-    (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first. ``dual`` keeps
-    the projections both packed and dequantised: decode steps of <= 16 rows read them packed (as ``all``: the same
-    bits), everything else reads the dequantised copy (no scratch; prefill as ``experts``: the same bits), for the
-    packed projections' bytes on top. ``auto`` (the
+    kernels (with ``experts`` the dequantised bundle's bits; the projections within ~2% of its logits, and with
+    them packed, ``all`` / ``dual``, int4 experts with the scale on the accumulator: closer to the quantized model,
+    faster; about a quarter of the weight memory at int4); prefill runs packed experts on the packed grouped GEMMs
+    where they run (Hopper; the same bits) and dequantises the other packed weights into a scratch buffer first.
+    ``dual`` keeps the projections both packed and dequantised: decode steps of <= 16 rows read them packed (as
+    ``all``: the same bits), everything else reads the dequantised copy (no scratch; prefill as ``experts``: the
+    same bits), for the packed projections' bytes on top. ``auto`` (the
     default): ``dual`` for a GPTQ cuda bundle, else ``off`` (:func:`resolve_packed_weights`). Any other mode
     is ignored, with a log line, for a bundle it does not apply to."""
 

@@ -59,10 +59,12 @@ from .kernels import load_module
 from .memory import MemoryPlan, plan_memory
 from .moe_decode import KNOB_SETS as MOE_DECODE_KNOB_SETS
 from .moe_decode import MoEDecode
+from .moe_nbits_decode import ALL_SETS as MOE_NBITS_KNOB_SETS
 from .moe_nbits_decode import BACKEND_BUILDS as MOE_NBITS_BUILDS
-from .moe_nbits_decode import KNOB_SETS as MOE_NBITS_KNOB_SETS
+from .moe_nbits_decode import FAST_BUILDS as MOE_NBITS_FAST_BUILDS
 from .moe_nbits_decode import MoENBitsDecode
 from .moe_nbits_decode import backend_build as moe_nbits_build
+from .moe_nbits_decode import resolve_build as resolve_moe_nbits_build
 from .moe_prefill import PACKED_MAX_TOKENS, ROUTE_MAX_CTAS, MoEBuffers, MoEPrefill, supported, tile_list_words
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
@@ -393,7 +395,8 @@ class CudaBackend:
             # packed_experts (bf16 / fp16 GPTQ bundles; off by default, not yet measured in a served step): the MoE
             # layers whose experts stack as one packed operand keep them only packed (DeviceWeights.packed_moe);
             # decode steps on the "mma_decode" path read them with the int4 / int8 decode MoE
-            # (cuda/moe_nbits_decode.py: the bits of moe_decode on the dequantised weights), tensor-core steps
+            # (cuda/moe_nbits_decode.py: the bits of moe_decode on the dequantised weights, or with packed projections
+            # the int4 sacc builds, moe_nbits_table), tensor-core steps
             # (prefill) on Hopper the packed grouped GEMMs (packed_moe_prefill: the bits of the dequantised stack),
             # every other use dequantises the layer into one scratch stack first (moe()).
             packed_experts = packed_experts and self.dtype in ("bfloat16", "float16")
@@ -409,9 +412,16 @@ class CudaBackend:
         # where packed_problems allows; False or refused: the stack is dequantised into the scratch first (same bits)
         self.packed_moe_prefill = packed_moe_prefill
         self.moe_packed_prefill_calls = 0
+        # the packed experts' decode builds: the dequantised bundle's bits (MOE_NBITS_BUILDS) where the dense
+        # projections are not packed (packed_weights experts), the faster sacc builds where they are (all / dual,
+        # whose decode steps already differ from the dequantised bundle's bits)
+        packed_proj = bool(getattr(self.w, "packed_only", None) or getattr(self.w, "packed_decode", None))
+        self.moe_nbits_table = MOE_NBITS_FAST_BUILDS if packed_proj else MOE_NBITS_BUILDS
         if self.w.packed_moe:  # compiled and opted in now: never inside a graph capture
             for pk in self.w.packed_moe.values():
-                for _, build in MOE_NBITS_BUILDS[pk.gate_up.bits]:  # type: ignore[attr-defined]
+                nb_bits, sizes = pk.gate_up.bits, (pk.gate_up.block_size, pk.down.block_size)  # type: ignore
+                for _, name in self.moe_nbits_table[nb_bits]:
+                    build = resolve_moe_nbits_build(name, nb_bits, sizes)
                     if build not in self.moe_nbits:
                         self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
                     dec = self.moe_nbits[build]
@@ -1224,7 +1234,8 @@ class CudaBackend:
                 self._moe_route(n, router, k, fold)
             pk = getattr(self.w, "packed_moe", {}).get(layer)  # (host fakes of the weights have none)
             if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
-                build = moe_nbits_build(pk.gate_up.bits, n, MOE_NBITS_BUILDS)  # type: ignore[attr-defined]
+                build = moe_nbits_build(pk.gate_up.bits, n, self.moe_nbits_table,  # type: ignore[attr-defined]
+                                        (pk.gate_up.block_size, pk.down.block_size))  # type: ignore[attr-defined]
                 if build not in self.moe_nbits:
                     self.moe_nbits[build] = MoENBitsDecode(self.dev, self.dtype, MOE_NBITS_KNOB_SETS[build])
                 self.moe_nbits_calls += 1

@@ -89,11 +89,13 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
     part) stored float, act order, mixed bit widths or block sizes, or a shape / dtype the packed decode MoE
     refuses (``moe_nbits_decode.shape_problems``)."""
     from .moe_nbits_decode import (
+        ALL_SETS,
         BACKEND_BUILDS,
-        KNOB_SETS,
+        FAST_BUILDS,
         NBitsExperts,
         as_host_experts,
         fuse_rows,
+        resolve_build,
         shape_problems,
         stack_experts,
     )
@@ -119,11 +121,13 @@ def packed_layer_experts(stored: dict, layer: int, cfg: ModelConfig, dtype: str)
         return str(e)
     ops = [NBitsExperts(256, 256, 0, w.experts, w.rows, w.K, w.bits, w.block_size, short=w.short) for w in (gu, dn)]
     bad: list[str] = []
-    # every build the backend may launch on it (their shared memory differs); other bit widths: the default build's
-    # rules, which name them
-    for _, build in BACKEND_BUILDS.get(gu.bits) or ((0, "default"),):
+    # every build the backend may launch on it, with and without packed projections (their shared memory differs);
+    # other bit widths: the default build's rules, which name them
+    names = [name for table in (BACKEND_BUILDS, FAST_BUILDS) for _, name in table.get(gu.bits) or ((0, "default"),)]
+    for name in dict.fromkeys(names):
+        build = resolve_build(name, gu.bits, (gu.block_size, dn.block_size))
         bad += [p for p in shape_problems(dtype, H, inter, ops[0], ops[1], E + int(fold),
-                                          cfg.num_experts_per_tok + int(fold), knobs=KNOB_SETS[build]) if p not in bad]
+                                          cfg.num_experts_per_tok + int(fold), knobs=ALL_SETS[build]) if p not in bad]
     if bad:
         return "; ".join(bad)
     return gu, dn
