@@ -418,7 +418,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
 #if MN_SACC
   // bytes t of w.x (codes 2t, 2t + 1) and of w.y (2t + 8, 2t + 9) into bytes 0 and 2 (1 and 3 repeat them)
   const u32 sel_s = (u32)ft | ((u32)ft << 4) | ((u32)(4 + ft) << 8) | ((u32)(4 + ft) << 12);
-  // mag: the T pair (magic, magic) (128 bfloat16 / 1024 float16), in a register the compiler cannot fold (as above)
+  // magp: the T pair (magic, magic) (128 bfloat16 / 1024 float16), in a register the compiler cannot fold (as mag)
   const u32 magp = (DT == 2 ? 0x43004300u : 0x64006400u) | ((u32)K >> 31);
   const u32 one2 = DT == 2 ? 0x3F803F80u : 0x3C003C00u;  // the T pair (1, 1)
   // The lane's A fragment of m-tile mt at k16 step ks (module header, MN_SACC): q - z as T, k (2t, 2t + 8) in a[h],
