@@ -340,10 +340,10 @@ def test_matches_dequantise_then_moe_decode_and_float64(dev, dtype: str, shape: 
                   f"{st['dec']:.2e}, bit-identical {st['bits']}")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None:
-    """Batch invariance on the 35B shape: the first token alone == inside a 16-token step (shared expert folded)
-    and a 64-token one (not folded, one expert with every token: two passes), act and y bit for bit."""
+def _check_batch_invariance(dev, bits: int, builds: tuple[str, ...]) -> None:
+    """The first token alone == inside a 16-token step (shared expert folded) and two 64-token ones (not folded;
+    one expert taking every token: two passes), act and y bit for bit, for each of ``builds`` on the 35B shape; the
+    builds (one k split) give each other's bits."""
     r = rig(dev, "bfloat16", "a35b", bits)
     r.variant(128, True, seed=7)
     rng = np.random.default_rng(11)
@@ -352,7 +352,7 @@ def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None
         lg = logits_for(rng, n, r.E, r.ld, case)
         kk = r.k + int(fold)
         first = None
-        for name in BUILDS:
+        for name in builds:
             moe, _ = kernels(dev, "bfloat16", name)
             big = r.run(moe, None, n, np.ascontiguousarray(hb[:n]), lg, fold)
             small = r.run(moe, None, 1, np.ascontiguousarray(hb[:1]), np.ascontiguousarray(lg[:1]), fold)
@@ -363,8 +363,14 @@ def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None
             first = first or big
             assert big["y"].tobytes() == first["y"].tobytes() and big["act"].tobytes() == first["act"].tobytes(), \
                 label
-    print(f"\n[moe_nbits] int{bits} batch invariance (1 vs 16 / 64 tokens), builds {', '.join(BUILDS)}: bit-identical "
+    print(f"\n[moe_nbits] int{bits} batch invariance (1 vs 16 / 64 tokens), builds {', '.join(builds)}: bit-identical "
           "True")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tokens_bits_do_not_depend_on_the_other_tokens(dev, bits: int) -> None:
+    """Batch invariance on the 35B shape (_check_batch_invariance) of the exact builds of :data:`BUILDS`."""
+    _check_batch_invariance(dev, bits, BUILDS)
 
 
 def test_every_knob_set_gives_the_default_bits(dev) -> None:
@@ -571,21 +577,5 @@ def test_scale_on_accumulator_builds_match_the_quantized_model(dev, dtype: str, 
 
 
 def test_scale_on_accumulator_builds_are_batch_invariant(dev) -> None:
-    """The sacc builds on the 35B shape: the first token alone == inside a 16-token step (shared expert folded) and
-    two 64-token ones (not folded; one expert taking every token: two passes), act and y bit for bit."""
-    r = rig(dev, "bfloat16", "a35b", 4)
-    r.variant(128, True, seed=7)
-    rng = np.random.default_rng(11)
-    hb = host_bits(rng.standard_normal((64, r.H)).astype(np.float32), "bfloat16")
-    for n, case, fold in ((16, "spread", True), (64, "one_takes_all", False), (64, "spread", False)):
-        lg = logits_for(rng, n, r.E, r.ld, case)
-        kk = r.k + int(fold)
-        for name in SACC_BUILDS:
-            moe, _ = kernels(dev, "bfloat16", name)
-            big = r.run(moe, None, n, np.ascontiguousarray(hb[:n]), lg, fold)
-            small = r.run(moe, None, 1, np.ascontiguousarray(hb[:1]), np.ascontiguousarray(lg[:1]), fold)
-            label = f"{name} n={n} {case}"
-            assert np.array_equal(small["pe"][:kk], big["pe"][:kk]), label
-            assert small["y"][:1, :kk].tobytes() == big["y"][:1, :kk].tobytes(), label
-            assert small["act"][:kk].tobytes() == big["act"][:kk].tobytes(), label
-    print(f"\n[moe_nbits] sacc batch invariance (1 vs 16 / 64 tokens), builds {', '.join(SACC_BUILDS)}: bit-identical")
+    """Batch invariance on the 35B shape (_check_batch_invariance) of the int4 sacc builds."""
+    _check_batch_invariance(dev, 4, SACC_BUILDS)
