@@ -87,7 +87,7 @@ def main() -> int:
     if not scale_kinds or set(scale_kinds) - {"f16", "f32"}:
         ap.error(f"--scales {args.scales!r}: f16 and / or f32")
     t0 = time.perf_counter()
-    fma_opts = {(x, b, f) for x in names for b in bits_list
+    fma_opts = {(x, b, f) for x in names for b in bits_list if KNOB_SETS[x].runs_bits(b)
                 for f in (False, b == 4 and bool(KNOB_SETS[x].reg and not KNOB_SETS[x].sacc) and "f16" in scale_kinds)}
     warm_cache([(NB_SOURCE, KNOB_SETS[x].options("bfloat16", b, f), dev.arch) for x, b, f in sorted(fma_opts)]
                + [(BF16_SOURCE, (f"-DDT={DT_CODES['bfloat16']}", *BF16_KNOBS[bf16_build(n)].options), dev.arch)
@@ -172,6 +172,8 @@ def main() -> int:
             gu0, dn0 = packed[(bits, sk)][0]
             ebytes = gu0.expert_bytes() + dn0.expert_bytes()
             for name, dec in nb_decs.items():
+                if not dec.knobs.runs_bits(bits):  # a 256-k sacc build: int4 only
+                    continue
                 gcap = max(1, min(dec.knobs.gmax, -(-n // 8)))
                 fma = uses_fma(gu0, dec.knobs)
                 note = (f"{sk} scales{', FFMA' if fma else ''}"

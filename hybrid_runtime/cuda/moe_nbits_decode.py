@@ -32,14 +32,15 @@ weight: the MMAs multiply the integer weights ``q - z`` (exact in bf16 / fp16, t
 by the activations, and each warp's float32 partial of a k tile is scaled once, ``acc += s * sum_k (q - z) x``. That
 is closer to the quantized model than the dequantised T weights (one rounding fewer), batch invariant as the others,
 but not their bits. They need a block size that is a multiple of a warp's k of one k tile (32 for bk 128 and 4
-warps: GPTQ's 32 / 64 / 128 / whole-row groups); :func:`backend_build` runs the :data:`EXACT_TWIN` elsewhere. Their
-int8 modules are the exact reg build's.
+warps: GPTQ's 32 / 64 / 128 / whole-row groups; 64 for the 256-k tile builds, whose k tiles carry a tile's fixed
+cost over twice the weights); :func:`backend_build` runs the :data:`EXACT_TWIN` elsewhere. Their int8 modules are
+the exact reg build's (the 256-k builds have none: int8 runs their twin).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -51,6 +52,7 @@ from .moe_decode import DT_CODES, MAX_EXPERTS, DecodeKnobs, groups_per_pass, ny_
 from .moe_prefill import MoEBuffers
 
 SOURCE = "moe_nbits_decode.cu"
+WIDE_BK = 256  # the k tile of the sacc builds that amortise a tile's fixed cost over twice the weights
 BITS = (4, 8)
 GROUP = 8  # pairs per mma n-tile
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per CTA (H200)
@@ -85,7 +87,14 @@ class NBitsKnobs:
                              "without reg")
         if self.sacc not in (0, 1) or self.sacc > self.reg:
             raise ValueError(f"moe_nbits_decode knobs: sacc {self.sacc} not 0 / 1, or sacc without reg")
-        self.decode_knobs()  # the same rules (ValueError naming the knob)
+        if self.bk == WIDE_BK:  # sacc builds only (int4): moe_decode has no such tile; its other rules still hold
+            if not self.sacc:
+                raise ValueError(f"moe_nbits_decode knobs: bk {WIDE_BK} is a sacc build's (k tiles of 256)")
+            if (WIDE_BK // 16) % self.warps:
+                raise ValueError(f"moe_nbits_decode knobs: warps {self.warps}: (bk / 16) % warps must be 0")
+            replace(self, bk=128).decode_knobs()
+        else:
+            self.decode_knobs()  # the same rules (ValueError naming the knob)
 
     @property
     def steps_per_warp(self) -> int:
@@ -94,15 +103,22 @@ class NBitsKnobs:
 
     def scales_acc(self, bits: int) -> bool:
         """Whether this build runs ``bits``-bit experts with the scale on the accumulator (``-DMN_SACC=1``: int4
-        ``sacc`` builds; their int8 modules are the exact reg build's)."""
+        ``sacc`` builds; their int8 modules are the exact reg build's, none for a 256-k tile)."""
         return bool(self.sacc and bits == 4)
+
+    def runs_bits(self, bits: int) -> bool:
+        """Whether this build has a module for ``bits`` (a 256-k tile is int4 sacc only)."""
+        return self.bk != WIDE_BK or bits == 4
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     def decode_knobs(self) -> DecodeKnobs:
-        """moe_decode's build with the same tiles: the same bits on the dequantised weights."""
+        """moe_decode's build with the same tiles: the same bits on the dequantised weights (ValueError for a
+        256-k tile: none)."""
+        if self.bk == WIDE_BK:
+            raise ValueError(f"moe_nbits_decode: a {WIDE_BK}-k tile (a sacc build) has no moe_decode twin")
         d = asdict(self)
         del d["reg"], d["early"], d["sacc"]
         return DecodeKnobs(**d)
@@ -110,6 +126,8 @@ class NBitsKnobs:
     def options(self, dtype: str, bits: int, fma: bool = False) -> tuple[str, ...]:
         """NVRTC options of this build for ``dtype`` / ``bits``; ``fma``: the FFMA dequantisation (:func:`uses_fma`:
         int4 ``reg`` builds on short scales only; ValueError otherwise)."""
+        if not self.runs_bits(bits):
+            raise ValueError(f"moe_nbits_decode: a {WIDE_BK}-k tile runs int4 experts only, not {bits}-bit")
         if fma and not (self.reg and bits == 4 and not self.sacc):
             raise ValueError(f"moe_nbits_decode: the FFMA dequantisation is an int4 reg build's without sacc (bits "
                              f"{bits}, reg {self.reg}, sacc {self.sacc})")
@@ -158,6 +176,12 @@ SACC_SETS: dict[str, NBitsKnobs] = {
     "sacc_g1": NBitsKnobs(gu_stages=8, dn_stages=5, reg=1, gmax=1, sacc=1),
     "sacc_g1_deep": NBitsKnobs(gu_stages=16, dn_stages=5, reg=1, gmax=1, sacc=1),
     "sacc_wide": NBitsKnobs(gu_cols=32, gu_stages=8, dn_stages=5, reg=1, gmax=1, sacc=1),
+    # k tiles of 256 (4 k16 steps a warp): the tile's fixed cost (ring refill, barrier, table loads) over twice the
+    # weights; as many k in flight with half the stages; block sizes a multiple of 64. NOT YET RUN ON A GPU (stop 51
+    # ran out of device time): the wide gate_up k-tile loop is 3.6 SASS instructions a weight against sacc_wide's 4.9;
+    # tests/gpu/test_moe_nbits_decode_gpu.py covers them (scale_on_accumulator, batch invariance)
+    "sacc_g1_k256": NBitsKnobs(gu_stages=4, dn_stages=3, bk=256, reg=1, gmax=1, sacc=1),
+    "sacc_wide_k256": NBitsKnobs(gu_cols=32, gu_stages=4, dn_stages=3, bk=256, reg=1, gmax=1, sacc=1),
 }
 ALL_SETS: dict[str, NBitsKnobs] = {**KNOB_SETS, **SACC_SETS}
 # The builds CudaBackend(packed_experts=True) runs where only the experts are packed (packed_weights experts: the
@@ -180,14 +204,17 @@ FAST_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "sacc_g1_deep"), 
 
 
 # Each sacc build's exact twin (the same tiles without sacc): what experts whose block size the sacc rule refuses run.
-EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep", "sacc_wide": "reg_g1_wide"}
+# (The 256-k builds' twins take 128-k tiles: moe_decode has no 256-k one.)
+EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep", "sacc_wide": "reg_g1_wide",
+                              "sacc_g1_k256": "reg_g1", "sacc_wide_k256": "reg_g1_wide"}
 
 
 def resolve_build(name: str, bits: int, block_sizes: Sequence[int] = ()) -> str:
     """``name``, or its :data:`EXACT_TWIN` where it is a sacc build for ``bits`` and a block size of
-    ``block_sizes`` splits one warp's k of a k tile (the sacc rule of :func:`shape_problems`)."""
+    ``block_sizes`` splits one warp's k of a k tile (the sacc rule of :func:`shape_problems`), or a build with no
+    module for ``bits`` (a 256-k tile and int8)."""
     kn = ALL_SETS[name]
-    if kn.scales_acc(bits) and any(bs % (16 * kn.steps_per_warp) for bs in block_sizes):
+    if not kn.runs_bits(bits) or (kn.scales_acc(bits) and any(bs % (16 * kn.steps_per_warp) for bs in block_sizes)):
         return EXACT_TWIN[name]
     return name
 
@@ -323,6 +350,8 @@ def shape_problems(dtype: str, hidden: int, inter: int, gu: NBitsExperts, dn: NB
             out.append(f"{where}: block size must be a multiple of 16")
         elif w.K % bs:
             out.append(f"{where}: block size must divide K {w.K}")
+        if w.bits in BITS and not knobs.runs_bits(w.bits):
+            out.append(f"{where}: a {WIDE_BK}-k tile build runs int4 experts only")
         if knobs.scales_acc(w.bits) and bs >= 16 and bs % (16 * knobs.steps_per_warp):
             out.append(f"{where}: the scale-on-accumulator build needs a block size that is a multiple of "
                        f"{16 * knobs.steps_per_warp} (a warp's k of one k tile)")

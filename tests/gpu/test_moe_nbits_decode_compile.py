@@ -68,6 +68,10 @@ def test_compiles_for_sm90_without_spills(dtype: str, bits: int, name: str) -> N
     from hybrid_runtime.cuda.kernels import compile_log, source
 
     kn = ALL_SETS[name]
+    if not kn.runs_bits(bits):  # a 256-k tile: int4 sacc only, refused with the rule for int8
+        with pytest.raises(ValueError, match="int4 experts only"):
+            kn.options(dtype, bits)
+        return
     log = compile_log(source(SOURCE), SOURCE, kn.options(dtype, bits), "sm_90")
     check_log(log)
     res = _per_kernel(log)
@@ -406,8 +410,8 @@ def test_register_builds_use_no_local_memory_in_sass(tmp_path, name: str) -> Non
     from hybrid_runtime.cuda.kernels import compile_cubin, source
 
     for bits, fma in ((4, False), (4, True), (8, False)):
-        if fma and ALL_SETS[name].sacc:
-            continue  # the sacc builds have no FFMA dequantisation
+        if (fma and ALL_SETS[name].sacc) or not ALL_SETS[name].runs_bits(bits):
+            continue  # the sacc builds have no FFMA dequantisation, the 256-k ones no int8 module
         path = tmp_path / f"{name}{bits}{fma}.cubin"
         path.write_bytes(compile_cubin(source(SOURCE), SOURCE, ALL_SETS[name].options("bfloat16", bits, fma),
                                        "sm_90"))
@@ -618,13 +622,24 @@ def test_sacc_knobs_options_and_block_rule() -> None:
         if not ok:
             assert "multiple of 32" in "; ".join(probs)
     assert shape_problems("bfloat16", 2048, 512, *_ops(bits=8, bs=16), 257, 9, knobs=kn) == []  # int8: exact path
+    # 256-k tiles: 4 k16 steps a warp, so blocks of a multiple of 64; no int8 module; bk 256 only with sacc
+    k256 = SACC_SETS["sacc_wide_k256"]
+    assert k256.steps_per_warp == 4 and k256.options("bfloat16", 4)[-1] == "-DMN_SACC=1"
+    assert shape_problems("bfloat16", 2048, 512, *_ops(bs=128), 257, 9, knobs=k256) == []
+    assert "multiple of 64" in "; ".join(shape_problems("bfloat16", 2048, 512, *_ops(bs=32), 257, 9, knobs=k256))
+    assert "int4 experts only" in "; ".join(shape_problems("bfloat16", 2048, 512, *_ops(bits=8), 257, 9, knobs=k256))
+    with pytest.raises(ValueError, match="bk 256"):
+        NBitsKnobs(bk=256, reg=1)
+    with pytest.raises(ValueError, match="twin"):
+        k256.decode_knobs()
 
 
 def test_sacc_builds_cut_the_k_tile_loop() -> None:
     """Where nvdisasm is installed: sacc_g1's gate_up k-tile loop (the innermost loop with MMAs) has no per-weight
     float32 work (no F2FP; 8 FFMA: one per accumulator element of its 2 m-tiles), converts the codes with 16 T-pair
     HADD2 / HFMA2 (2 a row and k16 step: 2 m-tiles x 2 rows x 2 steps x 2) and is shorter than the FFMA build's
-    (reg_g1 with -DMN_FMA=1), bf16 and fp16."""
+    (reg_g1 with -DMN_FMA=1), bf16 and fp16; sacc_wide_k256's loop spends < 0.85x sacc_wide's instructions a
+    weight."""
     nvrtc_or_skip()
     if nvdisasm_path() is None:
         pytest.skip("no nvdisasm (the nvidia-cuda-nvdisasm dev dependency)")
@@ -644,6 +659,14 @@ def test_sacc_builds_cut_the_k_tile_loop() -> None:
                 assert m["F2FP"] == 0 and m["FFMA"] == 8 and m["FADD"] == 0 and m["FMUL"] == 0, (dt, m)
                 assert m["HADD2"] + m["HFMA2"] == 16 and m["HMMA"] == 4, (dt, m)
         assert sizes["sacc"] < 0.85 * sizes["fma"], (dt, sizes)
+    # the 256-k tiles: the loop's fixed cost over twice the weights (instructions a weight a lane, gate_up, wide)
+    per_weight = {}
+    for name in ("sacc_wide", "sacc_wide_k256"):
+        kn = SACC_SETS[name]
+        ins = kernels(disassemble(SOURCE, [d[2:] for d in kn.options("bfloat16", 4)], "sm_90"))["moe_nb_gate_up"]
+        inner = min((lp for lp in loops(ins) if lp.mix["HMMA"]), key=lambda lp: lp.size)
+        per_weight[name] = inner.size / (kn.rows("gate_up") // 16 * kn.steps_per_warp * 8)
+    assert per_weight["sacc_wide_k256"] < 0.85 * per_weight["sacc_wide"], per_weight
 
 
 def test_backend_build_falls_back_to_the_exact_twin_where_sacc_refuses_the_block_size() -> None:
@@ -653,8 +676,17 @@ def test_backend_build_falls_back_to_the_exact_twin_where_sacc_refuses_the_block
     from hybrid_runtime.cuda.moe_nbits_decode import EXACT_TWIN, backend_build, resolve_build
 
     assert set(EXACT_TWIN) == set(SACC_SETS)
-    for name, twin in EXACT_TWIN.items():
-        assert KNOB_SETS[twin] == replace(SACC_SETS[name], sacc=0), name
+    for name, twin in EXACT_TWIN.items():  # the same tiles without sacc; 256-k builds: their 128-k twins' columns
+        kn = SACC_SETS[name]
+        if kn.bk == 256:
+            tw = KNOB_SETS[twin]
+            assert (tw.gu_cols, tw.dn_rows, tw.gmax, tw.warps, tw.bk, tw.sacc) == (kn.gu_cols, kn.dn_rows, kn.gmax,
+                                                                                   kn.warps, 128, 0), name
+        else:
+            assert KNOB_SETS[twin] == replace(kn, sacc=0), name
+    assert resolve_build("sacc_wide_k256", 4, (128, 128)) == "sacc_wide_k256"
+    assert resolve_build("sacc_wide_k256", 4, (32, 32)) == "reg_g1_wide"  # a warp's 64 k split by group 32
+    assert resolve_build("sacc_g1_k256", 8) == "reg_g1"  # no int8 module
     table = {4: ((1, "sacc_g1_deep"), (1 << 30, "sacc_g1")), 8: ((1 << 30, "sacc_g1"),)}
     assert backend_build(4, 1, table, (128, 128)) == "sacc_g1_deep" and backend_build(4, 8, table) == "sacc_g1"
     assert backend_build(4, 8, table, (2048, 512)) == "sacc_g1" and backend_build(4, 8, table, (32, 32)) == "sacc_g1"

@@ -164,7 +164,7 @@ typedef u16 T;
 #define MN_ZDEF (1u << (MN_BITS - 1))
 #define MN_RPL (128 / MN_PROWB)             // packed rows per 128 bytes (1, 2 or 4)
 
-static_assert(MD_BK == 64 || MD_BK == 128, "MD_BK must be 64 or 128");
+static_assert(MD_BK == 64 || MD_BK == 128 || (MD_BK == 256 && MN_SACC), "MD_BK must be 64 or 128 (256: sacc builds)");
 static_assert(MD_SPW >= 1 && (MD_BK / 16) % MD_WARPS == 0, "(MD_BK / 16) must be a multiple of MD_WARPS");
 static_assert(MD_GMAX >= 1 && MD_GMAX <= 4, "MD_GMAX must be 1..4");
 static_assert(MD_GU_COLS % 8 == 0 && MD_GU_COLS >= 8, "MD_GU_COLS must be a multiple of 8");
