@@ -279,7 +279,8 @@ def short_scales(scales: np.ndarray) -> bool:
 
 
 def uses_fma(w: NBitsExperts, knobs: NBitsKnobs) -> bool:
-    """Whether ``knobs``' build runs ``w`` with the FFMA dequantisation (-DMN_FMA=1): int4, short scales, reg 1."""
+    """Whether ``knobs``' build runs ``w`` with the FFMA dequantisation (-DMN_FMA=1): int4, short scales, reg 1, no
+    sacc."""
     return bool(w.short and w.bits == 4 and knobs.reg and not knobs.sacc)
 
 
