@@ -1233,7 +1233,7 @@ class CudaBackend:
             else:
                 self._moe_route(n, router, k, fold)
             pk = getattr(self.w, "packed_moe", {}).get(layer)  # (host fakes of the weights have none)
-            if pk is not None:  # the experts kept only packed (packed_experts): the int4 / int8 twin, same bits
+            if pk is not None:  # the experts kept only packed (packed_experts): moe_nbits_table's build
                 build = moe_nbits_build(pk.gate_up.bits, n, self.moe_nbits_table,  # type: ignore[attr-defined]
                                         (pk.gate_up.block_size, pk.down.block_size))  # type: ignore[attr-defined]
                 if build not in self.moe_nbits:

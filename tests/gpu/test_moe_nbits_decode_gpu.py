@@ -47,14 +47,14 @@ BUILDS = ("default", "reg")
 def _module_jobs(arch: str) -> list[tuple[str, tuple[str, ...], str]]:
     """(source, options, arch) of every moe_nbits_decode / moe_decode module this file loads."""
     from hybrid_runtime.cuda import moe_decode
-    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, SOURCE
+    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, SOURCE, WIDE_BK
 
     jobs = []
     for dtype, names in (("bfloat16", list(ALL_SETS)), ("float16", [*BUILDS, *SACC_BUILDS])):
         for name in names:
             kn = ALL_SETS[name]
             jobs += [(SOURCE, kn.options(dtype, bits), arch) for bits in (4, 8) if kn.runs_bits(bits)]
-            if kn.bk == 128:  # (a 256-k sacc build has no moe_decode twin)
+            if kn.bk != WIDE_BK:  # (a 256-k sacc build has no moe_decode twin)
                 jobs.append((moe_decode.SOURCE, (f"-DDT={DT[dtype]}", *kn.decode_knobs().options), arch))
     return jobs
 
@@ -171,14 +171,9 @@ class Rig:
         """Expert e's T weights (gate_up [2I, H], down [H, I]) dequantised on the HOST: float64 (q - z) * s rounded
         to float32, then to T (the load path's rounding)."""
         if e not in self._t:
-            out = []
-            for kind, (R, K) in self.codes.items():
-                s, z = self.host[kind]
-                sl = slice(e * R, (e + 1) * R)
-                bs = K if self.group == -1 else self.group
-                w = host_dequant(self.hB[kind][sl], s[sl], None if z is None else z[sl], self.bits, bs, K)
-                out.append(to_f32(host_bits(w.astype(np.float32), self.dtype), self.dtype).astype(np.float64))
-            self._t[e] = (out[0], out[1])
+            gu, dn = (to_f32(host_bits(w.astype(np.float32), self.dtype), self.dtype).astype(np.float64)
+                      for w in self.expert_q(e))
+            self._t[e] = (gu, dn)
         return self._t[e]
 
     def expert_q(self, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -264,12 +259,12 @@ def rig(dev, dtype: str, shape: str, bits: int) -> Rig:
 def kernels(dev, dtype: str, knobs: str = "default"):
     """(MoENBitsDecode, the MoEDecode build with the same tiles) of ALL_SETS[knobs], on ``dev``."""
     from hybrid_runtime.cuda.moe_decode import MoEDecode
-    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, MoENBitsDecode
+    from hybrid_runtime.cuda.moe_nbits_decode import ALL_SETS, WIDE_BK, MoENBitsDecode
 
     if (dev, dtype, knobs) not in _kernels:
         kn = ALL_SETS[knobs]
         twin = None
-        if kn.bk == 128:  # a 256-k sacc build has none (never compared bit for bit)
+        if kn.bk != WIDE_BK:  # a 256-k sacc build has none (never compared bit for bit)
             dk = kn.decode_knobs()
             if (dev, dtype, dk) not in _kernels:
                 _kernels[dev, dtype, dk] = MoEDecode(dev, dtype, **asdict(dk))

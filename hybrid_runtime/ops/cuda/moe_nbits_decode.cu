@@ -425,7 +425,7 @@ __device__ __forceinline__ void dec_cta(const T* __restrict__ X, long long ldx, 
   // (2t + 1, 2t + 9) in a[2 + h]; nz[h] = the T pair -(magic + z) of row mt * 16 + g + 8 h.
   // aoff[mt][h][ss]: byte offset in a ring stage of the lane's 8 packed bytes of row mt * 16 + g + 8 h at its warp's
   // k16 step ss of a tile (loop invariant: worked out once)
-  u32 aoff[MD_GU_RM / 16 > MD_DN_ROWS / 16 ? MD_GU_RM / 16 : MD_DN_ROWS / 16][2][MD_SPW];
+  u32 aoff[MT][2][MD_SPW];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
