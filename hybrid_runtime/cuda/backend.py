@@ -71,11 +71,11 @@ from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
 from .moe_router import supported as router_supported
 from .nbits_decode import DEFAULT_KNOBS as NBITS_DEFAULT_KNOBS
-from .nbits_decode import KNOB_SETS as NBITS_KNOB_SETS
 from .nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
-from .nbits_decode import TUNE_SETS as NBITS_TUNE_SETS
 from .nbits_decode import NBitsDecode, NBitsOperand
+from .nbits_decode import build_name as nbits_build_name
 from .nbits_decode import problems as nbits_problems
+from .nbits_decode import tune_candidates as nbits_tune_candidates
 from .prefill_attention import (
     CudaPrefillAttention,
     PrefillAttentionError,
@@ -460,9 +460,10 @@ class CudaBackend:
         if self.w.packed_only or packed_decode:
             # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
             self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
-                                     [NBITS_KNOB_SETS[k] for k in NBITS_TUNE_SETS])
-            for bits in sorted({p.bits for p in [*self.w.packed_only.values(), *packed_decode.values()]}):
-                self.nbits.module(bits)  # compiled now, never during a graph capture
+                                     nbits_tune_candidates(NBITS_DEFAULT_KNOBS))
+            for bits, bs in sorted({(p.bits, p.block_size)
+                                    for p in [*self.w.packed_only.values(), *packed_decode.values()]}):
+                self.nbits.module(bits, block_size=bs)  # compiled now, never during a graph capture
             # keyed by the pointer _gemm is handed: a packed-only weight's codes, a dual weight's dequantised array
             self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
             self._nbits_ops.update({self.w[n].ptr: NBitsOperand.from_packed(p) for n, p in packed_decode.items()})
@@ -1574,11 +1575,10 @@ class CudaBackend:
         times = self.nbits.tune(shapes, x.ptr, ldx, out.ptr, rows=rows)
         self.dev.synchronize()
         del x, out
-        names = {kn: name for name, kn in NBITS_KNOB_SETS.items()}
         for (N, K, bits), t in times.items():
             kn = self.nbits.choice[(N, K, bits)]
             log.info("packed decode GEMM %dx%d int%d (%d weights): nbits_decode build %s, %.1f us per call (default "
-                     "%.1f)", N, K, bits, len(shapes[(N, K, bits)]), names.get(kn, kn), t[kn] * 1e6,
+                     "%.1f)", N, K, bits, len(shapes[(N, K, bits)]), nbits_build_name(kn), t[kn] * 1e6,
                      t[self.nbits.knobs] * 1e6)
         self.nbits_tune_seconds = time.perf_counter() - t0
 

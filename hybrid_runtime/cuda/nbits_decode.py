@@ -32,12 +32,21 @@ up with HBM an SM must dequantise ~30 int4 codes per clock at 4 warp instruction
 instruction-bound at 4 bits; 8-bit codes come half as fast and always take it, ~6.7 per code). In
 float16 both give the same bits for float16-valued scales (GPTQ's); in bfloat16 the fast path rounds the scale to
 bfloat16 first (a relative error of at most 2^-8 per block scale on top of the weight's own rounding).
+
+The ``sacc`` builds (4-bit, not ``exact``; :attr:`NBitsKnobs.sacc`) put the scale on the accumulator instead: the
+MMAs multiply the integer weights ``q - z`` (exact in T) by the activations and each super-step's float32 partial
+is scaled once, ``acc += s * sum_k (q - z) x``: no T rounding of weight or scale (closer to the quantized model
+than either dequantisation; other bits than both) and one packed multiply fewer per pair of codes (the main loop's
+SASS, NVRTC 13, bf16, 16 rows, one n-group: 925 instructions against 1318). A super-step adds the k of 128 codes
+in one MMA chain, so these builds need a block size that is a multiple of 128 (GPTQ's 128 and whole-row groups):
+:meth:`NBitsKnobs.resolve` gives other operands the build without it (``launch`` applies it), and 8-bit weights run
+the exact path as always.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .driver import CudaDevice, DeviceArray, graph_replay_seconds
@@ -49,6 +58,7 @@ BITS = (4, 8)
 MAX_ROWS = 16
 MAX_WARPS = 8
 CHUNK = 16  # bytes of a row one lane loads at once
+SACC_BLOCK = 128  # the sacc builds' block sizes are multiples of this: the codes of one super-step (4 lanes' chunks)
 SHAPE_RULES = ("bfloat16 or float16; bits 4 or 8; block size a multiple of 16 dividing K; K * bits / 8 a multiple of "
                "16 (4-bit: K % 32 == 0); B 16-byte, scales and perm 4-byte aligned; without perm K == k_in, ldx % 8 "
                "== 0 and x 16-byte aligned; with perm 1 <= k_in <= K; ldx >= k_in; 1 <= n <= 16")
@@ -62,7 +72,9 @@ class NBitsKnobs:
     before its first dequantisation (else per super-step; the same bits either way); ``pf``: super-steps of a
     warp's share past its first register batch prefetched into L2 before the programmatic wait (the 16-row kernels
     without act order; the same bits);
-    ``bytes_per_warp``: bytes of a weight row per warp the host aims for (:func:`warps_for`)."""
+    ``bytes_per_warp``: bytes of a weight row per warp the host aims for (:func:`warps_for`); ``sacc``: the scale
+    on the accumulator (module docstring; 4-bit weights whose block size is a multiple of :data:`SACC_BLOCK`, see
+    :meth:`resolve`; not with ``exact``)."""
 
     u: int = 2
     rows: int = 16
@@ -70,6 +82,7 @@ class NBitsKnobs:
     bytes_per_warp: int = 256
     xpre: bool = False
     pf: int = 0
+    sacc: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,20 +94,35 @@ class NBitsKnobs:
             problems.append(f"pf {self.pf} not in 0..64")
         if self.bytes_per_warp < 64 or self.bytes_per_warp % 64:
             problems.append(f"bytes_per_warp {self.bytes_per_warp}: a positive multiple of 64")
+        if self.sacc and self.exact:
+            problems.append("sacc (the scale on the accumulator) and exact are two different dequantisations")
         if problems:
             raise ValueError("nbits_decode knobs: " + "; ".join(problems))
 
+    def runs_sacc(self, bits: int, block_size: int) -> bool:
+        """Whether this build puts the scale on the accumulator for such weights (4-bit, block size a multiple of
+        :data:`SACC_BLOCK`)."""
+        return self.sacc and bits == 4 and block_size > 0 and block_size % SACC_BLOCK == 0
+
+    def resolve(self, bits: int, block_size: int) -> NBitsKnobs:
+        """The build that runs ``bits``-bit weights of ``block_size``: this one, or without ``sacc`` where the
+        scale on the accumulator does not apply (8-bit, or blocks that split a super-step's 128 codes)."""
+        return self if not self.sacc or self.runs_sacc(bits, block_size) else replace(self, sacc=False)
+
     def options(self, dtype: str, bits: int) -> tuple[str, ...]:
+        """NVRTC options for ``dtype`` / ``bits`` (a sacc build at 8 bits compiles without it: the exact path)."""
         return (f"-DDT={DT_CODES[dtype]}", f"-DNB_BITS={bits}", f"-DNB_U={self.u}", f"-DNB_EXACT={int(self.exact)}",
-                f"-DNB_XPRE={int(self.xpre)}", f"-DNB_PF={self.pf}")
+                f"-DNB_XPRE={int(self.xpre)}", f"-DNB_PF={self.pf}", f"-DNB_SACC={int(self.sacc and bits == 4)}")
 
     def kernel(self, perm: bool = False) -> str:
         return ("nb_gemm_m16" if self.rows == 16 else "nb_gemm_m32") + ("_perm" if perm else "")
 
-    def same_bits(self, other: NBitsKnobs, bits: int) -> bool:
-        """Whether ``other`` gives this build's bits for ``bits``-bit weights: the same split of K and, at 4 bits,
-        the same dequantisation (8-bit always runs the exact one); u, rows, xpre and pf never change a result."""
-        return self.bytes_per_warp == other.bytes_per_warp and (bits == 8 or self.exact == other.exact)
+    def same_bits(self, other: NBitsKnobs, bits: int, block_size: int = SACC_BLOCK) -> bool:
+        """Whether ``other`` gives this build's bits for ``bits``-bit weights of ``block_size``: the same split of
+        K and, at 4 bits, the same dequantisation (8-bit always runs the exact one; see :meth:`resolve` for sacc);
+        u, rows, xpre and pf never change a result."""
+        a, b = self.resolve(bits, block_size), other.resolve(bits, block_size)
+        return a.bytes_per_warp == b.bytes_per_warp and (bits == 8 or (a.exact, a.sacc) == (b.exact, b.sacc))
 
 
 DEFAULT_KNOBS = NBitsKnobs()
@@ -109,10 +137,33 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "pf8": NBitsKnobs(pf=8),
     "bpw128": NBitsKnobs(bytes_per_warp=128),
     "bpw512": NBitsKnobs(bytes_per_warp=512),
+    "sacc": NBitsKnobs(sacc=True),
+    "sacc_m32": NBitsKnobs(rows=32, sacc=True),
 }
-# The builds :meth:`NBitsDecode.tune` times per shape at load: the default's split of K and dequantisation, so
-# whichever wins, every output element has the same bits.
+# The builds :meth:`NBitsDecode.tune` times per shape at load: the primary's split of K and dequantisation
+# (:func:`tune_candidates`), so whichever wins, every output element has the same bits.
 TUNE_SETS: tuple[str, ...] = ("default", "u1", "m32", "xpre", "pf8")
+
+
+def _with_bits_of(kn: NBitsKnobs, primary: NBitsKnobs) -> NBitsKnobs:
+    return replace(kn, exact=primary.exact, sacc=primary.sacc, bytes_per_warp=primary.bytes_per_warp)
+
+
+def tune_candidates(primary: NBitsKnobs) -> list[NBitsKnobs]:
+    """:data:`TUNE_SETS` with ``primary``'s dequantisation (exact, sacc) and split of K: the same bits."""
+    return [_with_bits_of(KNOB_SETS[n], primary) for n in TUNE_SETS]
+
+
+def build_name(kn: NBitsKnobs) -> str:
+    """A build's name for logs: its :data:`KNOB_SETS` name, else a tuning set's name with the dequantisation it
+    was given (``"m32 (sacc)"``), else the knobs."""
+    for name, k in KNOB_SETS.items():
+        if k == kn:
+            return name
+    for name in TUNE_SETS:
+        if _with_bits_of(KNOB_SETS[name], kn) == kn:
+            return f"{name} ({'sacc' if kn.sacc else 'exact' if kn.exact else 'fast'}, bpw {kn.bytes_per_warp})"
+    return repr(kn)
 
 
 def row_bytes(K: int, bits: int) -> int:
@@ -257,7 +308,8 @@ class NBitsDecode:
                  candidates: Sequence[NBitsKnobs] = ()) -> None:
         if dtype not in DT_CODES:
             raise ValueError(f"the int4 / int8 decode GEMM runs bfloat16 / float16, not {dtype!r}")
-        if bad := [c for c in candidates if c.bytes_per_warp != knobs.bytes_per_warp or c.exact != knobs.exact]:
+        if bad := [c for c in candidates if (c.bytes_per_warp, c.exact, c.sacc) != (knobs.bytes_per_warp, knobs.exact,
+                                                                                   knobs.sacc)]:
             raise ValueError(f"nbits_decode candidates {bad} split K or dequantise differently from {knobs}: their "
                              "results would not have the same bits")
         self.device, self.dtype, self.knobs = device, dtype, knobs
@@ -265,9 +317,10 @@ class NBitsDecode:
         self.modules: dict[tuple[NBitsKnobs, int], Module] = {}
         self.choice: dict[tuple[int, int, int], NBitsKnobs] = {}  # (N, K, bits) -> the build tune() picked
 
-    def module(self, bits: int, knobs: NBitsKnobs | None = None) -> Module:
-        """The build ``knobs`` (default: the primary) for ``bits``, compiled and loaded on first use."""
-        kn = knobs or self.knobs
+    def module(self, bits: int, knobs: NBitsKnobs | None = None, block_size: int = SACC_BLOCK) -> Module:
+        """The build ``knobs`` (default: the primary) for ``bits``-bit weights of ``block_size``
+        (:meth:`NBitsKnobs.resolve`), compiled and loaded on first use."""
+        kn = (knobs or self.knobs).resolve(bits, block_size)
         if (kn, bits) not in self.modules:
             self.modules[(kn, bits)] = load_module(SOURCE, kn.options(self.dtype, bits), self.device.arch)
         return self.modules[(kn, bits)]
@@ -305,7 +358,7 @@ class NBitsDecode:
         before any launch for a product :func:`check` refuses; the launch itself passes the guard
         (``Kernel.launch``)."""
         check(self.dtype, n, ldx, x, w)
-        kn = knobs or self.knobs_for(w.N, w.K, w.bits)
+        kn = (knobs or self.knobs_for(w.N, w.K, w.bits)).resolve(w.bits, w.block_size)
         self.module(w.bits, kn).kernel(kn.kernel(bool(w.perm))).launch(
             self.device, grid(w.N, kn), (32 * warps_for(w.K, w.bits, kn), 1, 1), 0,
             launch_args(n, x, ldx, w, out, ldo, out_f32, residual, ldr, bias), pdl=True)

@@ -114,10 +114,12 @@ def block_of(k: int, bs: int) -> int:
     return k >> sh if sh >= 0 else k // bs
 
 
-def load_chunk(p: Packed, r: int, c: int, ok: bool) -> tuple[list[int], list[float], list[int]]:
-    """The kernel's ``load_chunk``: the chunk's 4 little-endian words, and per half the scale and zero-point."""
+def load_chunk(p: Packed, r: int, c: int, ok: bool, halves: int | None = None) -> tuple[list[int], list[float],
+                                                                                          list[int]]:
+    """The kernel's ``load_chunk``: the chunk's 4 little-endian words, and per half the scale and zero-point
+    (``halves``: NB_HALVES, default 2 for 4-bit and 1 for 8-bit; the sacc build loads one per chunk)."""
     cc = 128 // p.bits
-    halves = 2 if p.bits == 4 else 1
+    halves = (2 if p.bits == 4 else 1) if halves is None else halves
     if not ok:
         return [0, 0, 0, 0], [0.0] * halves, [0] * halves
     raw = p.B[r, 16 * c:16 * c + 16]
@@ -138,9 +140,10 @@ def load_chunk(p: Packed, r: int, c: int, ok: bool) -> tuple[list[int], list[flo
 
 
 def dequant_word(words: list[int], s: list[float], z: list[int], wi: int, bits: int) -> list[tuple[float, float]]:
-    """The kernel's ``dequant_word`` (exact path, in float64): the word's T pairs (lower, upper)."""
+    """The kernel's ``dequant_word`` (exact path, in float64): the word's T pairs (lower, upper). With a single
+    (scale, zero) per chunk (``len(s) == 1``: the sacc build's NB_HALVES 1) every word takes it."""
     w = words[wi]
-    h = (wi >> 1) if bits == 4 else 0
+    h = (wi >> 1) if bits == 4 and len(s) == 2 else 0
     if bits == 4:
         return [(((w >> (4 * p)) & 15) - z[h]) * s[h] for p in range(4)], \
             [(((w >> (4 * p + 16)) & 15) - z[h]) * s[h] for p in range(4)]
@@ -172,9 +175,12 @@ def x_word(xo: np.ndarray, j: int, k0: int, ok: bool, bits: int) -> list[tuple[f
     return [(val(u & 0xFFFF), val(u >> 16)) for u in xp]
 
 
-def cta_model(p: Packed, xo: np.ndarray, n: int, row0: int, mt_count: int, nw: int) -> np.ndarray:
+def cta_model(p: Packed, xo: np.ndarray, n: int, row0: int, mt_count: int, nw: int, sacc: bool = False) -> np.ndarray:
     """out rows [row0, row0 + 16 mt_count) x tokens [0, 16) of one CTA as nbits_decode.cu computes them, with
-    exact (float64) weights (NaN where it writes nothing); xo: [16, K] the op-order input (x_op)."""
+    exact (float64) weights (NaN where it writes nothing); xo: [16, K] the op-order input (x_op). ``sacc``: the
+    NB_SACC build (4-bit): the MMAs on q - z into a per-super-step partial, each output element's partial then
+    scaled by the scale THE LANE HOLDING IT loaded (its own chunk's: right only where the super-step's 4 chunks
+    share one block)."""
     N, K, bits = p.N, p.K, p.bits
     cc = 128 // bits
     C = K // cc
@@ -192,7 +198,8 @@ def cta_model(p: Packed, xo: np.ndarray, n: int, row0: int, mt_count: int, nw: i
                 for mt in range(mt_count):
                     for h in range(2):
                         r = min(row0 + 16 * mt + g + 8 * h, N - 1)
-                        chunks[lane, mt, h] = load_chunk(p, r, c, c < C)
+                        chunks[lane, mt, h] = load_chunk(p, r, c, c < C, 1 if sacc else None)
+            part = np.zeros((mt_count, 2, 16, 8))
             for wi in range(4):
                 xs, ws = {}, {}
                 for lane in range(32):
@@ -204,14 +211,21 @@ def cta_model(p: Packed, xo: np.ndarray, n: int, row0: int, mt_count: int, nw: i
                         xs[lane, q] = x_word(xo, j, k0, c < C and q < ng and j < n, bits)
                     for mt in range(mt_count):
                         for h in range(2):
-                            ws[lane, mt, h] = pairs(*dequant_word(*chunks[lane, mt, h], wi, bits))
+                            words, sc, zz = chunks[lane, mt, h]
+                            ws[lane, mt, h] = pairs(*dequant_word(words, [1.0] if sacc else sc, zz, wi, bits))
                 for mt in range(mt_count):
                     for q in range(ng):
                         for m in range(npairs // 2):
                             a = [(ws[la, mt, 0][2 * m], ws[la, mt, 1][2 * m], ws[la, mt, 0][2 * m + 1],
                                   ws[la, mt, 1][2 * m + 1]) for la in range(32)]
                             b = [(xs[la, q][2 * m], xs[la, q][2 * m + 1]) for la in range(32)]
-                            red[w, mt, q] += mma16816(a, b)
+                            part[mt, q] += mma16816(a, b)
+            if sacc:  # fragment (row r, column col) lives in lane (r % 8, col // 2): its chunk's scale of row r
+                for mt in range(mt_count):
+                    for r in range(16):
+                        for col in range(8):
+                            part[mt, :, r, col] *= chunks[4 * (r % 8) + col // 2, mt, r // 8][1][0]
+            red[w] += part
     tot = red.sum(0)
     out = np.full((16 * mt_count, 16), np.nan)
     for mt in range(mt_count):

@@ -160,13 +160,16 @@ def _op(**kw: int) -> NBitsOperand:
 def test_knobs_and_host_rules() -> None:
     assert DEFAULT_KNOBS.kernel() == "nb_gemm_m16" and KNOB_SETS["m32"].kernel(perm=True) == "nb_gemm_m32_perm"
     assert not DEFAULT_KNOBS.exact and KNOB_SETS["exact"].exact
-    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}, {"pf": -1}, {"pf": 65}):
+    for bad in ({"u": 0}, {"u": 9}, {"rows": 24}, {"bytes_per_warp": 100}, {"pf": -1}, {"pf": 65},
+                {"sacc": True, "exact": True}):
         with pytest.raises(ValueError, match="nbits_decode knobs"):
             NBitsKnobs(**bad)
     assert DEFAULT_KNOBS.options("float16", 8) == ("-DDT=1", "-DNB_BITS=8", "-DNB_U=2", "-DNB_EXACT=0", "-DNB_XPRE=0",
-                                                   "-DNB_PF=0")
-    assert KNOB_SETS["xpre"].options("bfloat16", 4)[-2:] == ("-DNB_XPRE=1", "-DNB_PF=0")
-    assert KNOB_SETS["pf8"].options("bfloat16", 4)[-1] == "-DNB_PF=8"
+                                                   "-DNB_PF=0", "-DNB_SACC=0")
+    assert KNOB_SETS["xpre"].options("bfloat16", 4)[-3:] == ("-DNB_XPRE=1", "-DNB_PF=0", "-DNB_SACC=0")
+    assert KNOB_SETS["pf8"].options("bfloat16", 4)[-2] == "-DNB_PF=8"
+    assert KNOB_SETS["sacc"].options("bfloat16", 4)[-1] == "-DNB_SACC=1"
+    assert KNOB_SETS["sacc"].options("bfloat16", 8)[-1] == "-DNB_SACC=0"  # 8-bit: the exact path
     # warps from a row's packed bytes / 256: 2048 int4 = 1 KiB -> 4, int8 -> 8; 512 int4 = 256 B -> 1; 4096 int4 -> 8
     assert warps_for(2048, 4) == 4 and warps_for(2048, 8) == 8 and warps_for(512, 4) == 1 and warps_for(4096, 4) == 8
     assert warps_for(32, 4) == 1 and warps_for(2048, 4, KNOB_SETS["bpw512"]) == 2
@@ -296,6 +299,12 @@ CASES = [  # N, K, bits, bs, asym, k_in (None: no perm), n, mt_count, nw
     (24, 2048, 4, 128, True, None, 3, 1, 8),  # bpw128's split of a 2048-column int4 row: 8 warps of 2 super-steps
     (16, 512, 8, 64, False, 500, 16, 1, 4),  # bpw128, 8-bit: 4 warps of 2 super-steps, act order
 ]
+SACC_CASES = [  # 4-bit, block sizes a multiple of 128 (what the host runs the sacc build for)
+    (24, 2048, 4, 128, True, None, 3, 1, 8),
+    (20, 640, 4, 128, True, None, 16, 2, 3),  # 5 super-steps over 3 warps; N past the last m-tile
+    (33, 384, 4, 384, False, 370, 12, 2, 1),  # one block per row, act order with 14 padding columns
+    (16, 1024, 4, 256, False, None, 9, 1, 2),  # two super-steps a block
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}_K{}_b{}_bs{}_{}_{}_n{}_mt{}_w{}".format(
@@ -317,6 +326,86 @@ def test_the_lanes_compute_the_dequantised_product(case: tuple) -> None:
         r1 = min(N, row0 + rows)
         np.testing.assert_allclose(got[:r1 - row0, :n], want[:, row0:r1].T, rtol=1e-12, atol=1e-12)
         assert np.isnan(got[:, n:]).all() and np.isnan(got[r1 - row0:]).all()
+
+
+@pytest.mark.parametrize("case", SACC_CASES, ids=lambda c: "N{}_K{}_bs{}_{}_{}_n{}_mt{}_w{}".format(
+    c[0], c[1], c[3], "asym" if c[4] else "sym", "perm" if c[5] else "noperm", *c[6:]))
+def test_the_sacc_lanes_compute_the_quantized_product(case: tuple) -> None:
+    """NB_SACC: MMAs on q - z into a super-step's partial, each element scaled by its own lane's chunk scale ==
+    x @ w.T with the unrounded dequantised weight (the float64 model: the only difference on the GPU is float32
+    accumulation, no T rounding of weights or scales); and the host resolves these operands to the sacc build."""
+    N, K, bits, bs, asym, k_in, n, mt_count, nw = case
+    rng = np.random.default_rng(N * K + bs + n)
+    p = random_packed(rng, N, K, bits, bs, asym, k_in)
+    x = rng.standard_normal((16, p.k_in + 3))
+    xo = x_op(p, x)
+    want = xo[:n] @ dequantize_op(p).T
+    rows = 16 * mt_count
+    for row0 in range(0, N, rows):
+        got = cta_model(p, xo, n, row0, mt_count, nw, sacc=True)
+        r1 = min(N, row0 + rows)
+        np.testing.assert_allclose(got[:r1 - row0, :n], want[:, row0:r1].T, rtol=1e-12, atol=1e-12)
+        assert np.isnan(got[:, n:]).all() and np.isnan(got[r1 - row0:]).all()
+    assert KNOB_SETS["sacc"].resolve(bits, bs) == KNOB_SETS["sacc"]
+
+
+def test_sacc_needs_a_super_step_in_one_block() -> None:
+    """Why the host keeps the sacc build to block sizes that are multiples of 128: with 64-code blocks the four
+    lanes of a super-step hold two different scales per row, and the lane-own scaling the kernel does is wrong; such
+    operands resolve to the build without it (the fast dequantisation), as 8-bit ones do."""
+    rng = np.random.default_rng(3)
+    p = random_packed(rng, 16, 512, 4, 64, True)
+    xo = x_op(p, rng.standard_normal((16, 512)))
+    got = cta_model(p, xo, 2, 0, 1, 1, sacc=True)[:, :2]
+    want = (xo[:2] @ dequantize_op(p).T).T
+    assert not np.allclose(got, want, rtol=1e-6, atol=1e-9)
+    sacc, m32 = KNOB_SETS["sacc"], KNOB_SETS["sacc_m32"]
+    for bits, bs in ((4, 64), (4, 32), (4, 192), (8, 128), (4, 0)):
+        assert not sacc.runs_sacc(bits, bs) and sacc.resolve(bits, bs) == DEFAULT_KNOBS, (bits, bs)
+    assert m32.resolve(4, 64) == KNOB_SETS["m32"] and m32.resolve(4, 2048) == m32
+    assert DEFAULT_KNOBS.resolve(4, 128) == DEFAULT_KNOBS  # a build without sacc is never changed
+    # same bits: sacc against the fast default only where sacc does not run
+    assert not sacc.same_bits(DEFAULT_KNOBS, 4) and not sacc.same_bits(DEFAULT_KNOBS, 4, 2048)
+    assert sacc.same_bits(DEFAULT_KNOBS, 4, 64) and sacc.same_bits(DEFAULT_KNOBS, 8) and sacc.same_bits(m32, 4)
+
+
+def test_sacc_tuning_candidates_and_names() -> None:
+    """tune_candidates gives every tuning set the primary's dequantisation (sacc too), so the primary's tuner keeps
+    its bits; build_name names the derived builds for the load log."""
+    from hybrid_runtime.cuda.nbits_decode import build_name, tune_candidates
+
+    sacc = KNOB_SETS["sacc"]
+    cands = tune_candidates(sacc)
+    assert len(cands) == len(TUNE_SETS) and cands[0] == sacc and KNOB_SETS["sacc_m32"] in cands
+    assert all(c.sacc and c.same_bits(sacc, 4) and c.same_bits(sacc, 4, 64) for c in cands)
+    assert tune_candidates(DEFAULT_KNOBS) == [KNOB_SETS[n] for n in TUNE_SETS]
+    kern = NBitsDecode(None, "bfloat16", sacc, cands)  # type: ignore[arg-type]
+    assert kern.builds[0] == sacc and len(kern.builds) == len(TUNE_SETS)
+    with pytest.raises(ValueError, match="same bits"):
+        NBitsDecode(None, "bfloat16", sacc, [DEFAULT_KNOBS])  # type: ignore[arg-type]
+    assert build_name(DEFAULT_KNOBS) == "default" and build_name(KNOB_SETS["sacc_m32"]) == "sacc_m32"
+    assert build_name(cands[TUNE_SETS.index("pf8")]) == "pf8 (sacc, bpw 256)"
+
+
+def test_sacc_cuts_the_main_loop() -> None:
+    """The sacc build's main loop (16 rows, one n-group: the decode steps of <= 8 rows) has no packed scale
+    multiply (HMUL2) and one FFMA per output element a super-step, and at most 0.75x the default's instructions
+    (SASS, NVRTC 13: 925 against 1318)."""
+    nvrtc_or_skip()
+    from benchmarks.sass_loops import disassemble, kernels, loops, nvdisasm_path
+
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm (the nvidia-cuda-nvdisasm dev dependency)")
+
+    def one_group_loop(kn: NBitsKnobs) -> dict[str, int]:
+        ins = kernels(disassemble(SOURCE, [d[2:] for d in kn.options("bfloat16", 4)], "sm_90"))["nb_gemm_m16"]
+        # the k loops of both n-group counts (the one-group loop has half the HMMA of the two-group one)
+        return min((lp for lp in loops(ins) if lp.mix["HMMA"]), key=lambda lp: lp.mix["HMMA"]).mix
+
+    base, sacc = one_group_loop(DEFAULT_KNOBS), one_group_loop(KNOB_SETS["sacc"])
+    assert base.get("HMUL2", 0) > 0 and sacc.get("HMUL2", 0) == 0, (base, sacc)
+    assert sacc.get("FFMA", 0) > 0 and sacc["HMMA"] == base["HMMA"]
+    assert sum(sacc.values()) <= 0.75 * sum(base.values()), (sum(sacc.values()), sum(base.values()))
 
 
 def test_the_independent_dequantiser_agrees_with_the_project_layout() -> None:

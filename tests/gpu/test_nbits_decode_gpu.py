@@ -9,9 +9,10 @@ nothing written past row n or column N.
 Tolerances (``Rig.check``):
 
 * against x @ round_T(w).T in float64 - the T weight the build multiplies (exact build: (q - z) * s rounded once;
-  fast build: (q - z) * round_T(s) rounded once, the same for float16-valued scales) - only the float32
-  accumulation differs: |err| <= 2^-16 * sum_k |x w| (about K / 16 float32 additions of mma partial sums, each
-  off by at most 2^-24 of the running magnitude, for K <= 4096);
+  fast build: (q - z) * round_T(s) rounded once, the same for float16-valued scales; sacc build: w itself, q - z
+  exact in T and the float32 scale on the accumulator) - only the float32 accumulation differs: |err| <= 2^-16 *
+  sum_k |x w| (about K / 16 float32 additions of mma partial sums, each off by at most 2^-24 of the running
+  magnitude, for K <= 4096; sacc: one more float32 rounding per 128 k, the scaled partial);
 * against x @ w.T with the unrounded dequantised weight (float64): the T rounding of each weight adds at most u_T
   |x_k w_k| (the unit roundoff u_T: 2^-8 bfloat16, 2^-11 float16; 2 u for the fast bfloat16 build, whose scale is
   rounded too), so |err| <= (u_T + 2^-16) * sum_k |x w|, and a T output adds u_T |y|.
@@ -39,12 +40,19 @@ def make_packed(rng: np.random.Generator, K: int, N: int, bits: int, group: int,
     return random_packed(rng, N, K, bits, bs, asym, K - 32 if perm else None, 0.01 if bits == 4 else 0.0006)
 
 
+def mode_of(kn, bits: int, bs: int) -> str:
+    """The dequantisation build ``kn`` runs on such weights: "sacc", "exact" or "fast" (8-bit: always exact)."""
+    r = kn.resolve(bits, bs)
+    return "exact" if bits == 8 or r.exact else "sacc" if r.sacc else "fast"
+
+
 class Rig:
-    def __init__(self, dev, dtype: str, p: Packed, seed: int = 0, fast: bool | None = None) -> None:
-        """``fast``: the reference of the fast 4-bit dequantisation (default: the default build's)."""
+    def __init__(self, dev, dtype: str, p: Packed, seed: int = 0, mode: str | None = None) -> None:
+        """``mode``: the reference of that dequantisation (:func:`mode_of`; default: the default build's)."""
         from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, NBitsOperand
 
-        fast = not DEFAULT_KNOBS.exact if fast is None else fast
+        mode = mode_of(DEFAULT_KNOBS, p.bits, p.bs) if mode is None else mode
+        fast = mode == "fast"
 
         rng = np.random.default_rng(seed)
         self.dev, self.dtype, self.p = dev, dtype, p
@@ -59,9 +67,12 @@ class Rig:
                                p.K, p.N, p.bits, p.bs, p.k_in)
         self.w = dequantize_op(p)
         s_t = p.scales if not (fast and p.bits == 4) else to_f32(host_bits(p.scales, dtype), dtype)
-        self.w_t = to_f32(host_bits(dequantize_op(p, s_t).astype(np.float32), dtype), dtype).astype(np.float64)
+        self.w_t = (self.w if mode == "sacc" else
+                    to_f32(host_bits(dequantize_op(p, s_t).astype(np.float32), dtype), dtype).astype(np.float64))
         self.references(to_f32(self.xb, dtype))
-        self.unit = UNIT[dtype] * (2 if fast and dtype == "bfloat16" and p.bits == 4 else 1)
+        self.unit_out = UNIT[dtype]  # a T output's rounding
+        # the weights' own rounding: none for sacc, twice for the fast bf16 build (its scale is rounded too)
+        self.unit = 0.0 if mode == "sacc" else UNIT[dtype] * (2 if fast and dtype == "bfloat16" and p.bits == 4 else 1)
         self.bias = rng.standard_normal(p.N).astype(np.float32)
         self.res = rng.standard_normal((16, p.N + 4)).astype(np.float32)
         self.b = dev.upload(self.bias)
@@ -89,7 +100,7 @@ class Rig:
         N = self.p.N
         g = got[:n, :N].astype(np.float64)
         rows = slice(row, row + n)
-        extra = self.unit * np.abs(self.ref[rows]) if out_t else 0.0
+        extra = self.unit_out * np.abs(self.ref[rows]) if out_t else 0.0
         np.testing.assert_array_less(np.abs(g - self.ref_t[rows]), ACC * self.absum[rows] + extra + 1e-30,
                                      err_msg="vs the T weight the build multiplies")
         np.testing.assert_array_less(np.abs(g - self.ref[rows]), (self.unit + ACC) * self.absum[rows] + extra + 1e-30,
@@ -166,15 +177,17 @@ def test_every_knob_set(dev, bits) -> None:
     from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, KNOB_SETS, NBitsDecode
 
     for dtype in ("bfloat16", "float16"):
-        p = make_packed(np.random.default_rng(bits), 2048, 2048, bits, 64, True, False)
-        rig = Rig(dev, dtype, p, seed=2)
-        base = rig.run(NBitsDecode(dev, dtype), 7, out_f32=True)
-        for name, kn in KNOB_SETS.items():
-            r = rig if kn.exact == DEFAULT_KNOBS.exact else Rig(dev, dtype, p, seed=2, fast=not kn.exact)
-            got = r.run(NBitsDecode(dev, dtype, kn), 7, out_f32=True)
-            r.check(got, 7)
-            if kn.same_bits(DEFAULT_KNOBS, bits):
-                assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (dtype, name)
+        for group in (64, 128):  # 64: the sacc builds run their twin without it
+            p = make_packed(np.random.default_rng(bits + group), 2048, 2048, bits, group, True, False)
+            rigs = {mode_of(DEFAULT_KNOBS, bits, group): Rig(dev, dtype, p, seed=2)}
+            base = rigs[mode_of(DEFAULT_KNOBS, bits, group)].run(NBitsDecode(dev, dtype), 7, out_f32=True)
+            for name, kn in KNOB_SETS.items():
+                mode = mode_of(kn, bits, group)
+                r = rigs.setdefault(mode, Rig(dev, dtype, p, seed=2, mode=mode))
+                got = r.run(NBitsDecode(dev, dtype, kn), 7, out_f32=True)
+                r.check(got, 7)
+                if kn.same_bits(DEFAULT_KNOBS, bits, group):
+                    assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (dtype, group, name)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -204,6 +217,46 @@ def test_tune_picks_a_build_per_shape_with_the_same_bits(dev, bits) -> None:
         for n in (1, 7):
             one = r.run(kern, n, out_f32=True)
             assert np.array_equal(one[:n].view(np.uint32), b[:n].view(np.uint32))
+
+
+SACC_SHAPES = [(2048, 12288), (4096, 2048), (512, 2048)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", SACC_SHAPES, ids=lambda s: f"K{s[0]}xN{s[1]}")
+def test_scale_on_accumulator_builds(dev, dtype, shape) -> None:
+    """The sacc builds (int4, block sizes 128 and whole rows; sym / asym; with and without act order) against
+    x @ w.T with the unrounded dequantised weight in float64 within the float32 accumulation bound alone (no T
+    rounding of weights or scales); every sacc build (16 / 32 rows, the tuning candidates) gives the same bits, a
+    row's bits alone == inside a 16-row step; and the worst relative error per output element is printed beside the
+    fast build's (what the default's bf16-rounded scales cost)."""
+    from hybrid_runtime.cuda.nbits_decode import DEFAULT_KNOBS, KNOB_SETS, NBitsDecode, tune_candidates
+
+    K, N = shape
+    sacc = KNOB_SETS["sacc"]
+    builds = list(dict.fromkeys([sacc, KNOB_SETS["sacc_m32"], *tune_candidates(sacc)]))
+    for i, (group, asym, perm) in enumerate([(128, True, False), (-1, False, False), (128, False, True)]):
+        p = make_packed(np.random.default_rng(K + N + i), K, N, 4, group, asym, perm)
+        rig = Rig(dev, dtype, p, seed=i, mode="sacc")
+        full = rig.run(NBitsDecode(dev, dtype, sacc), 16, out_f32=True)
+        rig.check(full, 16)
+        for kn in builds[1:]:
+            got = rig.run(NBitsDecode(dev, dtype, kn), 16, out_f32=True)
+            assert np.array_equal(got.view(np.uint32), full.view(np.uint32)), kn
+        kern = NBitsDecode(dev, dtype, sacc)
+        for n in (1, 8):
+            got = rig.run(kern, n, out_f32=True)
+            assert np.array_equal(got[:n].view(np.uint32), full[:n].view(np.uint32)), n
+        for row in (5, 15):
+            got = rig.run(kern, 1, out_f32=True, row=row)
+            assert np.array_equal(got[:1, :N].view(np.uint32), full[row:row + 1, :N].view(np.uint32)), row
+        fast = rig.run(NBitsDecode(dev, dtype, DEFAULT_KNOBS), 16, out_f32=True)
+        scale = np.abs(rig.absum) + 1e-30
+        err = {name: float(np.max(np.abs(o[:16, :N] - rig.ref) / scale)) for name, o in (("sacc", full),
+                                                                                          ("fast", fast))}
+        print(f"{dtype} K{K}xN{N} group {group} {'asym' if asym else 'sym'}{' perm' if perm else ''}: max |err| / "
+              f"sum|x w|: sacc {err['sacc']:.2e}, fast (default) {err['fast']:.2e}")
+        assert err["sacc"] <= err["fast"]
 
 
 @pytest.mark.parametrize("perm", [False, True])

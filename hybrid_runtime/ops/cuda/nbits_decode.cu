@@ -21,6 +21,13 @@
 //             bits for float16 whenever the scale is a float16 value (GPTQ's are), the scale rounded to bfloat16
 //             first for bfloat16 (the host's default: ~2/3 of the instructions per code). 8-bit always runs the
 //             float32 path.
+//   NB_SACC   4-bit with NB_EXACT 0 only (scale on the accumulator). The MMAs multiply the integer weights q - z
+//             (exact in T: |q - z| <= 15), made as NB_EXACT 0 makes them, by the activations; each super-step's
+//             float32 partial of an output element is scaled once: acc += s * sum_k (q - z) x. No T rounding of the
+//             weight or of the scale (closer to the quantized model than either dequantisation) and one packed
+//             multiply fewer per pair of codes. A super-step's MMAs add the k of its 4 lanes' chunks, 128 codes,
+//             so every one of them must lie in one block: the host runs it only for block sizes that are a
+//             multiple of 128 (GPTQ's 128 and whole-row groups), a chunk's scale loaded once (NB_HALVES 1).
 //
 // Chunks. A lane's unit is a 16-byte CHUNK of one weight row: 32 codes (4-bit) or 16 (8-bit), one wide load
 // (ld.global.nc, no L1 allocation). Super-step s of a warp: lane (g = lane / 4, t = lane % 4) loads chunk c = 4 s + t
@@ -46,7 +53,8 @@
 //
 // Batch invariance by construction: an output element is accumulated in one fixed order - per warp its
 // super-steps in order, in each the chunk's words in order, each one or two m16n8k16 MMAs, then the warps' sums in
-// warp order - which depends on (K, BITS, nw) only, never on n or on which n-group or column a token lands in.
+// warp order - which depends on (K, BITS, nw) only, never on n or on which n-group or column a token lands in
+// (NB_SACC: each super-step's MMAs into a zeroed partial, then one FFMA of it into the accumulator: the same).
 // Shapes (the host checks): bs % 16 == 0, K % bs == 0, K * BITS / 8 % 16 == 0, B 16-byte aligned; without perm
 // K == k_in, ldx % 8 == 0 and X 16-byte aligned; any N (rows past N are clamped loads, never written); 1 <= n <= 16.
 
@@ -78,6 +86,15 @@ typedef unsigned char u8;
 #ifndef NB_PF
 #define NB_PF 0
 #endif
+#ifndef NB_SACC
+#define NB_SACC 0
+#endif
+#if NB_SACC != 0 && NB_SACC != 1
+#error "NB_SACC must be 0 or 1"
+#endif
+#if NB_SACC && (NB_BITS != 4 || NB_EXACT != 0)
+#error "NB_SACC needs NB_BITS 4 and NB_EXACT 0"
+#endif
 static_assert(NB_PF >= 0 && NB_PF <= 64, "NB_PF must be 0..64");
 static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
 #define NB_U32 (NB_U > 1 ? NB_U / 2 : 1)  // the 32-row kernels: half the batch (the same chunks in flight per lane)
@@ -85,7 +102,8 @@ static_assert(NB_U >= 1 && NB_U <= 8, "NB_U must be 1..8");
 #define NB_CC (128 / NB_BITS)         // codes per 16-byte chunk
 #define NB_CW (NB_CC / 4)             // codes per 32-bit word
 #define NB_PAIRS (NB_CW / 2)          // T pairs per word
-#define NB_HALVES (NB_BITS == 4 ? 2 : 1)  // blocks a chunk may span (4-bit with bs == 16: two)
+// blocks a chunk may span (4-bit with bs == 16: two; NB_SACC runs bs % 128 == 0 only: one)
+#define NB_HALVES (NB_BITS == 4 && !NB_SACC ? 2 : 1)
 #define NB_ZDEF (1u << (NB_BITS - 1))
 
 __device__ __forceinline__ float u2f(u32 u) {
@@ -262,6 +280,14 @@ __device__ __forceinline__ void dequant_word(u32 (&P)[NB_PAIRS], const Chunk& ch
   const u32 z = ch.z[h];
 #if NB_BITS == 4 && NB_EXACT == 0
   const u32 negz = ((NB_MAGIC | z) | 0x8000u) * 0x00010001u;  // -(magic + z) in both halves, exact
+#if NB_SACC
+  (void)s;  // the scale goes on the super-step's partial sums (mma_batch)
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const u32 hm = lop3_and_or(w >> (4 * p), opaque(0x000f000fu), NB_MAGIC * 0x00010001u);  // magic + code, exact
+    P[p] = fma2(hm, NB_ONE * 0x00010001u, negz);                               // code - z, exact
+  }
+#else
   const u32 s2 = pack2(s, s);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
@@ -269,6 +295,7 @@ __device__ __forceinline__ void dequant_word(u32 (&P)[NB_PAIRS], const Chunk& ch
     const u32 d = fma2(hm, NB_ONE * 0x00010001u, negz);                        // code - z, exact
     P[p] = fma2(d, s2, 0x80008000u);                                            // * s, rounded once
   }
+#endif
 #else
   const float zf = 8388608.f + (float)z;  // 2^23 + z: 2^23 + code - (2^23 + z) is exact
 #if NB_BITS == 4
@@ -378,6 +405,17 @@ __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT
 #pragma unroll
     for (int q = 0; q < NG; ++q) x_chunk<PERM>(xv[q], a, xr[q], c * NB_CC, ok && xok[q]);
 #endif
+#if NB_SACC
+    float part[MT][NG][4];  // the super-step's sums of (q - z) x, scaled into acc below
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < NG; ++q)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[mt][q][c] = 0.f;
+#else
+    float(&part)[MT][2][4] = acc;
+#endif
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
       u32 xp[NG][NB_PAIRS];
@@ -392,10 +430,21 @@ __device__ __forceinline__ void mma_batch(float (&acc)[MT][2][4], const Batch<MT
         for (int q = 0; q < NG; ++q) {
 #pragma unroll
           for (int m = 0; m < NB_PAIRS / 2; ++m)
-            mma16816(acc[mt][q], lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1], xp[q][2 * m], xp[q][2 * m + 1]);
+            mma16816(part[mt][q], lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1], xp[q][2 * m], xp[q][2 * m + 1]);
         }
       }
     }
+#if NB_SACC
+    // fragment c: row g (c < 2) or g + 8, whose chunk's scale this lane loaded: the 4 lanes of a row hold the 4
+    // chunks of the super-step, all in one block (bs % 128 == 0), so each applies the same scale; past the row's
+    // end the scale is 0 (and so is the partial)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < NG; ++q)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mt][q][c] = fmaf(b.ch[i][mt][c >> 1].s[0], part[mt][q][c], acc[mt][q][c]);
+#endif
   }
 }
 
