@@ -71,9 +71,18 @@ def main() -> int:
                          "decode MoE builds ONE (1-row steps) and MANY (the others; moe_nbits_decode.ALL_SETS names) "
                          "instead of BACKEND_BUILDS / FAST_BUILDS, e.g. "
                          "exact=reg_g1_deep:reg_g1,sacc=sacc_g1_deep:sacc_g1")
+    ap.add_argument("--dense-builds", default="",
+                    help="comma-separated nbits_decode.KNOB_SETS names: run each int4 / int8 variant once per name "
+                         "with that build as the packed projections' primary (its tuning candidates carry its "
+                         "dequantisation) instead of nbits_decode.DEFAULT_KNOBS, e.g. default,sacc")
     args = ap.parse_args()
     from hybrid_runtime.cuda import backend as backend_mod
     from hybrid_runtime.cuda import moe_nbits_decode as mnd
+    from hybrid_runtime.cuda import nbits_decode as nbd
+
+    dense_builds = [b for b in args.dense_builds.split(",") if b] or [""]
+    if bad := [b for b in dense_builds if b and b not in nbd.KNOB_SETS]:
+        ap.error(f"--dense-builds {bad}: names of {list(nbd.KNOB_SETS)}")
 
     tables: list[tuple[str, dict | None]] = [("", None)]
     if args.moe_builds:
@@ -90,8 +99,9 @@ def main() -> int:
     modes = [m for m in args.packed.split(",") if m]
     if not modes or set(modes) - {"all", "experts", "dual"}:
         ap.error(f"--packed {args.packed!r}: all, experts and / or dual")
-    runs = [(b, "all", "", None) for b in variants if b == 16] + [
-        (b, m, label, table) for b in variants if b != 16 for m in modes for label, table in tables]
+    runs = [(b, "all", "", None, "") for b in variants if b == 16] + [
+        (b, m, label, table, dense) for b in variants if b != 16 for m in modes for label, table in tables
+        for dense in dense_builds]
     import torch
 
     from hybrid_runtime.cuda.driver import CudaDevice
@@ -102,11 +112,14 @@ def main() -> int:
     cfg = qwen35_moe_config(args.layers)
     rows: list[dict[str, Any]] = []
     defaults = (mnd.BACKEND_BUILDS, mnd.FAST_BUILDS)
-    for bits, mode, label, table in runs:
+    dense_default = backend_mod.NBITS_DEFAULT_KNOBS
+    for bits, mode, label, table, dense in runs:
         name = "bf16" if bits == 16 else (f"int{bits} (GPTQ, group {args.group}, packed {mode}"
-                                          f"{f', experts {label}' if label else ''})")
+                                          f"{f', experts {label}' if label else ''}"
+                                          f"{f', projections {dense}' if dense else ''})")
         mnd.BACKEND_BUILDS = backend_mod.MOE_NBITS_BUILDS = table or defaults[0]
         mnd.FAST_BUILDS = backend_mod.MOE_NBITS_FAST_BUILDS = table or defaults[1]
+        backend_mod.NBITS_DEFAULT_KNOBS = nbd.KNOB_SETS[dense] if dense else dense_default
         max_seq = args.context + 64
         be, runner, load = build(cfg, max(args.batches), max_seq, max(args.batches) * -(-max_seq // 16),
                                  args.batches, bits=bits, group=args.group, packed=mode)
@@ -129,7 +142,8 @@ def main() -> int:
     lines = [f"# Decode step with GPTQ-quantized weights on the GPU (`cuda` backend), {datetime.date.today()}", "",
              f"`python3 -m benchmarks.gpu_decode_step_quant --bits {args.bits} --group {args.group} "
              f"--packed {args.packed} --batches {' '.join(map(str, args.batches))}"
-             f"{f' --moe-builds {args.moe_builds}' if args.moe_builds else ''}` on "
+             f"{f' --moe-builds {args.moe_builds}' if args.moe_builds else ''}"
+             f"{f' --dense-builds {args.dense_builds}' if args.dense_builds else ''}` on "
              f"{torch.cuda.get_device_name(0)}: Qwen3.5-35B-A3B text shape, {args.layers} layers, context "
              f"{args.context}; copy bandwidth measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes a step must "
              "read (float weights, packed projections and experts at their packed bytes, KV, GDN state) / copy "
