@@ -70,9 +70,9 @@ class Rig:
         self.w_t = (self.w if mode == "sacc" else
                     to_f32(host_bits(dequantize_op(p, s_t).astype(np.float32), dtype), dtype).astype(np.float64))
         self.references(to_f32(self.xb, dtype))
-        self.unit_out = UNIT[dtype]  # a T output's rounding
         # the weights' own rounding: none for sacc, twice for the fast bf16 build (its scale is rounded too)
         self.unit = 0.0 if mode == "sacc" else UNIT[dtype] * (2 if fast and dtype == "bfloat16" and p.bits == 4 else 1)
+        self.unit_out = max(self.unit, UNIT[dtype])  # a T output's rounding (the weights' allowance where larger)
         self.bias = rng.standard_normal(p.N).astype(np.float32)
         self.res = rng.standard_normal((16, p.N + 4)).astype(np.float32)
         self.b = dev.upload(self.bias)
