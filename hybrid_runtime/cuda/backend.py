@@ -461,12 +461,10 @@ class CudaBackend:
             # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
             self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
                                      nbits_tune_candidates(NBITS_DEFAULT_KNOBS))
-            for bits, bs in sorted({(p.bits, p.block_size)
-                                    for p in [*self.w.packed_only.values(), *packed_decode.values()]}):
-                self.nbits.module(bits, block_size=bs)  # compiled now, never during a graph capture
             # keyed by the pointer _gemm is handed: a packed-only weight's codes, a dual weight's dequantised array
             self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
             self._nbits_ops.update({self.w[n].ptr: NBitsOperand.from_packed(p) for n, p in packed_decode.items()})
+            self.nbits.prepare(list(self._nbits_ops.values()))  # compiled now, never during a graph capture
         if self.w.packed_only:
             self.nbits_deq = NBitsDequant(self.dev, self.dtype)
             self.nbits_scratch = self.dev.empty((max(p.N * p.k_in for p in self.w.packed_only.values()),), self.dtype)

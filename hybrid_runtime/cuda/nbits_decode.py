@@ -325,6 +325,17 @@ class NBitsDecode:
             self.modules[(kn, bits)] = load_module(SOURCE, kn.options(self.dtype, bits), self.device.arch)
         return self.modules[(kn, bits)]
 
+    def prepare(self, ops: Sequence[NBitsOperand]) -> list[tuple[NBitsKnobs, int]]:
+        """Compile and load now (never during a graph capture) the primary build each of ``ops`` runs: one module
+        per (resolved build, bits), e.g. a sacc primary and its twin without sacc for blocks that are not multiples
+        of :data:`SACC_BLOCK`. Returns the (build, bits) pairs, in order. The tuning candidates compile in
+        :meth:`tune`, which runs before any capture too."""
+        need = dict.fromkeys((self.knobs.resolve(w.bits, w.block_size), w.bits)
+                             for w in sorted(ops, key=lambda w: (w.bits, w.block_size)))
+        for kn, bits in need:
+            self.module(bits, kn)
+        return list(need)
+
     def knobs_for(self, N: int, K: int, bits: int) -> NBitsKnobs:
         return self.choice.get((N, K, bits), self.knobs)
 

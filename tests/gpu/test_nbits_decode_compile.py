@@ -428,3 +428,27 @@ def test_the_independent_dequantiser_agrees_with_the_project_layout() -> None:
         x = rng.standard_normal((3, w.k_in))
         ref = x @ nbits_dequantize(w.B, w.scales, w.zero_points, w.perm, w.meta(0)).T.astype(np.float64)
         np.testing.assert_allclose(x_op(p, x) @ dequantize_op(p).T, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_prepare_compiles_each_resolved_build_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NBitsDecode.prepare (what CudaBackend calls at load, before any capture) loads one module per (resolved
+    build, bits) its operands run: a sacc primary compiles itself for 4-bit blocks of 128 / whole rows and its
+    twin without sacc for 64-code blocks and for 8-bit weights; nothing twice (recording load_module: no GPU)."""
+    import hybrid_runtime.cuda.nbits_decode as nbd
+
+    loads: list[tuple[str, ...]] = []
+    monkeypatch.setattr(nbd, "load_module", lambda src, opts, arch: loads.append(opts) or object())
+
+    class Dev:
+        arch = "sm_90"
+
+    sacc = KNOB_SETS["sacc"]
+    kern = NBitsDecode(Dev(), "bfloat16", sacc)  # type: ignore[arg-type]
+    ops = [_op(), _op(K=4096, N=2048, k_in=4096), _op(block_size=2048), _op(block_size=64),
+           _op(bits=8, block_size=128), _op(block_size=64, N=64)]
+    got = kern.prepare(ops)
+    assert got == [(sacc.resolve(4, 64), 4), (sacc, 4), (sacc.resolve(8, 128), 8)]
+    assert [o[-1] for o in loads] == ["-DNB_SACC=0", "-DNB_SACC=1", "-DNB_SACC=0"]
+    assert loads[2][1] == "-DNB_BITS=8" and len(kern.modules) == 3
+    kern.prepare(ops)  # loaded once
+    assert len(loads) == 3
