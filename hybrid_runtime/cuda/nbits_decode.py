@@ -156,7 +156,7 @@ def tune_candidates(primary: NBitsKnobs) -> list[NBitsKnobs]:
 
 def build_name(kn: NBitsKnobs) -> str:
     """A build's name for logs: its :data:`KNOB_SETS` name, else a tuning set's name with the dequantisation it
-    was given (``"m32 (sacc)"``), else the knobs."""
+    was given (``"m32 (sacc, bpw 256)"``), else the knobs."""
     for name, k in KNOB_SETS.items():
         if k == kn:
             return name
