@@ -129,3 +129,16 @@ def test_serving_imports_leave_out_what_the_cpu_path_never_runs() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert out[0] == "[]"
     assert out[-1] == ("True" if sys.platform.startswith("linux") else out[-1])
+
+
+def test_ours_worker_times_the_decode_steps(default_bundle) -> None:
+    """The offline benchmark's worker attributes the decode steps' time to the pipeline's pieces whichever entry the
+    serving loop runs a step through (it went from runner.step to launch / collect with async scheduling, and the
+    worker's hook on runner.step then timed nothing: `make bench` failed on a division by zero)."""
+    from benchmarks.offline import worker_ours
+
+    res = worker_ours(default_bundle, 2)
+    split = res["split"]
+    assert set(split) == {"segments", "gdn", "attention", "moe"}
+    assert all(v > 0 for v in split.values()) and sum(split.values()) <= 1.0, split
+    assert res["decode_tps"] > 0 and res["prefill_tps"] > 0 and res["peak_rss"] > 0
