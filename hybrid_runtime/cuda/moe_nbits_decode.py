@@ -177,9 +177,10 @@ SACC_SETS: dict[str, NBitsKnobs] = {
     "sacc_g1_deep": NBitsKnobs(gu_stages=16, dn_stages=5, reg=1, gmax=1, sacc=1),
     "sacc_wide": NBitsKnobs(gu_cols=32, gu_stages=8, dn_stages=5, reg=1, gmax=1, sacc=1),
     # k tiles of 256 (4 k16 steps a warp): the tile's fixed cost (ring refill, barrier, table loads) over twice the
-    # weights; as many k in flight with half the stages; block sizes a multiple of 64. NOT YET RUN ON A GPU (stop 51
-    # ran out of device time): the wide gate_up k-tile loop is 3.6 SASS instructions a weight against sacc_wide's 4.9;
-    # tests/gpu/test_moe_nbits_decode_gpu.py covers them (scale_on_accumulator, batch invariance)
+    # weights; as many k in flight with half the stages; block sizes a multiple of 64 (others: K128_TWIN). The wide
+    # gate_up k-tile loop is 3.6 SASS instructions a weight against sacc_wide's 4.9; on an H100 (stop 52) the MoE of
+    # 8 / 64 tokens takes 74.9 / 231.9 us against sacc_wide's 79.2 / 246.4 (0.95x / 0.94x), and the GPU tests
+    # (scale_on_accumulator: float64 error, batch invariance) pass
     "sacc_g1_k256": NBitsKnobs(gu_stages=4, dn_stages=3, bk=256, reg=1, gmax=1, sacc=1),
     "sacc_wide_k256": NBitsKnobs(gu_cols=32, gu_stages=4, dn_stages=3, bk=256, reg=1, gmax=1, sacc=1),
 }
@@ -197,9 +198,11 @@ BACKEND_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "reg_g1_deep")
 # decode steps are already not the dequantised bundle's bits): int4 with the scale on the accumulator (sacc: closer to
 # the quantized model, fewer instructions a weight), int8 as BACKEND_BUILDS. Measured on an H100 (stop 51,
 # gpu_moe_nbits_decode_h200.md): 1 token sacc_g1_deep 21.9 us (reg_g1_deep 24.7), 4 sacc_g1 48.4 (sacc_wide 51.2,
-# reg_g1 54.9), 8 / 64 sacc_wide 78.3 / 242.9 (sacc_g1 79.3 / 260.4, reg_g1 90.8 / 303.6). weights.packed_layer_experts
-# checks a layer's shapes against the builds of both tables.
-FAST_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "sacc_g1_deep"), (4, "sacc_g1"), (1 << 30, "sacc_wide")),
+# reg_g1 54.9), 8 / 64 sacc_wide 78.3 / 242.9 (sacc_g1 79.3 / 260.4, reg_g1 90.8 / 303.6); stop 52, same card:
+# sacc_wide_k256 74.9 / 231.9 against sacc_wide's 79.2 / 246.4 at 8 / 64 (block sizes that are not a multiple of 64
+# run sacc_wide: K128_TWIN). weights.packed_layer_experts checks a layer's shapes against the builds of both tables.
+FAST_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "sacc_g1_deep"), (4, "sacc_g1"),
+                                                           (1 << 30, "sacc_wide_k256")),
                                                        8: BACKEND_BUILDS[8]}
 
 
@@ -209,13 +212,19 @@ EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep"
                               "sacc_g1_k256": "reg_g1", "sacc_wide_k256": "reg_g1_wide"}
 
 
+# Each 256-k sacc build's 128-k one (the same columns and warps): what a 256-k build falls back to first, for block
+# sizes that split its warp's 64 k but not the 128-k build's 32, and for int8 (no 256-k module; the 128-k build runs
+# int8 on the exact path).
+K128_TWIN: dict[str, str] = {"sacc_g1_k256": "sacc_g1", "sacc_wide_k256": "sacc_wide"}
+
+
 def resolve_build(name: str, bits: int, block_sizes: Sequence[int] = ()) -> str:
-    """``name``, or its :data:`EXACT_TWIN` where it is a sacc build for ``bits`` and a block size of
-    ``block_sizes`` splits one warp's k of a k tile (the sacc rule of :func:`shape_problems`), or a build with no
-    module for ``bits`` (a 256-k tile and int8)."""
+    """``name``, or where it cannot run these experts - a sacc build for ``bits`` whose warp's k of a k tile a
+    block size of ``block_sizes`` splits (the sacc rule of :func:`shape_problems`), or a build with no module for
+    ``bits`` (a 256-k tile and int8) - its :data:`K128_TWIN` (resolved in turn), else its :data:`EXACT_TWIN`."""
     kn = ALL_SETS[name]
     if not kn.runs_bits(bits) or (kn.scales_acc(bits) and any(bs % (16 * kn.steps_per_warp) for bs in block_sizes)):
-        return EXACT_TWIN[name]
+        return resolve_build(K128_TWIN[name], bits, block_sizes) if name in K128_TWIN else EXACT_TWIN[name]
     return name
 
 

@@ -685,8 +685,17 @@ def test_backend_build_falls_back_to_the_exact_twin_where_sacc_refuses_the_block
         else:
             assert KNOB_SETS[twin] == replace(kn, sacc=0), name
     assert resolve_build("sacc_wide_k256", 4, (128, 128)) == "sacc_wide_k256"
-    assert resolve_build("sacc_wide_k256", 4, (32, 32)) == "reg_g1_wide"  # a warp's 64 k split by group 32
-    assert resolve_build("sacc_g1_k256", 8) == "reg_g1"  # no int8 module
+    # a warp's 64 k split by group 32: the 128-k sacc build (32 k a warp); group 16 splits that too: the exact twin
+    assert resolve_build("sacc_wide_k256", 4, (32, 32)) == "sacc_wide"
+    assert resolve_build("sacc_wide_k256", 4, (128, 16)) == "reg_g1_wide"
+    assert resolve_build("sacc_g1_k256", 8) == "sacc_g1"  # no int8 256-k module: the 128-k build's exact path
+    assert backend_build(8, 8, {8: ((1 << 30, "sacc_wide_k256"),)}) == "sacc_wide"
+    from hybrid_runtime.cuda.moe_nbits_decode import K128_TWIN
+
+    for name, twin in K128_TWIN.items():  # the same columns, rows and warps in 128-k tiles, sacc kept
+        kn, tw = SACC_SETS[name], SACC_SETS[twin]
+        assert kn.bk == 256 and (tw.bk, tw.sacc, tw.gu_cols, tw.dn_rows, tw.gmax, tw.warps) == (
+            128, 1, kn.gu_cols, kn.dn_rows, kn.gmax, kn.warps), name
     table = {4: ((1, "sacc_g1_deep"), (1 << 30, "sacc_g1")), 8: ((1 << 30, "sacc_g1"),)}
     assert backend_build(4, 1, table, (128, 128)) == "sacc_g1_deep" and backend_build(4, 8, table) == "sacc_g1"
     assert backend_build(4, 8, table, (2048, 512)) == "sacc_g1" and backend_build(4, 8, table, (32, 32)) == "sacc_g1"
