@@ -33,8 +33,9 @@ by the activations, and each warp's float32 partial of a k tile is scaled once, 
 is closer to the quantized model than the dequantised T weights (one rounding fewer), batch invariant as the others,
 but not their bits. They need a block size that is a multiple of a warp's k of one k tile (32 for bk 128 and 4
 warps: GPTQ's 32 / 64 / 128 / whole-row groups; 64 for the 256-k tile builds, whose k tiles carry a tile's fixed
-cost over twice the weights); :func:`backend_build` runs the :data:`EXACT_TWIN` elsewhere. Their int8 modules are
-the exact reg build's (the 256-k builds have none: int8 runs their twin).
+cost over twice the weights); :func:`backend_build` runs a 256-k build's :data:`K128_TWIN` where its rule fails, and a
+128-k build's :data:`EXACT_TWIN`. Their int8 modules are the exact reg build's (the 256-k builds have none: int8 runs
+their 128-k twin).
 """
 
 from __future__ import annotations
@@ -206,10 +207,9 @@ FAST_BUILDS: dict[int, tuple[tuple[int, str], ...]] = {4: ((1, "sacc_g1_deep"), 
                                                        8: BACKEND_BUILDS[8]}
 
 
-# Each sacc build's exact twin (the same tiles without sacc): what experts whose block size the sacc rule refuses run.
-# (The 256-k builds' twins take 128-k tiles: moe_decode has no 256-k one.)
-EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep", "sacc_wide": "reg_g1_wide",
-                              "sacc_g1_k256": "reg_g1", "sacc_wide_k256": "reg_g1_wide"}
+# Each 128-k sacc build's exact twin (the same tiles without sacc): what experts whose block size the sacc rule refuses
+# run. (A 256-k build resolves through its K128_TWIN first: moe_decode has no 256-k tile.)
+EXACT_TWIN: dict[str, str] = {"sacc_g1": "reg_g1", "sacc_g1_deep": "reg_g1_deep", "sacc_wide": "reg_g1_wide"}
 
 
 # Each 256-k sacc build's 128-k one (the same columns and warps): what a 256-k build falls back to first, for block

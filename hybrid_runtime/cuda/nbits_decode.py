@@ -317,10 +317,10 @@ class NBitsDecode:
         self.modules: dict[tuple[NBitsKnobs, int], Module] = {}
         self.choice: dict[tuple[int, int, int], NBitsKnobs] = {}  # (N, K, bits) -> the build tune() picked
 
-    def module(self, bits: int, knobs: NBitsKnobs | None = None, block_size: int = SACC_BLOCK) -> Module:
-        """The build ``knobs`` (default: the primary) for ``bits``-bit weights of ``block_size``
-        (:meth:`NBitsKnobs.resolve`), compiled and loaded on first use."""
-        kn = (knobs or self.knobs).resolve(bits, block_size)
+    def module(self, bits: int, knobs: NBitsKnobs | None = None) -> Module:
+        """The build ``knobs`` (default: the primary; as :meth:`NBitsKnobs.resolve` gave it for the operand) for
+        ``bits``, compiled and loaded on first use (a sacc build at 8 bits is its twin without sacc: one module)."""
+        kn = (knobs or self.knobs).resolve(bits, SACC_BLOCK)
         if (kn, bits) not in self.modules:
             self.modules[(kn, bits)] = load_module(SOURCE, kn.options(self.dtype, bits), self.device.arch)
         return self.modules[(kn, bits)]

@@ -673,25 +673,18 @@ def test_backend_build_falls_back_to_the_exact_twin_where_sacc_refuses_the_block
     """backend_build resolves a sacc build to its EXACT_TWIN (the same tiles, sacc off) for int4 experts whose block
     size splits a warp's k of a k tile (group 16), keeps it for groups 32 / 128 / a row and for int8; every twin is
     an exact build of KNOB_SETS with the sacc build's other knobs."""
-    from hybrid_runtime.cuda.moe_nbits_decode import EXACT_TWIN, backend_build, resolve_build
+    from hybrid_runtime.cuda.moe_nbits_decode import EXACT_TWIN, K128_TWIN, backend_build, resolve_build
 
-    assert set(EXACT_TWIN) == set(SACC_SETS)
-    for name, twin in EXACT_TWIN.items():  # the same tiles without sacc; 256-k builds: their 128-k twins' columns
-        kn = SACC_SETS[name]
-        if kn.bk == 256:
-            tw = KNOB_SETS[twin]
-            assert (tw.gu_cols, tw.dn_rows, tw.gmax, tw.warps, tw.bk, tw.sacc) == (kn.gu_cols, kn.dn_rows, kn.gmax,
-                                                                                   kn.warps, 128, 0), name
-        else:
-            assert KNOB_SETS[twin] == replace(kn, sacc=0), name
+    # every sacc build has one fallback: the 128-k ones an exact twin, the 256-k ones their 128-k sacc build
+    assert set(EXACT_TWIN) | set(K128_TWIN) == set(SACC_SETS) and not set(EXACT_TWIN) & set(K128_TWIN)
+    for name, twin in EXACT_TWIN.items():  # the same tiles without sacc
+        assert KNOB_SETS[twin] == replace(SACC_SETS[name], sacc=0), name
     assert resolve_build("sacc_wide_k256", 4, (128, 128)) == "sacc_wide_k256"
     # a warp's 64 k split by group 32: the 128-k sacc build (32 k a warp); group 16 splits that too: the exact twin
     assert resolve_build("sacc_wide_k256", 4, (32, 32)) == "sacc_wide"
     assert resolve_build("sacc_wide_k256", 4, (128, 16)) == "reg_g1_wide"
     assert resolve_build("sacc_g1_k256", 8) == "sacc_g1"  # no int8 256-k module: the 128-k build's exact path
     assert backend_build(8, 8, {8: ((1 << 30, "sacc_wide_k256"),)}) == "sacc_wide"
-    from hybrid_runtime.cuda.moe_nbits_decode import K128_TWIN
-
     for name, twin in K128_TWIN.items():  # the same columns, rows and warps in 128-k tiles, sacc kept
         kn, tw = SACC_SETS[name], SACC_SETS[twin]
         assert kn.bk == 256 and (tw.bk, tw.sacc, tw.gu_cols, tw.dn_rows, tw.gmax, tw.warps) == (
