@@ -74,7 +74,7 @@ def main() -> int:
     ap.add_argument("--dense-builds", default="",
                     help="comma-separated nbits_decode.KNOB_SETS names: run each int4 / int8 variant once per name "
                          "with that build as the packed projections' primary (its tuning candidates carry its "
-                         "dequantisation) instead of nbits_decode.DEFAULT_KNOBS, e.g. default,sacc")
+                         "dequantisation) instead of nbits_decode.BACKEND_KNOBS, e.g. default,sacc")
     args = ap.parse_args()
     from hybrid_runtime.cuda import backend as backend_mod
     from hybrid_runtime.cuda import moe_nbits_decode as mnd
@@ -112,14 +112,14 @@ def main() -> int:
     cfg = qwen35_moe_config(args.layers)
     rows: list[dict[str, Any]] = []
     defaults = (mnd.BACKEND_BUILDS, mnd.FAST_BUILDS)
-    dense_default = backend_mod.NBITS_DEFAULT_KNOBS
+    dense_default = backend_mod.NBITS_BACKEND_KNOBS
     for bits, mode, label, table, dense in runs:
         name = "bf16" if bits == 16 else (f"int{bits} (GPTQ, group {args.group}, packed {mode}"
                                           f"{f', experts {label}' if label else ''}"
                                           f"{f', projections {dense}' if dense else ''})")
         mnd.BACKEND_BUILDS = backend_mod.MOE_NBITS_BUILDS = table or defaults[0]
         mnd.FAST_BUILDS = backend_mod.MOE_NBITS_FAST_BUILDS = table or defaults[1]
-        backend_mod.NBITS_DEFAULT_KNOBS = nbd.KNOB_SETS[dense] if dense else dense_default
+        backend_mod.NBITS_BACKEND_KNOBS = nbd.KNOB_SETS[dense] if dense else dense_default
         max_seq = args.context + 64
         be, runner, load = build(cfg, max(args.batches), max_seq, max(args.batches) * -(-max_seq // 16),
                                  args.batches, bits=bits, group=args.group, packed=mode)

@@ -54,7 +54,15 @@ def main() -> int:
 
     from hybrid_runtime.cuda.dense_decode import DenseDecode
     from hybrid_runtime.cuda.driver import CudaDevice
-    from hybrid_runtime.cuda.nbits_decode import KNOB_SETS, TUNE_SETS, NBitsDecode, NBitsOperand, warps_for
+    from hybrid_runtime.cuda.nbits_decode import (
+        BACKEND_KNOBS,
+        KNOB_SETS,
+        NBitsDecode,
+        NBitsOperand,
+        build_name,
+        tune_candidates,
+        warps_for,
+    )
 
     torch.cuda.init()
     dev0 = CudaDevice(0, stream=0)
@@ -62,9 +70,11 @@ def main() -> int:
     dev = CudaDevice(0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     kerns = {name: NBitsDecode(dev, "bfloat16", kn) for name, kn in KNOB_SETS.items()}
+    by_knobs = {kn: kerns[name] for name, kn in KNOB_SETS.items()}  # + the backend's tuning candidates, as met
     dense = DenseDecode(dev, "bfloat16")
     lines = [f"# int4 / int8 decode GEMMs on the 35B-A3B shapes ({torch.cuda.get_device_name(0)})", "",
-             f"`python3 -m benchmarks.gpu_nbits_decode --group {args.group}{' --asym' if args.asym else ''}"
+             f"`python3 -m benchmarks.gpu_nbits_decode --group {args.group} --bits {args.bits} --rows {args.rows}"
+             f"{' --asym' if args.asym else ''}"
              f"{' --perm' if args.perm else ''}`; bf16 "
              f"activations; copy bandwidth in this run {bw / 1e12:.2f} TB/s. Floor = the bytes one call reads (packed "
              "codes + float32 scales" + (" + zero-points" if args.asym else "") + (" + perm" if args.perm else "") +
@@ -72,7 +82,8 @@ def main() -> int:
              f"replayed from a CUDA graph; 'default queue-filled': {args.queue_calls} eager launches of the default "
              "build behind a ~10 ms spin (the earlier method: host-bound when they outlast the spin); 'host us / "
              "launch': one eager launch's host cost, nbits / dense_decode; 'tuned': the fastest of the builds "
-             "NBitsDecode.tune chooses among at load (TUNE_SETS, the default's bits), against the floor and against "
+             "CudaBackend's NBitsDecode.tune chooses among at load (tune_candidates(BACKEND_KNOBS), resolved for the "
+             "operand's bits and block size: the backend build's bits), against the floor and against "
              "dense_decode's time. Builds: " +
              "; ".join(f"{n} = {kn}" for n, kn in KNOB_SETS.items()) + ".", ""]
     lines += ["| layer | K x N | bits | rows | warps | MB read | floor (us) | " +
@@ -101,14 +112,22 @@ def main() -> int:
             for M in rows_list:
                 xs = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(M, N, device="cuda", dtype=torch.float32)
-                cells, tuned = [], {}
+                cells, times = [], {}
                 floor = nbytes / bw
-                for kname, kern in kerns.items():
-                    t = time_graph(dev, lambda i, kern=kern: kern.launch(
+
+                def timed(kern: NBitsDecode) -> float:
+                    return time_graph(dev, lambda i: kern.launch(
                         M, xs.data_ptr(), K, ws[i % copies][3], y.data_ptr(), N, True), args.calls)
+
+                for kname, kern in kerns.items():
+                    times[KNOB_SETS[kname]] = t = timed(kern)
                     cells.append(f"{t * 1e6:.2f} ({t / floor:.2f}x)")
-                    if kname in TUNE_SETS:
-                        tuned[kname] = t
+                tuned = {}
+                for kn in dict.fromkeys(c.resolve(bits, bs) for c in tune_candidates(BACKEND_KNOBS)):
+                    if kn not in times:
+                        kern = by_knobs.setdefault(kn, NBitsDecode(dev, "bfloat16", kn))
+                        times[kn] = timed(kern)
+                    tuned[build_name(kn)] = times[kn]
                 best = min(tuned, key=lambda k: tuned[k])  # what NBitsDecode.tune would keep (ties aside)
 
                 def nb_call(i: int) -> None:

@@ -70,7 +70,7 @@ from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_router import WORKSPACE_BYTES as ROUTER_WORKSPACE_BYTES
 from .moe_router import MoERouter, RouteBuffers
 from .moe_router import supported as router_supported
-from .nbits_decode import DEFAULT_KNOBS as NBITS_DEFAULT_KNOBS
+from .nbits_decode import BACKEND_KNOBS as NBITS_BACKEND_KNOBS
 from .nbits_decode import MAX_ROWS as NBITS_MAX_ROWS
 from .nbits_decode import NBitsDecode, NBitsOperand
 from .nbits_decode import build_name as nbits_build_name
@@ -458,9 +458,10 @@ class CudaBackend:
         self.nbits_calls = self.nbits_fallbacks = 0  # packed-weight GEMMs launched: by the kernel, dequantised first
         packed_decode = self.w.packed_decode
         if self.w.packed_only or packed_decode:
-            # the default build and the ones capture_graphs times per shape at load (tune_nbits_decode; same bits)
-            self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_DEFAULT_KNOBS,
-                                     nbits_tune_candidates(NBITS_DEFAULT_KNOBS))
+            # the backend's build (sacc where it applies) and the ones capture_graphs times per shape at load
+            # (tune_nbits_decode; the same bits)
+            self.nbits = NBitsDecode(self.dev, self.dtype, NBITS_BACKEND_KNOBS,
+                                     nbits_tune_candidates(NBITS_BACKEND_KNOBS))
             # keyed by the pointer _gemm is handed: a packed-only weight's codes, a dual weight's dequantised array
             self._nbits_ops = {p.B.ptr: NBitsOperand.from_packed(p) for p in self.w.packed_only.values()}
             self._nbits_ops.update({self.w[n].ptr: NBitsOperand.from_packed(p) for n, p in packed_decode.items()})

@@ -140,6 +140,12 @@ KNOB_SETS: dict[str, NBitsKnobs] = {
     "sacc": NBitsKnobs(sacc=True),
     "sacc_m32": NBitsKnobs(rows=32, sacc=True),
 }
+# The primary build CudaBackend runs the packed projections with (its load-time tuning candidates carry its
+# dequantisation, :func:`tune_candidates`): the scale on the accumulator, which :meth:`NBitsKnobs.resolve` turns
+# into the fast build for 4-bit blocks that are not multiples of SACC_BLOCK and into the exact path for 8-bit
+# weights. Timed against the fast build on an H100 (benchmarks/results/gpu_nbits_decode_h200.md "Stop 53"): the
+# tuned sacc builds take 0.85-0.87x its time on the 35B-A3B projections at 1 and 8 rows, and the int4 step 0.98x.
+BACKEND_KNOBS: NBitsKnobs = KNOB_SETS["sacc"]
 # The builds :meth:`NBitsDecode.tune` times per shape at load: the primary's split of K and dequantisation
 # (:func:`tune_candidates`), so whichever wins, every output element has the same bits.
 TUNE_SETS: tuple[str, ...] = ("default", "u1", "m32", "xpre", "pf8")

@@ -387,6 +387,27 @@ def test_sacc_tuning_candidates_and_names() -> None:
     assert build_name(cands[TUNE_SETS.index("pf8")]) == "pf8 (sacc, bpw 256)"
 
 
+def test_the_backend_runs_the_sacc_build_where_it_applies() -> None:
+    """CudaBackend's packed projections run BACKEND_KNOBS (the scale on the accumulator: 0.85-0.87x the fast
+    build's time on the 35B-A3B projections, gpu_nbits_decode_h200.md "Stop 53"): GPTQ's 128 and whole-row blocks
+    at 4 bits run it, other 4-bit blocks the fast build, 8-bit weights the exact path; the backend module hands
+    NBitsDecode that build and its tuning candidates (the same bits, whichever the load's timing keeps)."""
+    import inspect
+
+    from hybrid_runtime.cuda import backend
+    from hybrid_runtime.cuda.nbits_decode import BACKEND_KNOBS, tune_candidates
+
+    assert BACKEND_KNOBS.sacc and BACKEND_KNOBS is KNOB_SETS["sacc"] and not BACKEND_KNOBS.exact
+    assert BACKEND_KNOBS.resolve(4, 128) == BACKEND_KNOBS and BACKEND_KNOBS.resolve(4, 4096) == BACKEND_KNOBS
+    assert BACKEND_KNOBS.resolve(4, 64) == DEFAULT_KNOBS and BACKEND_KNOBS.resolve(4, 32) == DEFAULT_KNOBS
+    assert "-DNB_SACC=0" in BACKEND_KNOBS.options("bfloat16", 8)  # 8-bit: the exact path, as every build
+    assert backend.NBITS_BACKEND_KNOBS is BACKEND_KNOBS
+    src = inspect.getsource(backend.CudaBackend.__init__)
+    assert "NBitsDecode(self.dev, self.dtype, NBITS_BACKEND_KNOBS," in src
+    assert "nbits_tune_candidates(NBITS_BACKEND_KNOBS)" in src
+    assert all(c.same_bits(BACKEND_KNOBS, 4) for c in tune_candidates(BACKEND_KNOBS))
+
+
 def test_sacc_cuts_the_main_loop() -> None:
     """The sacc build's main loop (16 rows, one n-group: the decode steps of <= 8 rows) has no packed scale
     multiply (HMUL2) and one FFMA per output element a super-step, and at most 0.75x the default's instructions

@@ -255,8 +255,9 @@ def test_packed_linears_match_the_dequantised_bundle(root: Path, case: str) -> N
     """A bf16 GPTQ bundle with its dense linears kept only packed (``packed_linears=True``) against the same bundle
     fully dequantised at load (the default): fewer weight bytes on the device; prefill steps (the packed weights
     dequantised into the scratch, then the same cuBLASLt plans) give the same bits; decode steps (the int4 / int8
-    decode GEMM instead of dense_decode over the dequantised weights: the 4-bit build multiplies by the scale
-    rounded to bf16, and sums in another order) stay within 2% of the logits' scale, teacher-forced, with the same
+    decode GEMM instead of dense_decode over the dequantised weights: nbits_decode.BACKEND_KNOBS, which for 4-bit
+    blocks of 128 puts the float32 scale on the accumulator and for others multiplies by the scale rounded to bf16,
+    and sums in another order) stay within 2% of the logits' scale, teacher-forced, with the same
     greedy token on at least 90% of rows. In a MoE model a near-tie of the router can pick another expert under
     either rounding (a routing flip: tests/gpu/test_moe_decode_gpu.py), which moves that row's logits by O(1): there
     the bound holds for 90% of rows and the worst row is reported. The tiny test models' weights whose K is below
