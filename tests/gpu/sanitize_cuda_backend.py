@@ -10,7 +10,8 @@ GPTQ int4 checkpoint first, asymmetric, groups of 32, by the tests' packer, so t
 projections and experts of ``packed_weights=auto``; run from the repository root), captures its decode graphs, and
 serves a staggered mix of greedy, sampled and logprob requests (prompts crossing pages, one long enough that
 multi_block_mode=on splits its decode attention). Exits 1 unless every request finished with its full length
-and some decode steps replayed graphs (``--gptq``: and the packed decode GEMMs and experts were launched).
+and some decode steps replayed graphs (``--gptq``: and the packed decode GEMMs and experts were launched, no GEMM
+dequantised first).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main() -> int:
         eng.shutdown()
         ok = len(finals) == n and all(f.finish_reason == "length" for f in finals.values())
         if gptq:
-            ok = ok and packed["nbits_calls"] > 0 and packed["moe_nbits_calls"] > 0
+            ok = ok and packed["nbits_calls"] > 0 and packed["moe_nbits_calls"] > 0 and not packed["nbits_fallbacks"]
         print(f"{len(finals)}/{n} requests finished ({sorted({f.finish_reason for f in finals.values()})}); graphs "
               f"{stats}; plans {dict(eng.runner.dispatcher.plans)}; packed {packed}")
         return 0 if ok and stats["replays"] else 1
