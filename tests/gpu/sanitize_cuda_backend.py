@@ -7,7 +7,7 @@ PyTorch imported):
 
 Builds the default model as a bfloat16 ``cuda`` bundle in a temporary folder (``--gptq``: its weights quantized to a
 GPTQ int4 checkpoint first, asymmetric, groups of 32, by the tests' packer, so the decode steps run the packed
-projections and experts of ``packed_weights=auto``; run from the repository root), captures its decode graphs, and
+projections and experts of ``packed_weights=auto``), captures its decode graphs, and
 serves a staggered mix of greedy, sampled and logprob requests (prompts crossing pages, one long enough that
 multi_block_mode=on splits its decode attention). Exits 1 unless every request finished with its full length
 and some decode steps replayed graphs (``--gptq``: and the packed decode GEMMs and experts were launched, no GEMM
